@@ -1,0 +1,131 @@
+//! A fixed-length set of chunk indices, packed most-significant bit first as it
+//! travels in `Bitfield` and `BlobHolding` messages.
+
+/// Which chunks of a blob are held.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bitfield {
+    len: u32,
+    bits: Vec<u8>,
+    ones: u32,
+}
+
+/// The wire bits do not fit the blob's chunk count.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error(
+    "bitfield of {got} bytes does not fit {chunks} chunks (want {want} bytes, no bits past the end)"
+)]
+pub struct BitfieldError {
+    pub got: usize,
+    pub want: usize,
+    pub chunks: u32,
+}
+
+impl Bitfield {
+    pub fn new(len: u32) -> Self {
+        Self {
+            len,
+            bits: vec![0; len.div_ceil(8) as usize],
+            ones: 0,
+        }
+    }
+
+    /// Parses wire bits for a blob of `len` chunks; stray bits past the end are refused.
+    pub fn from_bytes(len: u32, bits: &[u8]) -> Result<Self, BitfieldError> {
+        let want = len.div_ceil(8) as usize;
+        let err = BitfieldError {
+            got: bits.len(),
+            want,
+            chunks: len,
+        };
+        if bits.len() != want {
+            return Err(err);
+        }
+        if len % 8 != 0 && bits[want - 1] & (0xffu8 >> (len % 8)) != 0 {
+            return Err(err);
+        }
+        let ones = bits.iter().map(|b| b.count_ones()).sum();
+        Ok(Self {
+            len,
+            bits: bits.to_vec(),
+            ones,
+        })
+    }
+
+    pub fn len(&self) -> u32 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn count(&self) -> u32 {
+        self.ones
+    }
+
+    pub fn is_full(&self) -> bool {
+        self.ones == self.len
+    }
+
+    pub fn get(&self, i: u32) -> bool {
+        i < self.len && self.bits[(i / 8) as usize] & (0x80 >> (i % 8)) != 0
+    }
+
+    /// Sets bit `i`; returns whether it was newly set. Out-of-range is ignored.
+    pub fn set(&mut self, i: u32) -> bool {
+        if i >= self.len || self.get(i) {
+            return false;
+        }
+        self.bits[(i / 8) as usize] |= 0x80 >> (i % 8);
+        self.ones += 1;
+        true
+    }
+
+    /// Clears bit `i`; returns whether it was set.
+    pub fn clear(&mut self, i: u32) -> bool {
+        if !self.get(i) {
+            return false;
+        }
+        self.bits[(i / 8) as usize] &= !(0x80 >> (i % 8));
+        self.ones -= 1;
+        true
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bits
+    }
+
+    /// Indices of the chunks held, ascending.
+    pub fn ones(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.len).filter(|&i| self.get(i))
+    }
+
+    /// Indices of the chunks missing, ascending.
+    pub fn zeros(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.len).filter(|&i| !self.get(i))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_clear_and_wire_round_trip() {
+        let mut b = Bitfield::new(11);
+        assert!(b.set(0) && b.set(10) && !b.set(10) && !b.set(11));
+        assert_eq!(b.count(), 2);
+        let again = Bitfield::from_bytes(11, b.as_bytes()).unwrap();
+        assert_eq!(again, b);
+        let mut again = again;
+        assert!(again.clear(0) && !again.clear(0));
+        assert_eq!(b.ones().collect::<Vec<_>>(), vec![0, 10]);
+    }
+
+    #[test]
+    fn refuses_stray_bits_and_wrong_lengths() {
+        assert!(Bitfield::from_bytes(11, &[0, 0b0001_0000]).is_err());
+        assert!(Bitfield::from_bytes(11, &[0]).is_err());
+        assert!(Bitfield::from_bytes(11, &[0xff, 0b1110_0000]).is_ok());
+    }
+}

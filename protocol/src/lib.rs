@@ -1,0 +1,28 @@
+//! dray's protocol crate: the wire messages, their framing, chunk maps and the
+//! verification of chunks and blobs.
+//!
+//! This crate does no I/O and reads no clock: it is the pure core that the agent,
+//! the tracker and the simulator share, as `quinn-proto` is to `quinn`. Decoders
+//! take untrusted bytes and either return a value within hard limits or a typed
+//! error; they never panic.
+
+pub mod bitfield;
+pub mod chunkmap;
+pub mod digest;
+pub mod framing;
+
+/// Messages generated from `proto/dray.proto`.
+pub mod pb {
+    #![allow(missing_docs, clippy::all)]
+    include!(concat!(env!("OUT_DIR"), "/dray.v1.rs"));
+}
+
+pub use bitfield::Bitfield;
+pub use chunkmap::{ChunkMap, VerifyError};
+pub use digest::{BlobDigest, DigestError};
+
+/// The peer protocol version this build speaks.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Default chunk size: 4 MiB, a multiple of the 64-byte SHA-256 block.
+pub const DEFAULT_CHUNK_SIZE: u32 = 4 << 20;
