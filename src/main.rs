@@ -1,1 +1,269 @@
-fn main() {}
+//! `dray`: the one binary. Each subcommand is a thin layer over the crates.
+
+mod bench;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+use dray_agent::config::AgentConfig;
+use dray_agent::fetch::{PeerAddr, fetch_from_peers};
+use dray_agent::identity::{ClusterCa, Identity};
+use dray_agent::peer::PeerNode;
+use dray_agent::store::ChunkStore;
+use dray_protocol::{ChunkMap, DEFAULT_CHUNK_SIZE, pb};
+use prost::Message;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(Parser)]
+#[command(
+    name = "dray",
+    version,
+    about = "Peer-to-peer container image layer distribution"
+)]
+struct Cli {
+    /// Log as JSON lines instead of text.
+    #[arg(long, global = true)]
+    log_json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the node agent: serve verified chunks to authenticated peers.
+    Agent(AgentArgs),
+    /// Create the cluster CA or issue agent certificates.
+    #[command(subcommand)]
+    Ca(CaCommand),
+    /// Move single blobs in and out of an agent's chunk store.
+    #[command(subcommand)]
+    Blob(BlobCommand),
+    /// Measure dray against baselines in the same run.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+#[derive(Args)]
+struct AgentArgs {
+    #[command(flatten)]
+    config: ConfigArgs,
+}
+
+/// The agent's TOML config and the flags that override it.
+#[derive(Args)]
+struct ConfigArgs {
+    /// Agent configuration file (TOML); defaults apply without one.
+    #[arg(long, short, env = "DRAY_AGENT_CONFIG")]
+    config: Option<PathBuf>,
+    /// Overrides `state_dir`.
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Overrides `peer_listen`.
+    #[arg(long)]
+    peer_listen: Option<std::net::SocketAddr>,
+    /// Overrides `peer.download_bytes_per_s`.
+    #[arg(long)]
+    download_bytes_per_s: Option<u64>,
+    /// Overrides `peer.upload_bytes_per_s`.
+    #[arg(long)]
+    upload_bytes_per_s: Option<u64>,
+}
+
+impl ConfigArgs {
+    fn load(&self) -> Result<AgentConfig> {
+        let mut cfg = match &self.config {
+            Some(p) => AgentConfig::load(p)?,
+            None => AgentConfig::default(),
+        };
+        if let Some(d) = &self.state_dir {
+            cfg.state_dir = d.clone();
+        }
+        if let Some(a) = self.peer_listen {
+            cfg.peer_listen = a;
+        }
+        if self.download_bytes_per_s.is_some() {
+            cfg.peer.download_bytes_per_s = self.download_bytes_per_s;
+        }
+        if self.upload_bytes_per_s.is_some() {
+            cfg.peer.upload_bytes_per_s = self.upload_bytes_per_s;
+        }
+        Ok(cfg)
+    }
+
+    /// Opens the store and binds the peer endpoint as configured.
+    fn start(&self) -> Result<Arc<PeerNode>> {
+        let cfg = self.load()?;
+        let identity = Identity::load(&cfg.cert, &cfg.key, &cfg.ca)?;
+        let store = Arc::new(ChunkStore::open(&cfg.state_dir)?);
+        Ok(PeerNode::bind(identity, store, cfg.peer_listen, cfg.peer)?)
+    }
+}
+
+#[derive(Subcommand)]
+enum CaCommand {
+    /// Create a cluster CA: writes ca.crt and ca.key into DIR.
+    Init {
+        #[arg(long)]
+        dir: PathBuf,
+    },
+    /// Issue an agent certificate signed by the CA in --ca-dir: writes
+    /// agent.crt, agent.key and ca.crt into --out.
+    Issue {
+        #[arg(long)]
+        ca_dir: PathBuf,
+        /// The agent's peer id (a DNS name such as the node name).
+        #[arg(long)]
+        peer_id: String,
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum BlobCommand {
+    /// Copy a local file into the store as a complete blob and write its chunk map.
+    Import {
+        #[command(flatten)]
+        config: ConfigArgs,
+        file: PathBuf,
+        /// Where to write the chunk map (protobuf).
+        #[arg(long)]
+        map_out: PathBuf,
+        #[arg(long, default_value_t = DEFAULT_CHUNK_SIZE)]
+        chunk_size: u32,
+    },
+    /// Fetch a blob described by a chunk map from peers, resuming what the store
+    /// holds; prints a JSON report.
+    Fetch {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// The chunk map (protobuf), as written by `import`.
+        #[arg(long)]
+        map: PathBuf,
+        /// A peer as PEER_ID@HOST:PORT; repeat for several.
+        #[arg(long = "peer", required = true)]
+        peers: Vec<String>,
+    },
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_json);
+    let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
+    match runtime.block_on(run(cli.command)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("dray: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(json: bool) {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_env("DRAY_LOG").unwrap_or_else(|_| "warn".into());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+async fn run(command: Command) -> Result<()> {
+    match command {
+        Command::Agent(args) => {
+            let node = args.config.start()?;
+            eprintln!(
+                "dray agent {} serving peers on {}",
+                node.peer_id(),
+                node.local_addr()?
+            );
+            tokio::signal::ctrl_c().await?;
+            node.close();
+            Ok(())
+        }
+        Command::Ca(CaCommand::Init { dir }) => {
+            let ca = ClusterCa::generate()?;
+            write_new(&dir, &[("ca.crt", &ca.cert_pem), ("ca.key", &ca.key_pem)])
+        }
+        Command::Ca(CaCommand::Issue {
+            ca_dir,
+            peer_id,
+            out,
+        }) => {
+            let ca = ClusterCa::load(&ca_dir.join("ca.crt"), &ca_dir.join("ca.key"))?;
+            let id = ca.issue(&peer_id)?;
+            write_new(
+                &out,
+                &[
+                    ("agent.crt", id.cert_pem()),
+                    ("agent.key", id.key_pem()),
+                    ("ca.crt", &ca.cert_pem),
+                ],
+            )
+        }
+        Command::Blob(BlobCommand::Import {
+            config,
+            file,
+            map_out,
+            chunk_size,
+        }) => {
+            let cfg = config.load()?;
+            let store = ChunkStore::open(&cfg.state_dir)?;
+            let map = store.import(&file, chunk_size)?;
+            std::fs::write(&map_out, map.to_pb().encode_to_vec())
+                .with_context(|| format!("writing {}", map_out.display()))?;
+            println!("{}", map.digest());
+            Ok(())
+        }
+        Command::Blob(BlobCommand::Fetch { config, map, peers }) => {
+            let raw = std::fs::read(&map).with_context(|| format!("reading {}", map.display()))?;
+            let map = pb::ChunkMap::decode(raw.as_slice())
+                .map_err(anyhow::Error::from)
+                .and_then(|m| Ok(ChunkMap::from_pb(&m)?))
+                .with_context(|| format!("chunk map {}", map.display()))?;
+            let peers = peers
+                .iter()
+                .map(|p| parse_peer(p))
+                .collect::<Result<Vec<_>>>()?;
+            let node = config.start()?;
+            let report = fetch_from_peers(&node, &map, &peers).await?;
+            node.close();
+            println!("{}", serde_json::to_string(&report)?);
+            Ok(())
+        }
+        Command::Bench(cmd) => bench::run(cmd).await,
+    }
+}
+
+fn parse_peer(s: &str) -> Result<PeerAddr> {
+    let Some((id, addr)) = s.split_once('@') else {
+        bail!("peer {s:?} must look like PEER_ID@HOST:PORT");
+    };
+    Ok(PeerAddr {
+        peer_id: id.to_string(),
+        addr: addr
+            .parse()
+            .with_context(|| format!("peer {s:?}: bad address {addr:?}"))?,
+    })
+}
+
+/// Writes files into `dir`, refusing to overwrite keys that exist.
+fn write_new(dir: &Path, files: &[(&str, &str)]) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    for (name, text) in files {
+        let path = dir.join(name);
+        if path.exists() {
+            bail!("{} exists; refusing to overwrite it", path.display());
+        }
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        if name.ends_with(".key") {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+        }
+    }
+    Ok(())
+}

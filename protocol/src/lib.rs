@@ -10,6 +10,7 @@ pub mod bitfield;
 pub mod chunkmap;
 pub mod digest;
 pub mod framing;
+pub mod picker;
 
 /// Messages generated from `proto/dray.proto`.
 pub mod pb {

@@ -1,0 +1,59 @@
+//! The agent's error type: each variant names what failed and what it concerns
+//! (digest, peer, path) so that it reads as a sentence to an operator.
+
+use dray_protocol::{BlobDigest, VerifyError, framing::FrameError};
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("chunk store database: {0}")]
+    Db(String),
+    #[error("configuration: {0}")]
+    Config(String),
+    #[error("TLS: {0}")]
+    Tls(String),
+    #[error(transparent)]
+    Verify(#[from] VerifyError),
+    #[error("peer {peer}: {source}")]
+    Frame {
+        peer: String,
+        #[source]
+        source: FrameError,
+    },
+    #[error("peer {peer} refused: {reason}")]
+    Rejected { peer: String, reason: String },
+    #[error("peer {peer}: {detail}")]
+    Peer { peer: String, detail: String },
+    #[error("could not connect to peer {peer} at {addr}: {detail}")]
+    Connect {
+        peer: String,
+        addr: String,
+        detail: String,
+    },
+    #[error("blob {0} is not in the chunk store")]
+    UnknownBlob(BlobDigest),
+    #[error("blob {digest} could not be completed: {detail}")]
+    Incomplete { digest: BlobDigest, detail: String },
+}
+
+impl Error {
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Self::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+impl From<sled::Error> for Error {
+    fn from(e: sled::Error) -> Self {
+        Self::Db(e.to_string())
+    }
+}

@@ -1,0 +1,247 @@
+//! Peer identities and mutual TLS: a cluster CA signs one certificate per agent,
+//! whose DNS subject-alternative name is the agent's peer id. Both ends of every
+//! peer connection present a certificate and check the other's against the CA;
+//! an agent whose certificate the CA did not sign is refused during the handshake.
+
+use crate::error::{Error, Result};
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose,
+};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use std::path::Path;
+use std::sync::Arc;
+
+/// ALPN protocol id of dray's peer protocol.
+pub const ALPN: &[u8] = b"dray/1";
+
+/// A cluster certificate authority (its certificate and signing key, PEM).
+pub struct ClusterCa {
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+/// An agent's certificate chain and key, plus the CA it trusts.
+#[derive(Clone)]
+pub struct Identity {
+    pub peer_id: String,
+    cert: CertificateDer<'static>,
+    key: Arc<PrivatePkcs8KeyDer<'static>>,
+    ca: CertificateDer<'static>,
+    cert_pem: String,
+    key_pem: String,
+}
+
+/// Peer ids are DNS names: lowercase letters, digits, '-' and '.', 1..=63 chars.
+pub fn check_peer_id(id: &str) -> Result<()> {
+    let ok = !id.is_empty()
+        && id.len() <= 63
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+        && !id.starts_with(['-', '.'])
+        && !id.ends_with(['-', '.']);
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Config(format!(
+            "peer id {id:?} must be 1-63 lowercase letters, digits, '-' or '.', not starting or ending with '-' or '.'"
+        )))
+    }
+}
+
+impl ClusterCa {
+    /// A new CA with a fresh key.
+    pub fn generate() -> Result<Self> {
+        let key = KeyPair::generate().map_err(tls_err)?;
+        let cert = ca_params().self_signed(&key).map_err(tls_err)?;
+        Ok(Self {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        })
+    }
+
+    pub fn load(cert: &Path, key: &Path) -> Result<Self> {
+        Ok(Self {
+            cert_pem: read_text(cert)?,
+            key_pem: read_text(key)?,
+        })
+    }
+
+    /// Signs a certificate for `peer_id`, usable as both TLS client and server.
+    pub fn issue(&self, peer_id: &str) -> Result<Identity> {
+        check_peer_id(peer_id)?;
+        let ca_key = KeyPair::from_pem(&self.key_pem).map_err(tls_err)?;
+        let issuer = Issuer::from_ca_cert_pem(&self.cert_pem, ca_key).map_err(tls_err)?;
+        let mut params = CertificateParams::new(vec![peer_id.to_string()]).map_err(tls_err)?;
+        params.distinguished_name.push(DnType::CommonName, peer_id);
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let key = KeyPair::generate().map_err(tls_err)?;
+        let cert = params.signed_by(&key, &issuer).map_err(tls_err)?;
+        Identity::from_pem(&cert.pem(), &key.serialize_pem(), &self.cert_pem)
+    }
+}
+
+fn ca_params() -> CertificateParams {
+    let mut params = CertificateParams::default();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "dray cluster CA");
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    params
+}
+
+fn tls_err(e: impl std::fmt::Display) -> Error {
+    Error::Tls(e.to_string())
+}
+
+fn read_text(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|e| Error::io(format!("reading {}", path.display()), e))
+}
+
+fn one_cert(pem: &str, what: &str) -> Result<CertificateDer<'static>> {
+    let mut reader = pem.as_bytes();
+    let first = rustls_pemfile::certs(&mut reader).next();
+    match first {
+        Some(Ok(c)) => Ok(c),
+        Some(Err(e)) => Err(Error::Tls(format!("{what}: {e}"))),
+        None => Err(Error::Tls(format!("{what}: no PEM certificate found"))),
+    }
+}
+
+impl Identity {
+    /// Builds an identity from PEM text; the peer id is read from the certificate.
+    pub fn from_pem(cert_pem: &str, key_pem: &str, ca_pem: &str) -> Result<Self> {
+        let cert = one_cert(cert_pem, "agent certificate")?;
+        let ca = one_cert(ca_pem, "cluster CA certificate")?;
+        let key = match rustls_pemfile::private_key(&mut key_pem.as_bytes()) {
+            Ok(Some(PrivateKeyDer::Pkcs8(k))) => k,
+            Ok(Some(_)) => return Err(Error::Tls("agent key must be PKCS#8 PEM".into())),
+            Ok(None) => return Err(Error::Tls("agent key: no PEM private key found".into())),
+            Err(e) => return Err(Error::Tls(format!("agent key: {e}"))),
+        };
+        let peer_id = peer_id_of(&cert)?;
+        Ok(Self {
+            peer_id,
+            cert,
+            key: Arc::new(key),
+            ca,
+            cert_pem: cert_pem.to_string(),
+            key_pem: key_pem.to_string(),
+        })
+    }
+
+    pub fn load(cert: &Path, key: &Path, ca: &Path) -> Result<Self> {
+        Self::from_pem(&read_text(cert)?, &read_text(key)?, &read_text(ca)?)
+    }
+
+    pub fn cert_pem(&self) -> &str {
+        &self.cert_pem
+    }
+
+    pub fn key_pem(&self) -> &str {
+        &self.key_pem
+    }
+
+    fn roots(&self) -> Result<Arc<rustls::RootCertStore>> {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(self.ca.clone()).map_err(tls_err)?;
+        Ok(Arc::new(roots))
+    }
+
+    /// TLS for accepting peers: a client certificate signed by the CA is required.
+    pub fn server_tls(&self) -> Result<rustls::ServerConfig> {
+        let verifier =
+            rustls::server::WebPkiClientVerifier::builder_with_provider(self.roots()?, provider())
+                .build()
+                .map_err(tls_err)?;
+        let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(tls_err)?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(
+                vec![self.cert.clone()],
+                PrivateKeyDer::Pkcs8(self.key.clone_key()),
+            )
+            .map_err(tls_err)?;
+        cfg.alpn_protocols = vec![ALPN.to_vec()];
+        Ok(cfg)
+    }
+
+    /// TLS for dialling peers: the server must hold a CA-signed certificate for
+    /// the peer id we dial, and we present ours.
+    pub fn client_tls(&self) -> Result<rustls::ClientConfig> {
+        let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(tls_err)?
+            .with_root_certificates(self.roots()?)
+            .with_client_auth_cert(
+                vec![self.cert.clone()],
+                PrivateKeyDer::Pkcs8(self.key.clone_key()),
+            )
+            .map_err(tls_err)?;
+        cfg.alpn_protocols = vec![ALPN.to_vec()];
+        Ok(cfg)
+    }
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The peer id a certificate speaks for: its first DNS subject-alternative name.
+pub fn peer_id_of(cert: &CertificateDer<'_>) -> Result<String> {
+    use x509_parser::prelude::*;
+    let (_, x509) = X509Certificate::from_der(cert)
+        .map_err(|e| Error::Tls(format!("peer certificate: {e}")))?;
+    let san = x509
+        .subject_alternative_name()
+        .map_err(|e| Error::Tls(format!("peer certificate: {e}")))?
+        .ok_or_else(|| Error::Tls("peer certificate has no subject alternative name".into()))?;
+    san.value
+        .general_names
+        .iter()
+        .find_map(|n| match n {
+            GeneralName::DNSName(d) => Some(d.to_string()),
+            _ => None,
+        })
+        .ok_or_else(|| Error::Tls("peer certificate names no DNS peer id".into()))
+}
+
+/// The peer id proven by a QUIC connection's client or server certificate.
+pub fn connection_peer_id(conn: &quinn::Connection) -> Result<String> {
+    let certs = conn
+        .peer_identity()
+        .and_then(|any| any.downcast::<Vec<CertificateDer<'static>>>().ok())
+        .ok_or_else(|| Error::Tls("peer presented no certificate".into()))?;
+    let leaf = certs
+        .first()
+        .ok_or_else(|| Error::Tls("peer presented an empty certificate chain".into()))?;
+    peer_id_of(leaf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn issued_identity_round_trips_through_pem() {
+        let ca = ClusterCa::generate().unwrap();
+        let id = ca.issue("node-1.dray").unwrap();
+        assert_eq!(id.peer_id, "node-1.dray");
+        let again = Identity::from_pem(id.cert_pem(), id.key_pem(), &ca.cert_pem).unwrap();
+        assert_eq!(again.peer_id, "node-1.dray");
+        assert_eq!(again.cert, id.cert);
+        assert!(ca.issue("Bad_Name").is_err());
+        id.server_tls().unwrap();
+        id.client_tls().unwrap();
+    }
+}

@@ -1,0 +1,560 @@
+//! The peer plane: one QUIC endpoint per agent that serves verified chunks to
+//! other agents and fetches chunks from them.
+//!
+//! Connections use mutual TLS against the cluster CA ([`crate::identity`]). The
+//! first stream of a connection carries a `Hello` each way (protocol version and
+//! peer id, which must match the certificate). Every later stream is one request:
+//! a `ChunkRequest` answered by a `PieceHeader` and the raw chunk bytes per chunk,
+//! or a `BitfieldRequest` answered by a `Bitfield`; a `Reject` ends either.
+//! Chunk bytes travel raw after their header, not inside protobuf frames, so the
+//! receiver reads them straight into the buffer it hashes and writes.
+
+use crate::error::{Error, Result};
+use crate::identity::{Identity, connection_peer_id};
+use crate::rate::ByteRate;
+use crate::store::ChunkStore;
+use bytes::Bytes;
+use dray_protocol::framing::{self, FrameError, MAX_PEER_FRAME, PeerRequest};
+use dray_protocol::pb::{self, peer_message::Body, reject::Reason};
+use dray_protocol::{Bitfield, BlobDigest, ChunkMap, PROTOCOL_VERSION};
+use serde::{Deserialize, Serialize};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Semaphore;
+
+/// QUIC transport settings for the peer plane. The defaults are the measured
+/// best on this project's benchmark (see `dray bench peer`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TransportTuning {
+    /// Per-stream flow-control window, bytes.
+    pub stream_window: u32,
+    /// Per-connection receive and send windows, bytes.
+    pub connection_window: u32,
+    /// Largest UDP payload MTU discovery may reach (loopback and jumbo-frame
+    /// links allow far more than 1500-byte Ethernet).
+    pub max_udp_payload: u16,
+    /// Let the kernel segment large sends (GSO) and coalesce receives (GRO).
+    pub segmentation_offload: bool,
+}
+
+impl Default for TransportTuning {
+    fn default() -> Self {
+        Self {
+            stream_window: 16 << 20,
+            connection_window: 64 << 20,
+            max_udp_payload: 65_527,
+            segmentation_offload: true,
+        }
+    }
+}
+
+impl TransportTuning {
+    fn transport(&self) -> Arc<quinn::TransportConfig> {
+        let mut t = quinn::TransportConfig::default();
+        t.stream_receive_window(quinn::VarInt::from_u32(self.stream_window))
+            .receive_window(quinn::VarInt::from_u32(self.connection_window))
+            .send_window(u64::from(self.connection_window))
+            .max_concurrent_bidi_streams(quinn::VarInt::from_u32(256))
+            .max_concurrent_uni_streams(quinn::VarInt::from_u32(0))
+            .keep_alive_interval(Some(Duration::from_secs(5)))
+            .max_idle_timeout(Some(quinn::IdleTimeout::from(quinn::VarInt::from_u32(
+                30_000,
+            ))))
+            .enable_segmentation_offload(self.segmentation_offload);
+        let mut mtu = quinn::MtuDiscoveryConfig::default();
+        mtu.upper_bound(self.max_udp_payload);
+        t.mtu_discovery_config(Some(mtu));
+        Arc::new(t)
+    }
+}
+
+/// Peer-plane settings.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PeerConfig {
+    /// Upload limit in bytes per second; unset means unlimited.
+    pub upload_bytes_per_s: Option<u64>,
+    /// Download limit in bytes per second; unset means unlimited.
+    pub download_bytes_per_s: Option<u64>,
+    /// Chunk requests served at once; more are answered `BUSY`.
+    pub max_uploads: usize,
+    /// A request that delivers no chunk within this time is abandoned.
+    #[serde(with = "crate::config::millis")]
+    pub request_timeout: Duration,
+    pub transport: TransportTuning,
+}
+
+impl Default for PeerConfig {
+    fn default() -> Self {
+        Self {
+            upload_bytes_per_s: None,
+            download_bytes_per_s: None,
+            max_uploads: 64,
+            request_timeout: Duration::from_secs(20),
+            transport: TransportTuning::default(),
+        }
+    }
+}
+
+/// An agent's QUIC endpoint, serving its chunk store and dialling peers.
+pub struct PeerNode {
+    endpoint: quinn::Endpoint,
+    identity: Identity,
+    store: Arc<ChunkStore>,
+    upload: ByteRate,
+    download: ByteRate,
+    upload_slots: Semaphore,
+    pub config: PeerConfig,
+}
+
+/// A live, authenticated connection to one peer.
+#[derive(Clone)]
+pub struct PeerLink {
+    pub peer_id: String,
+    conn: quinn::Connection,
+}
+
+impl PeerNode {
+    /// Binds the endpoint and starts serving.
+    pub fn bind(
+        identity: Identity,
+        store: Arc<ChunkStore>,
+        addr: SocketAddr,
+        config: PeerConfig,
+    ) -> Result<Arc<Self>> {
+        let transport = config.transport.transport();
+        let server_crypto =
+            quinn::crypto::rustls::QuicServerConfig::try_from(identity.server_tls()?)
+                .map_err(|e| Error::Tls(e.to_string()))?;
+        let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
+        server.transport_config(transport.clone());
+        let client_crypto =
+            quinn::crypto::rustls::QuicClientConfig::try_from(identity.client_tls()?)
+                .map_err(|e| Error::Tls(e.to_string()))?;
+        let mut client = quinn::ClientConfig::new(Arc::new(client_crypto));
+        client.transport_config(transport);
+        let mut endpoint_cfg = quinn::EndpointConfig::default();
+        endpoint_cfg
+            .max_udp_payload_size(config.transport.max_udp_payload)
+            .map_err(|e| Error::Config(format!("max_udp_payload: {e}")))?;
+        let socket = std::net::UdpSocket::bind(addr)
+            .map_err(|e| Error::io(format!("binding UDP {addr}"), e))?;
+        let runtime =
+            quinn::default_runtime().ok_or_else(|| Error::Config("no async runtime".into()))?;
+        let mut endpoint = quinn::Endpoint::new(endpoint_cfg, Some(server), socket, runtime)
+            .map_err(|e| Error::io(format!("starting QUIC endpoint on {addr}"), e))?;
+        endpoint.set_default_client_config(client);
+        let node = Arc::new(Self {
+            endpoint,
+            identity,
+            store,
+            upload: ByteRate::new(config.upload_bytes_per_s),
+            download: ByteRate::new(config.download_bytes_per_s),
+            upload_slots: Semaphore::new(config.max_uploads),
+            config,
+        });
+        tokio::spawn(accept_loop(node.clone()));
+        Ok(node)
+    }
+
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        self.endpoint
+            .local_addr()
+            .map_err(|e| Error::io("reading the endpoint address", e))
+    }
+
+    pub fn peer_id(&self) -> &str {
+        &self.identity.peer_id
+    }
+
+    pub fn store(&self) -> &Arc<ChunkStore> {
+        &self.store
+    }
+
+    /// Stops serving and closes every connection.
+    pub fn close(&self) {
+        self.endpoint
+            .close(quinn::VarInt::from_u32(0), b"shutting down");
+    }
+
+    /// Dials `peer_id` at `addr`, checks its certificate names that peer id, and
+    /// exchanges `Hello`s.
+    pub async fn connect(&self, peer_id: &str, addr: SocketAddr) -> Result<PeerLink> {
+        let failed = |detail: String| Error::Connect {
+            peer: peer_id.into(),
+            addr: addr.to_string(),
+            detail,
+        };
+        let conn = self
+            .endpoint
+            .connect(addr, peer_id)
+            .map_err(|e| failed(e.to_string()))?
+            .await
+            .map_err(|e| failed(e.to_string()))?;
+        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| failed(e.to_string()))?;
+        let hello = pb::PeerMessage {
+            body: Some(Body::Hello(pb::Hello {
+                version: PROTOCOL_VERSION,
+                peer_id: self.identity.peer_id.clone(),
+            })),
+        };
+        write_frame(&mut send, &hello)
+            .await
+            .map_err(|e| failed(e.to_string()))?;
+        let reply: pb::PeerMessage = read_frame(&mut recv, peer_id).await?;
+        match reply.body {
+            Some(Body::Hello(h)) if h.version == PROTOCOL_VERSION && h.peer_id == peer_id => {
+                Ok(PeerLink {
+                    peer_id: peer_id.into(),
+                    conn,
+                })
+            }
+            Some(Body::Hello(h)) => Err(failed(format!(
+                "answered as {:?} speaking version {}, expected {peer_id:?} speaking {PROTOCOL_VERSION}",
+                h.peer_id, h.version
+            ))),
+            Some(Body::Reject(r)) => Err(Error::Rejected {
+                peer: peer_id.into(),
+                reason: reject_text(&r),
+            }),
+            _ => Err(failed("did not answer hello".into())),
+        }
+    }
+
+    /// Asks a peer which chunks of a blob it holds.
+    pub async fn bitfield(&self, link: &PeerLink, map: &ChunkMap) -> Result<Bitfield> {
+        let peer = &link.peer_id;
+        let (mut send, mut recv) = link.open().await?;
+        let req = PeerRequest::Bitfield {
+            digest: map.digest(),
+        }
+        .to_pb();
+        write_frame(&mut send, &req)
+            .await
+            .map_err(|e| peer_err(peer, e))?;
+        let reply: pb::PeerMessage = read_frame(&mut recv, peer).await?;
+        match reply.body {
+            Some(Body::Bitfield(b)) => {
+                Bitfield::from_bytes(map.chunk_count(), &b.bits).map_err(|e| Error::Frame {
+                    peer: peer.clone(),
+                    source: FrameError::Violation(e.to_string()),
+                })
+            }
+            Some(Body::Reject(r)) if r.reason() == Reason::NotHeld => {
+                Ok(Bitfield::new(map.chunk_count()))
+            }
+            Some(Body::Reject(r)) => Err(Error::Rejected {
+                peer: peer.clone(),
+                reason: reject_text(&r),
+            }),
+            _ => Err(peer_violation(
+                peer,
+                "answered a bitfield request with something else",
+            )),
+        }
+    }
+
+    /// Fetches chunk `index` of `map`'s blob from a peer, unverified: the caller
+    /// checks it against the chunk map before trusting it.
+    pub async fn fetch_chunk(
+        &self,
+        link: &PeerLink,
+        map: &ChunkMap,
+        index: u32,
+    ) -> Result<Vec<u8>> {
+        let peer = &link.peer_id;
+        let fetch = async {
+            let (mut send, mut recv) = link.open().await?;
+            let req = PeerRequest::Chunks {
+                digest: map.digest(),
+                first: index,
+                count: 1,
+            }
+            .to_pb();
+            write_frame(&mut send, &req)
+                .await
+                .map_err(|e| peer_err(peer, e))?;
+            let header: pb::PeerMessage = read_frame(&mut recv, peer).await?;
+            let want = map.chunk_len(index);
+            match header.body {
+                Some(Body::Piece(p)) if p.index == index && p.length as usize == want => {}
+                Some(Body::Piece(p)) => {
+                    return Err(peer_violation(
+                        peer,
+                        &format!(
+                            "sent piece {} of {} bytes for chunk {index} of {want} bytes",
+                            p.index, p.length
+                        ),
+                    ));
+                }
+                Some(Body::Reject(r)) => {
+                    return Err(Error::Rejected {
+                        peer: peer.clone(),
+                        reason: reject_text(&r),
+                    });
+                }
+                _ => {
+                    return Err(peer_violation(
+                        peer,
+                        "answered a chunk request with something else",
+                    ));
+                }
+            }
+            self.download.take(want).await;
+            let mut buf = vec![0u8; want];
+            recv.read_exact(&mut buf)
+                .await
+                .map_err(|e| peer_err(peer, e))?;
+            Ok(buf)
+        };
+        tokio::time::timeout(self.config.request_timeout, fetch)
+            .await
+            .unwrap_or_else(|_| {
+                Err(peer_err(
+                    peer,
+                    format!(
+                        "chunk {index} not delivered within {:?}",
+                        self.config.request_timeout
+                    ),
+                ))
+            })
+    }
+}
+
+impl PeerLink {
+    async fn open(&self) -> Result<(quinn::SendStream, quinn::RecvStream)> {
+        self.conn
+            .open_bi()
+            .await
+            .map_err(|e| peer_err(&self.peer_id, e))
+    }
+
+    /// Whether the connection has ended.
+    pub fn is_closed(&self) -> bool {
+        self.conn.close_reason().is_some()
+    }
+}
+
+fn peer_err(peer: &str, e: impl std::fmt::Display) -> Error {
+    Error::Peer {
+        peer: peer.into(),
+        detail: e.to_string(),
+    }
+}
+
+fn peer_violation(peer: &str, what: &str) -> Error {
+    Error::Frame {
+        peer: peer.into(),
+        source: FrameError::Violation(what.into()),
+    }
+}
+
+fn reject_text(r: &pb::Reject) -> String {
+    format!("{:?}: {}", r.reason(), r.detail)
+}
+
+async fn write_frame<M: prost::Message>(
+    send: &mut quinn::SendStream,
+    msg: &M,
+) -> std::io::Result<()> {
+    let frame = framing::encode(msg, MAX_PEER_FRAME).map_err(std::io::Error::other)?;
+    send.write_all(&frame).await.map_err(std::io::Error::other)
+}
+
+/// Reads one frame, refusing oversized ones before reading their bodies.
+async fn read_frame<M: prost::Message + Default>(
+    recv: &mut quinn::RecvStream,
+    peer: &str,
+) -> Result<M> {
+    let mut header = [0u8; framing::HEADER_LEN];
+    recv.read_exact(&mut header)
+        .await
+        .map_err(|e| peer_err(peer, e))?;
+    let len = framing::body_len(header, MAX_PEER_FRAME).map_err(|source| Error::Frame {
+        peer: peer.into(),
+        source,
+    })?;
+    let mut body = vec![0u8; len];
+    recv.read_exact(&mut body)
+        .await
+        .map_err(|e| peer_err(peer, e))?;
+    framing::decode(&body).map_err(|source| Error::Frame {
+        peer: peer.into(),
+        source,
+    })
+}
+
+fn reject(reason: Reason, detail: impl Into<String>) -> pb::PeerMessage {
+    pb::PeerMessage {
+        body: Some(Body::Reject(pb::Reject {
+            reason: reason as i32,
+            detail: detail.into(),
+        })),
+    }
+}
+
+async fn accept_loop(node: Arc<PeerNode>) {
+    while let Some(incoming) = node.endpoint.accept().await {
+        let node = node.clone();
+        tokio::spawn(async move {
+            let remote = incoming.remote_address();
+            match incoming.await {
+                Ok(conn) => {
+                    if let Err(e) = serve_connection(node, conn).await {
+                        tracing::info!(%remote, error = %e, "peer connection ended");
+                    }
+                }
+                Err(e) => tracing::warn!(%remote, error = %e, "refused peer connection"),
+            }
+        });
+    }
+}
+
+async fn serve_connection(node: Arc<PeerNode>, conn: quinn::Connection) -> Result<()> {
+    let peer = connection_peer_id(&conn)?;
+    let (mut send, mut recv) = conn.accept_bi().await.map_err(|e| peer_err(&peer, e))?;
+    let hello: pb::PeerMessage = read_frame(&mut recv, &peer).await?;
+    let refusal = match hello.body {
+        Some(Body::Hello(h)) if h.version != PROTOCOL_VERSION => Some((
+            Reason::Version,
+            format!(
+                "speaks protocol version {}, not {}",
+                h.version, PROTOCOL_VERSION
+            ),
+        )),
+        Some(Body::Hello(h)) if h.peer_id != peer => Some((
+            Reason::Identity,
+            format!(
+                "hello names {:?} but the certificate names {peer:?}",
+                h.peer_id
+            ),
+        )),
+        Some(Body::Hello(_)) => None,
+        _ => Some((
+            Reason::BadRequest,
+            "first message must be hello".to_string(),
+        )),
+    };
+    if let Some((reason, detail)) = refusal {
+        let _ = write_frame(&mut send, &reject(reason, detail.clone())).await;
+        let _ = send.finish();
+        conn.close(quinn::VarInt::from_u32(1), b"hello refused");
+        return Err(peer_violation(&peer, &detail));
+    }
+    let ours = pb::PeerMessage {
+        body: Some(Body::Hello(pb::Hello {
+            version: PROTOCOL_VERSION,
+            peer_id: node.identity.peer_id.clone(),
+        })),
+    };
+    write_frame(&mut send, &ours)
+        .await
+        .map_err(|e| peer_err(&peer, e))?;
+    loop {
+        let (send, recv) = conn.accept_bi().await.map_err(|e| peer_err(&peer, e))?;
+        let node = node.clone();
+        let peer = peer.clone();
+        tokio::spawn(async move {
+            if let Err(e) = serve_request(&node, send, recv, &peer).await {
+                tracing::debug!(%peer, error = %e, "request failed");
+            }
+        });
+    }
+}
+
+async fn serve_request(
+    node: &PeerNode,
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+    peer: &str,
+) -> Result<()> {
+    let msg: pb::PeerMessage = read_frame(&mut recv, peer).await?;
+    let req = match PeerRequest::from_pb(msg) {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = write_frame(&mut send, &reject(Reason::BadRequest, e.to_string())).await;
+            return Err(Error::Frame {
+                peer: peer.into(),
+                source: e,
+            });
+        }
+    };
+    let io = |e: std::io::Error| peer_err(peer, e);
+    match req {
+        PeerRequest::Bitfield { digest } => {
+            let reply = match lookup(node, digest).await? {
+                Some(blob) => {
+                    let held = blob.held();
+                    pb::PeerMessage {
+                        body: Some(Body::Bitfield(pb::Bitfield {
+                            digest: digest.to_string(),
+                            chunk_count: held.len(),
+                            bits: Bytes::copy_from_slice(held.as_bytes()),
+                        })),
+                    }
+                }
+                None => reject(Reason::NotHeld, format!("{digest} is not here")),
+            };
+            write_frame(&mut send, &reply).await.map_err(io)?;
+        }
+        PeerRequest::Chunks {
+            digest,
+            first,
+            count,
+        } => {
+            let Ok(_slot) = node.upload_slots.try_acquire() else {
+                write_frame(&mut send, &reject(Reason::Busy, "all upload slots in use"))
+                    .await
+                    .map_err(io)?;
+                return Ok(());
+            };
+            let Some(blob) = lookup(node, digest).await? else {
+                write_frame(
+                    &mut send,
+                    &reject(Reason::NotHeld, format!("{digest} is not here")),
+                )
+                .await
+                .map_err(io)?;
+                return Ok(());
+            };
+            for index in first..first + count {
+                let b = blob.clone();
+                let chunk = tokio::task::spawn_blocking(move || b.read_chunk(index))
+                    .await
+                    .map_err(|e| peer_err(peer, e))??;
+                let Some(chunk) = chunk else {
+                    let r = reject(
+                        Reason::NotHeld,
+                        format!("chunk {index} of {digest} is not held"),
+                    );
+                    write_frame(&mut send, &r).await.map_err(io)?;
+                    break;
+                };
+                node.upload.take(chunk.len()).await;
+                let header = pb::PeerMessage {
+                    body: Some(Body::Piece(pb::PieceHeader {
+                        index,
+                        length: chunk.len() as u32,
+                    })),
+                };
+                write_frame(&mut send, &header).await.map_err(io)?;
+                send.write_chunk(Bytes::from(chunk))
+                    .await
+                    .map_err(|e| peer_err(peer, e))?;
+            }
+        }
+    }
+    let _ = send.finish();
+    // Wait until the peer has read everything (or gone) so the stream is not cut short.
+    let _ = send.stopped().await;
+    Ok(())
+}
+
+async fn lookup(node: &PeerNode, digest: BlobDigest) -> Result<Option<Arc<crate::store::Blob>>> {
+    let store = node.store.clone();
+    tokio::task::spawn_blocking(move || store.get(&digest))
+        .await
+        .map_err(|e| Error::Db(e.to_string()))?
+}

@@ -1,0 +1,547 @@
+//! The chunk store: each blob is one file, preallocated to its size, into which
+//! verified chunks are written at their offset.
+//!
+//! Trust rules:
+//! - a chunk is checked against its chunk map before its bytes are written;
+//! - a chunk is recorded as held in the [`CompletionLog`] only after the file's
+//!   data has been synced (group commit: [`ChunkStore::persist`] syncs once for
+//!   every chunk written since the last call);
+//! - the blob's sha256 digest is checked by hashing the verified in-order prefix
+//!   as it grows; a blob is marked complete only when that matches;
+//! - on restart a partial blob's chunks are read back and re-verified, so a
+//!   half-written chunk is never trusted, and chunks that reached the file but
+//!   not the log (a `kill -9` leaves them in the page cache) are recovered.
+//!
+//! Memory does not grow with blob size: the store holds one bitfield per blob and
+//! reads chunks from disk when they are needed.
+
+use crate::error::{Error, Result};
+use dray_protocol::chunkmap::{ChunkMapBuilder, PrefixHasher};
+use dray_protocol::{Bitfield, BlobDigest, ChunkMap, VerifyError, pb};
+use prost::Message;
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+/// Durable record of what the store holds. Implementations must have made a
+/// `save` durable by the time it returns.
+pub trait CompletionLog: Send + Sync + 'static {
+    fn load(&self, digest: &BlobDigest) -> Result<Option<LogRecord>>;
+    fn save(&self, digest: &BlobDigest, record: &LogRecord) -> Result<()>;
+    fn remove(&self, digest: &BlobDigest) -> Result<()>;
+}
+
+/// One blob's durable state.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LogRecord {
+    pub map: ChunkMap,
+    /// Chunks whose bytes were synced to disk before this record was saved.
+    pub held: Bitfield,
+    /// The whole blob matched its digest.
+    pub complete: bool,
+}
+
+/// [`CompletionLog`] on sled: one key per blob, flushed on every save.
+pub struct SledLog {
+    db: sled::Db,
+}
+
+impl SledLog {
+    pub fn open(dir: &Path) -> Result<Self> {
+        Ok(Self {
+            db: sled::open(dir)?,
+        })
+    }
+}
+
+fn corrupt(digest: &BlobDigest, what: &str) -> Error {
+    Error::Db(format!("record of {digest} is corrupt: {what}"))
+}
+
+impl CompletionLog for SledLog {
+    fn load(&self, digest: &BlobDigest) -> Result<Option<LogRecord>> {
+        let Some(raw) = self.db.get(digest.as_bytes())? else {
+            return Ok(None);
+        };
+        let (&flag, rest) = raw.split_first().ok_or_else(|| corrupt(digest, "empty"))?;
+        let map_len = rest.get(..4).ok_or_else(|| corrupt(digest, "short"))?;
+        let map_len = u32::from_be_bytes(map_len.try_into().expect("4 bytes")) as usize;
+        let map_bytes = rest
+            .get(4..4 + map_len)
+            .ok_or_else(|| corrupt(digest, "short map"))?;
+        let map = pb::ChunkMap::decode(map_bytes).map_err(|e| corrupt(digest, &e.to_string()))?;
+        let map = ChunkMap::from_pb(&map)?;
+        let held = Bitfield::from_bytes(map.chunk_count(), &rest[4 + map_len..])
+            .map_err(|e| corrupt(digest, &e.to_string()))?;
+        Ok(Some(LogRecord {
+            map,
+            held,
+            complete: flag == 1,
+        }))
+    }
+
+    fn save(&self, digest: &BlobDigest, record: &LogRecord) -> Result<()> {
+        let map = record.map.to_pb().encode_to_vec();
+        let mut raw = Vec::with_capacity(5 + map.len() + record.held.as_bytes().len());
+        raw.push(u8::from(record.complete));
+        raw.extend_from_slice(&(map.len() as u32).to_be_bytes());
+        raw.extend_from_slice(&map);
+        raw.extend_from_slice(record.held.as_bytes());
+        self.db.insert(digest.as_bytes(), raw)?;
+        self.db.flush()?;
+        Ok(())
+    }
+
+    fn remove(&self, digest: &BlobDigest) -> Result<()> {
+        self.db.remove(digest.as_bytes())?;
+        self.db.flush()?;
+        Ok(())
+    }
+}
+
+/// What happened to a chunk handed to [`Blob::put_chunk`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PutOutcome {
+    /// Stored; the blob still misses chunks.
+    Stored,
+    /// Already held; nothing written.
+    Duplicate,
+    /// Stored, and with it the whole blob matched its digest.
+    Completed,
+}
+
+/// A blob in the store.
+pub struct Blob {
+    map: ChunkMap,
+    path: PathBuf,
+    file: File,
+    state: Mutex<BlobState>,
+    /// Serialises the in-order digest check; never held together with `state`.
+    prefix: Mutex<PrefixHasher>,
+}
+
+struct BlobState {
+    held: Bitfield,
+    complete: bool,
+    /// What the log says is durable.
+    recorded: Bitfield,
+    recorded_complete: bool,
+}
+
+impl Blob {
+    pub fn map(&self) -> &ChunkMap {
+        &self.map
+    }
+
+    pub fn digest(&self) -> BlobDigest {
+        self.map.digest()
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn held(&self) -> Bitfield {
+        self.lock().held.clone()
+    }
+
+    pub fn has(&self, index: u32) -> bool {
+        self.lock().held.get(index)
+    }
+
+    pub fn is_complete(&self) -> bool {
+        self.lock().complete
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BlobState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn read_at(&self, index: u32) -> Result<Vec<u8>> {
+        let mut buf = vec![0u8; self.map.chunk_len(index)];
+        self.file
+            .read_exact_at(&mut buf, self.map.offset(index))
+            .map_err(|e| Error::io(format!("reading chunk {index} of {}", self.digest()), e))?;
+        Ok(buf)
+    }
+
+    /// A held chunk's bytes, read from disk; `None` if the chunk is not held.
+    pub fn read_chunk(&self, index: u32) -> Result<Option<Vec<u8>>> {
+        if !self.has(index) {
+            return Ok(None);
+        }
+        self.read_at(index).map(Some)
+    }
+
+    /// Verifies `bytes` as chunk `index` and writes it. Blocking (disk I/O and
+    /// hashing): call from a blocking thread.
+    ///
+    /// An error for the blob digest means every chunk was verified yet the blob
+    /// does not match: the chunk map was wrong. The blob is then emptied.
+    pub fn put_chunk(&self, index: u32, bytes: &[u8]) -> Result<PutOutcome> {
+        self.map.verify_chunk(index, bytes)?;
+        if self.has(index) {
+            return Ok(PutOutcome::Duplicate);
+        }
+        self.file
+            .write_all_at(bytes, self.map.offset(index))
+            .map_err(|e| Error::io(format!("writing chunk {index} of {}", self.digest()), e))?;
+        if !self.lock().held.set(index) {
+            return Ok(PutOutcome::Duplicate);
+        }
+        self.advance_prefix(Some((index, bytes)))
+    }
+
+    /// Hashes held chunks in order from the prefix cursor; completes the blob
+    /// when the last one is in.
+    fn advance_prefix(&self, fresh: Option<(u32, &[u8])>) -> Result<PutOutcome> {
+        let mut prefix = self.prefix.lock().unwrap_or_else(|p| p.into_inner());
+        let count = self.map.chunk_count();
+        while prefix.next_chunk() < count && self.has(prefix.next_chunk()) {
+            let i = prefix.next_chunk();
+            match fresh {
+                Some((j, bytes)) if j == i => prefix.push(bytes),
+                _ => prefix.push(&self.read_at(i)?),
+            }
+        }
+        if prefix.next_chunk() < count || self.is_complete() {
+            return Ok(PutOutcome::Stored);
+        }
+        let done = std::mem::take(&mut *prefix);
+        match done.finish(&self.map) {
+            Ok(()) => {
+                self.lock().complete = true;
+                Ok(PutOutcome::Completed)
+            }
+            Err(e) => {
+                let mut st = self.lock();
+                st.held = Bitfield::new(count);
+                Err(e.into())
+            }
+        }
+    }
+}
+
+/// The store: a directory of blob files and the completion log beside them.
+pub struct ChunkStore {
+    dir: PathBuf,
+    log: Arc<dyn CompletionLog>,
+    blobs: Mutex<HashMap<BlobDigest, Arc<Blob>>>,
+}
+
+impl ChunkStore {
+    /// Opens (or creates) a store under `dir` with a sled completion log.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let log = SledLog::open(&dir.join("log"))?;
+        Self::with_log(dir, Arc::new(log))
+    }
+
+    pub fn with_log(dir: &Path, log: Arc<dyn CompletionLog>) -> Result<Self> {
+        let blobs_dir = dir.join("blobs");
+        std::fs::create_dir_all(&blobs_dir)
+            .map_err(|e| Error::io(format!("creating {}", blobs_dir.display()), e))?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            log,
+            blobs: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn blob_path(&self, digest: &BlobDigest) -> PathBuf {
+        self.dir.join("blobs").join(digest.hex())
+    }
+
+    fn blobs(&self) -> std::sync::MutexGuard<'_, HashMap<BlobDigest, Arc<Blob>>> {
+        self.blobs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A blob already open or on disk, without a chunk map from outside.
+    pub fn get(&self, digest: &BlobDigest) -> Result<Option<Arc<Blob>>> {
+        if let Some(b) = self.blobs().get(digest) {
+            return Ok(Some(b.clone()));
+        }
+        match self.log.load(digest)? {
+            Some(rec) => self.open_blob(rec.map.clone(), Some(rec)).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Opens the blob described by `map`, creating its file or resuming what the
+    /// store recorded before. Blocking: call from a blocking thread.
+    pub fn blob(&self, map: &ChunkMap) -> Result<Arc<Blob>> {
+        if let Some(b) = self.blobs().get(&map.digest()) {
+            if b.map() == map {
+                return Ok(b.clone());
+            }
+        }
+        let rec = self.log.load(&map.digest())?;
+        self.open_blob(map.clone(), rec)
+    }
+
+    fn open_blob(&self, map: ChunkMap, rec: Option<LogRecord>) -> Result<Arc<Blob>> {
+        let digest = map.digest();
+        let path = self.blob_path(&digest);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+        reserve(&file, map.size()).map_err(|e| {
+            Error::io(
+                format!("reserving {} bytes on disk for blob {digest}", map.size()),
+                e,
+            )
+        })?;
+        let count = map.chunk_count();
+        let same_map = rec.as_ref().is_some_and(|r| r.map == map);
+        let blob = Arc::new(Blob {
+            path,
+            file,
+            state: Mutex::new(BlobState {
+                held: Bitfield::new(count),
+                complete: false,
+                recorded: Bitfield::new(count),
+                recorded_complete: false,
+            }),
+            prefix: Mutex::new(PrefixHasher::new()),
+            map,
+        });
+        match rec {
+            Some(rec) if same_map && rec.complete => {
+                let mut st = blob.lock();
+                st.held = rec.held.clone();
+                st.recorded = rec.held;
+                st.complete = true;
+                st.recorded_complete = true;
+            }
+            _ => {
+                // A fresh blob, a partial one, or one recorded under another map:
+                // trust only what re-verifies from disk.
+                let recovered = recover(&blob)?;
+                blob.lock().held = recovered;
+                blob.advance_prefix(None)?;
+                self.save(&blob)?;
+            }
+        }
+        self.blobs().insert(digest, blob.clone());
+        Ok(blob)
+    }
+
+    /// Makes every chunk written so far durable: syncs the blob file, then
+    /// records the chunks in the log. Blocking.
+    pub fn persist(&self, blob: &Blob) -> Result<()> {
+        {
+            let st = blob.lock();
+            if st.held == st.recorded && st.complete == st.recorded_complete {
+                return Ok(());
+            }
+        }
+        blob.file
+            .sync_data()
+            .map_err(|e| Error::io(format!("syncing blob {}", blob.digest()), e))?;
+        self.save(blob)
+    }
+
+    fn save(&self, blob: &Blob) -> Result<()> {
+        let (held, complete) = {
+            let st = blob.lock();
+            (st.held.clone(), st.complete)
+        };
+        self.log.save(
+            &blob.digest(),
+            &LogRecord {
+                map: blob.map.clone(),
+                held: held.clone(),
+                complete,
+            },
+        )?;
+        let mut st = blob.lock();
+        st.recorded = held;
+        st.recorded_complete = complete;
+        Ok(())
+    }
+
+    /// Copies a local file into the store as a complete blob; returns its map.
+    pub fn import(&self, src: &Path, chunk_size: u32) -> Result<ChunkMap> {
+        let mut f =
+            File::open(src).map_err(|e| Error::io(format!("opening {}", src.display()), e))?;
+        let mut builder = ChunkMapBuilder::new(chunk_size);
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = f
+                .read(&mut buf)
+                .map_err(|e| Error::io(format!("reading {}", src.display()), e))?;
+            if n == 0 {
+                break;
+            }
+            builder.update(&buf[..n]);
+        }
+        let map = builder.finish(None)?;
+        let blob = self.blob(&map)?;
+        for i in 0..map.chunk_count() {
+            let mut chunk = vec![0u8; map.chunk_len(i)];
+            f.read_exact_at(&mut chunk, map.offset(i))
+                .map_err(|e| Error::io(format!("reading {}", src.display()), e))?;
+            blob.put_chunk(i, &chunk)?;
+        }
+        self.persist(&blob)?;
+        Ok(map)
+    }
+
+    /// Forgets a blob and deletes its file.
+    pub fn remove(&self, digest: &BlobDigest) -> Result<()> {
+        self.blobs().remove(digest);
+        self.log.remove(digest)?;
+        match std::fs::remove_file(self.blob_path(digest)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(Error::io(format!("removing blob {digest}"), e))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Reads every chunk of a blob file back and keeps those that verify.
+fn recover(blob: &Blob) -> Result<Bitfield> {
+    let map = blob.map();
+    let mut held = Bitfield::new(map.chunk_count());
+    for i in 0..map.chunk_count() {
+        match map.verify_chunk(i, &blob.read_at(i)?) {
+            Ok(()) => {
+                held.set(i);
+            }
+            Err(VerifyError::ChunkHash { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(held)
+}
+
+/// Allocates the blob's blocks up front, so a full disk fails here with ENOSPC
+/// rather than halfway through a transfer.
+fn reserve(file: &File, size: u64) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    if size == 0 {
+        return Ok(());
+    }
+    // SAFETY: plain syscall on a valid open descriptor.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size as libc::off_t) };
+    match rc {
+        0 => Ok(()),
+        // Filesystems without fallocate support: fall back to a sparse file.
+        libc::EOPNOTSUPP => file.set_len(size),
+        errno => Err(std::io::Error::from_raw_os_error(errno)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dray_protocol::chunkmap::MIN_CHUNK_SIZE;
+
+    fn data(n: usize, seed: u8) -> Vec<u8> {
+        (0..n)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 9) as u8)
+            .collect()
+    }
+
+    #[test]
+    fn stores_verified_chunks_and_completes_on_digest() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(dir.path()).unwrap();
+        let bytes = data(5 * 65536 + 100, 1);
+        let map = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
+        let blob = store.blob(&map).unwrap();
+        let chunks: Vec<&[u8]> = bytes.chunks(65536).collect();
+        let mut corrupt = chunks[2].to_vec();
+        corrupt[0] ^= 0xff;
+        assert!(matches!(
+            blob.put_chunk(2, &corrupt),
+            Err(Error::Verify(VerifyError::ChunkHash { .. }))
+        ));
+        assert!(!blob.has(2));
+        for i in [5, 3, 1, 0, 4] {
+            assert_eq!(
+                blob.put_chunk(i, chunks[i as usize]).unwrap(),
+                PutOutcome::Stored
+            );
+        }
+        assert_eq!(blob.put_chunk(1, chunks[1]).unwrap(), PutOutcome::Duplicate);
+        assert_eq!(blob.put_chunk(2, chunks[2]).unwrap(), PutOutcome::Completed);
+        store.persist(&blob).unwrap();
+        assert_eq!(std::fs::read(blob.path()).unwrap(), bytes);
+    }
+
+    #[test]
+    fn resumes_recorded_and_unrecorded_chunks_but_not_torn_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = data(4 * 65536, 2);
+        let map = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
+        let chunks: Vec<&[u8]> = bytes.chunks(65536).collect();
+        {
+            let store = ChunkStore::open(dir.path()).unwrap();
+            let blob = store.blob(&map).unwrap();
+            blob.put_chunk(0, chunks[0]).unwrap();
+            store.persist(&blob).unwrap();
+            // Written but never recorded (as after kill -9 before the group commit).
+            blob.put_chunk(1, chunks[1]).unwrap();
+            // A torn write: half of chunk 3 reached the file.
+            blob.file
+                .write_all_at(&chunks[3][..1000], map.offset(3))
+                .unwrap();
+        }
+        let store = ChunkStore::open(dir.path()).unwrap();
+        let blob = store.blob(&map).unwrap();
+        assert_eq!(blob.held().ones().collect::<Vec<_>>(), vec![0, 1]);
+        blob.put_chunk(3, chunks[3]).unwrap();
+        assert_eq!(blob.put_chunk(2, chunks[2]).unwrap(), PutOutcome::Completed);
+    }
+
+    #[test]
+    fn a_wrong_chunk_map_is_caught_by_the_blob_digest_and_emptied() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(dir.path()).unwrap();
+        let bytes = data(2 * 65536, 3);
+        let mut forged_bytes = bytes.clone();
+        forged_bytes[10] ^= 1;
+        let honest = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
+        let forged = ChunkMap::new(
+            honest.digest(),
+            honest.size(),
+            honest.chunk_size(),
+            ChunkMap::of_bytes(&forged_bytes, MIN_CHUNK_SIZE)
+                .unwrap()
+                .hashes()
+                .to_vec(),
+        )
+        .unwrap();
+        let blob = store.blob(&forged).unwrap();
+        blob.put_chunk(1, &forged_bytes[65536..]).unwrap();
+        let err = blob.put_chunk(0, &forged_bytes[..65536]).unwrap_err();
+        assert!(err.to_string().contains("not its digest"), "{err}");
+        assert_eq!(blob.held().count(), 0);
+        assert!(!blob.is_complete());
+    }
+
+    #[test]
+    fn import_then_reopen_trusts_the_completed_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        let bytes = data(3 * 65536 + 7, 4);
+        std::fs::write(&src, &bytes).unwrap();
+        let map = ChunkStore::open(&dir.path().join("s"))
+            .unwrap()
+            .import(&src, MIN_CHUNK_SIZE)
+            .unwrap();
+        assert_eq!(map.digest(), BlobDigest::of(&bytes));
+        let store = ChunkStore::open(&dir.path().join("s")).unwrap();
+        let blob = store.get(&map.digest()).unwrap().unwrap();
+        assert!(blob.is_complete());
+        assert_eq!(blob.read_chunk(3).unwrap().unwrap(), &bytes[3 * 65536..]);
+    }
+}
