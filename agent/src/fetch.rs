@@ -200,6 +200,7 @@ async fn lane(
         let mut sh = lock(&shared);
         match put.and_then(|r| r) {
             Ok(PutOutcome::Stored | PutOutcome::Completed) => {
+                tracing::debug!(index, %peer, "chunk stored");
                 sh.picker.completed(index);
                 *sh.report.chunks_by_peer.entry(peer.clone()).or_default() += 1;
                 sh.report.bytes_received += len;

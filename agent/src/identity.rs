@@ -54,7 +54,7 @@ impl ClusterCa {
     /// A new CA with a fresh key.
     pub fn generate() -> Result<Self> {
         let key = KeyPair::generate().map_err(tls_err)?;
-        let cert = ca_params().self_signed(&key).map_err(tls_err)?;
+        let cert = ca_params(&key).self_signed(&key).map_err(tls_err)?;
         Ok(Self {
             cert_pem: cert.pem(),
             key_pem: key.serialize_pem(),
@@ -85,12 +85,17 @@ impl ClusterCa {
     }
 }
 
-fn ca_params() -> CertificateParams {
+/// CA parameters. The name carries a fingerprint of the key, so that two
+/// clusters' CAs never share a name and a foreign certificate is reported as
+/// coming from an unknown issuer.
+fn ca_params(key: &KeyPair) -> CertificateParams {
+    use sha2::Digest;
+    let fingerprint = hex::encode(&sha2::Sha256::digest(key.public_key_raw())[..6]);
     let mut params = CertificateParams::default();
     params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     params
         .distinguished_name
-        .push(DnType::CommonName, "dray cluster CA");
+        .push(DnType::CommonName, format!("dray cluster CA {fingerprint}"));
     params.key_usages = vec![
         KeyUsagePurpose::KeyCertSign,
         KeyUsagePurpose::CrlSign,

@@ -440,6 +440,8 @@ async fn serve_connection(node: Arc<PeerNode>, conn: quinn::Connection) -> Resul
     if let Some((reason, detail)) = refusal {
         let _ = write_frame(&mut send, &reject(reason, detail.clone())).await;
         let _ = send.finish();
+        // Let the refusal reach the peer before the connection goes.
+        let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
         conn.close(quinn::VarInt::from_u32(1), b"hello refused");
         return Err(peer_violation(&peer, &detail));
     }
@@ -557,4 +559,118 @@ async fn lookup(node: &PeerNode, digest: BlobDigest) -> Result<Option<Arc<crate:
     tokio::task::spawn_blocking(move || store.get(&digest))
         .await
         .map_err(|e| Error::Db(e.to_string()))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::identity::ClusterCa;
+    use dray_protocol::chunkmap::MIN_CHUNK_SIZE;
+
+    async fn pair() -> (tempfile::TempDir, Arc<PeerNode>, Arc<PeerNode>, ChunkMap) {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = ClusterCa::generate().unwrap();
+        let any = "127.0.0.1:0".parse().unwrap();
+        let bind = |id: &str| {
+            let store = Arc::new(ChunkStore::open(&dir.path().join(id)).unwrap());
+            PeerNode::bind(ca.issue(id).unwrap(), store, any, PeerConfig::default()).unwrap()
+        };
+        let (a, b) = (bind("a"), bind("b"));
+        let src = dir.path().join("src");
+        std::fs::write(&src, vec![7u8; 3 * MIN_CHUNK_SIZE as usize]).unwrap();
+        let map = a.store().import(&src, MIN_CHUNK_SIZE).unwrap();
+        (dir, a, b, map)
+    }
+
+    /// Sends raw bytes on a fresh request stream; returns what the server answered.
+    async fn raw_request(link: &PeerLink, bytes: &[u8]) -> Vec<u8> {
+        let (mut send, mut recv) = link.open().await.unwrap();
+        send.write_all(bytes).await.unwrap();
+        let _ = send.finish();
+        recv.read_to_end(1 << 20).await.unwrap_or_default()
+    }
+
+    #[tokio::test]
+    async fn hostile_request_streams_get_a_clear_refusal_and_the_server_keeps_serving() {
+        let (_dir, a, b, map) = pair().await;
+        let link = b.connect("a", a.local_addr().unwrap()).await.unwrap();
+
+        // A frame header claiming 4 GiB: refused before any body is read.
+        assert!(
+            raw_request(&link, &[0xff, 0xff, 0xff, 0xff])
+                .await
+                .is_empty()
+        );
+        // A body that is not protobuf.
+        let reply = raw_request(&link, &[0, 0, 0, 3, 0xff, 0xff, 0xff]).await;
+        assert!(reply.is_empty(), "undecodable bodies end the stream");
+        // Valid protobuf, invalid request: answered with a reject naming the problem.
+        let bad = PeerRequest::Chunks {
+            digest: map.digest(),
+            first: 0,
+            count: 1,
+        }
+        .to_pb();
+        let mut bad = bad;
+        if let Some(Body::Request(r)) = bad.body.as_mut() {
+            r.count = 1000;
+        }
+        let reply = raw_request(&link, &framing::encode(&bad, MAX_PEER_FRAME).unwrap()).await;
+        let (msg, _) = framing::take::<pb::PeerMessage>(&reply, MAX_PEER_FRAME)
+            .unwrap()
+            .unwrap();
+        match msg.body {
+            Some(Body::Reject(r)) => {
+                assert_eq!(r.reason(), Reason::BadRequest);
+                assert!(r.detail.contains("1000 chunks"), "{}", r.detail);
+            }
+            other => panic!("expected a reject, got {other:?}"),
+        }
+        // Random garbage of every length up to 64 bytes never takes the server down.
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for len in 0..64 {
+            let junk: Vec<u8> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect();
+            raw_request(&link, &junk).await;
+        }
+        // The same connection still serves honest requests.
+        assert!(b.bitfield(&link, &map).await.unwrap().is_full());
+        assert_eq!(
+            b.fetch_chunk(&link, &map, 2).await.unwrap(),
+            vec![7u8; MIN_CHUNK_SIZE as usize]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_hello_that_lies_about_its_identity_is_refused() {
+        let (_dir, a, b, _map) = pair().await;
+        let conn = b
+            .endpoint
+            .connect(a.local_addr().unwrap(), "a")
+            .unwrap()
+            .await
+            .unwrap();
+        let (mut send, mut recv) = conn.open_bi().await.unwrap();
+        let hello = pb::PeerMessage {
+            body: Some(Body::Hello(pb::Hello {
+                version: PROTOCOL_VERSION,
+                peer_id: "someone-else".into(),
+            })),
+        };
+        write_frame(&mut send, &hello).await.unwrap();
+        let reply: pb::PeerMessage = read_frame(&mut recv, "a").await.unwrap();
+        match reply.body {
+            Some(Body::Reject(r)) => {
+                assert_eq!(r.reason(), Reason::Identity);
+                assert!(r.detail.contains("certificate names \"b\""), "{}", r.detail);
+            }
+            other => panic!("expected a reject, got {other:?}"),
+        }
+    }
 }

@@ -272,10 +272,10 @@ impl ChunkStore {
     /// Opens the blob described by `map`, creating its file or resuming what the
     /// store recorded before. Blocking: call from a blocking thread.
     pub fn blob(&self, map: &ChunkMap) -> Result<Arc<Blob>> {
-        if let Some(b) = self.blobs().get(&map.digest()) {
-            if b.map() == map {
-                return Ok(b.clone());
-            }
+        if let Some(b) = self.blobs().get(&map.digest())
+            && b.map() == map
+        {
+            return Ok(b.clone());
         }
         let rec = self.log.load(&map.digest())?;
         self.open_blob(map.clone(), rec)

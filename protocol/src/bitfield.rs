@@ -40,7 +40,7 @@ impl Bitfield {
         if bits.len() != want {
             return Err(err);
         }
-        if len % 8 != 0 && bits[want - 1] & (0xffu8 >> (len % 8)) != 0 {
+        if !len.is_multiple_of(8) && bits[want - 1] & (0xffu8 >> (len % 8)) != 0 {
             return Err(err);
         }
         let ones = bits.iter().map(|b| b.count_ones()).sum();

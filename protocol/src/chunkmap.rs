@@ -70,7 +70,9 @@ impl ChunkMap {
             digest: digest.to_string(),
             reason,
         };
-        if !(MIN_CHUNK_SIZE..=MAX_CHUNK_SIZE).contains(&chunk_size) || chunk_size % 64 != 0 {
+        if !(MIN_CHUNK_SIZE..=MAX_CHUNK_SIZE).contains(&chunk_size)
+            || !chunk_size.is_multiple_of(64)
+        {
             return Err(bad(format!(
                 "chunk size {chunk_size} must be a multiple of 64 between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE}"
             )));
