@@ -120,10 +120,20 @@ async fn a_corrupt_chunk_is_caught_refetched_from_an_honest_peer_and_never_recor
     );
     let blob = b.store().get(&map.digest()).unwrap().unwrap();
     assert_eq!(file_digest(blob.path()), want);
-    // What the log recorded re-verifies from disk after a restart.
+    // What the log recorded re-verifies from disk after a restart. The closed
+    // endpoint's tasks release the store (and sled's file lock) asynchronously.
     b.close();
     drop((blob, b));
-    let reopened = ChunkStore::open(&b_dir.join("b")).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let reopened = loop {
+        match ChunkStore::open(&b_dir.join("b")) {
+            Ok(s) => break s,
+            Err(e) if std::time::Instant::now() < deadline && e.to_string().contains("lock") => {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
     assert!(reopened.get(&map.digest()).unwrap().unwrap().is_complete());
 }
 

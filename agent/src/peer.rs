@@ -203,7 +203,16 @@ impl PeerNode {
         write_frame(&mut send, &hello)
             .await
             .map_err(|e| failed(e.to_string()))?;
-        let reply: pb::PeerMessage = read_frame(&mut recv, peer_id).await?;
+        let reply: pb::PeerMessage = match read_frame(&mut recv, peer_id).await {
+            Ok(r) => r,
+            // TLS 1.3 lets the client finish before the server has checked the
+            // client certificate: a refusal shows up as the connection closing.
+            Err(e) => {
+                return Err(conn
+                    .close_reason()
+                    .map_or(e, |reason| failed(reason.to_string())));
+            }
+        };
         match reply.body {
             Some(Body::Hello(h)) if h.version == PROTOCOL_VERSION && h.peer_id == peer_id => {
                 Ok(PeerLink {
