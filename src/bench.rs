@@ -76,6 +76,8 @@ struct PeerResult {
     cpu_s_per_gib: f64,
     raw_quic_cpu_s_per_gib: f64,
     tcp_cpu_s_per_gib: f64,
+    /// UDP payload size the agents' path reached through MTU discovery.
+    path_mtu: u16,
 }
 
 /// Process CPU time (user + system), seconds.
@@ -140,8 +142,10 @@ async fn peer(b: PeerBench) -> Result<()> {
         peer_id: "bench-a".into(),
         addr: a.local_addr()?,
     }];
+    let mut path_mtu = 0;
     let agent = measure(b.size, async {
-        fetch_from_peers(&b_node, &map, &peers).await?;
+        let report = fetch_from_peers(&b_node, &map, &peers).await?;
+        path_mtu = report.path_mtu_by_peer.values().copied().max().unwrap_or(0);
         Ok(())
     })
     .await
@@ -159,6 +163,7 @@ async fn peer(b: PeerBench) -> Result<()> {
         cpu_s_per_gib: agent.1,
         raw_quic_cpu_s_per_gib: quic.1,
         tcp_cpu_s_per_gib: tcp.1,
+        path_mtu,
     };
     if b.json {
         println!("{}", serde_json::to_string(&r)?);
@@ -176,6 +181,7 @@ async fn peer(b: PeerBench) -> Result<()> {
             "plain TCP       {:8.1} MB/s  {:.2} CPU s/GiB  (memory)",
             r.tcp_mb_s, r.tcp_cpu_s_per_gib
         );
+        println!("path MTU        {} bytes (agents)", r.path_mtu);
         println!("agent / TCP     {:.2}", r.agent_vs_tcp);
         println!("agent / quinn   {:.2}", r.agent_vs_raw_quic);
     }

@@ -39,6 +39,8 @@ pub struct FetchReport {
     /// Peers that sent a chunk failing its hash, with the chunk index.
     pub bad_peers: BTreeMap<String, u32>,
     pub bytes_received: u64,
+    /// UDP payload size each peer's path reached (MTU discovery), at the end.
+    pub path_mtu_by_peer: BTreeMap<String, u16>,
 }
 
 struct Shared {
@@ -116,6 +118,10 @@ pub async fn fetch_from_peers(
                 ));
             }
             while lanes.join_next().await.is_some() {}
+            lock(&shared)
+                .report
+                .path_mtu_by_peer
+                .insert(p.peer_id.clone(), link.path_mtu());
         });
     }
     while workers.join_next().await.is_some() {}

@@ -37,6 +37,10 @@ pub struct TransportTuning {
     pub max_udp_payload: u16,
     /// Let the kernel segment large sends (GSO) and coalesce receives (GRO).
     pub segmentation_offload: bool,
+    /// UDP socket send and receive buffers, bytes. The kernel default (about
+    /// 200 KiB) holds three 64 KiB datagrams; a burst beyond that is dropped and
+    /// retransmitted.
+    pub socket_buffer: u32,
 }
 
 impl Default for TransportTuning {
@@ -46,6 +50,7 @@ impl Default for TransportTuning {
             connection_window: 64 << 20,
             max_udp_payload: 65_527,
             segmentation_offload: true,
+            socket_buffer: 8 << 20,
         }
     }
 }
@@ -340,9 +345,42 @@ impl PeerLink {
             .map_err(|e| peer_err(&self.peer_id, e))
     }
 
+    /// The UDP payload size the path reached through MTU discovery.
+    pub fn path_mtu(&self) -> u16 {
+        self.conn.stats().path.current_mtu
+    }
+
     /// Whether the connection has ended.
     pub fn is_closed(&self) -> bool {
         self.conn.close_reason().is_some()
+    }
+}
+
+/// Sets the socket's buffers, past `net.core.{r,w}mem_max` when allowed
+/// (CAP_NET_ADMIN), else as far as the limit lets us.
+fn grow_socket_buffers(socket: &std::net::UdpSocket, bytes: u32) {
+    use std::os::fd::AsRawFd;
+    let fd = socket.as_raw_fd();
+    let size = bytes.min(i32::MAX as u32) as libc::c_int;
+    for (force, plain) in [
+        (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF),
+        (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF),
+    ] {
+        let set = |opt| {
+            // SAFETY: setsockopt with a valid fd and an int-sized option value.
+            unsafe {
+                libc::setsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    opt,
+                    (&size as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            }
+        };
+        if set(force) != 0 && set(plain) != 0 {
+            tracing::warn!(bytes, "could not set UDP socket buffer size");
+        }
     }
 }
 

@@ -319,9 +319,20 @@ impl ChunkStore {
                 st.complete = true;
                 st.recorded_complete = true;
             }
-            _ => {
-                // A fresh blob, a partial one, or one recorded under another map:
-                // trust only what re-verifies from disk.
+            None => {
+                // Nothing recorded: whatever an earlier run left in the file
+                // predates its first record and is not worth a read.
+                blob.file
+                    .set_len(0)
+                    .and_then(|()| reserve(&blob.file, blob.map.size()))
+                    .map_err(|e| {
+                        Error::io(format!("resetting blob file {}", blob.path.display()), e)
+                    })?;
+                self.save(&blob)?;
+            }
+            Some(_) => {
+                // A partial blob, or one recorded under another map: trust only
+                // what re-verifies from disk.
                 let recovered = recover(&blob)?;
                 blob.lock().held = recovered;
                 blob.advance_prefix(None)?;
