@@ -146,6 +146,7 @@ impl PeerNode {
             .map_err(|e| Error::Config(format!("max_udp_payload: {e}")))?;
         let socket = std::net::UdpSocket::bind(addr)
             .map_err(|e| Error::io(format!("binding UDP {addr}"), e))?;
+        grow_socket_buffers(&socket, config.transport.socket_buffer);
         let runtime =
             quinn::default_runtime().ok_or_else(|| Error::Config("no async runtime".into()))?;
         let mut endpoint = quinn::Endpoint::new(endpoint_cfg, Some(server), socket, runtime)

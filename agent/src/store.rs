@@ -24,7 +24,7 @@ use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 /// Durable record of what the store holds. Implementations must have made a
 /// `save` durable by the time it returns.
@@ -115,7 +115,9 @@ pub enum PutOutcome {
 
 /// A blob in the store.
 pub struct Blob {
-    map: ChunkMap,
+    digest: BlobDigest,
+    /// Grows as chunk hashes are published (see [`Blob::learn`]).
+    map: RwLock<ChunkMap>,
     path: PathBuf,
     file: File,
     state: Mutex<BlobState>,
@@ -129,15 +131,31 @@ struct BlobState {
     /// What the log says is durable.
     recorded: Bitfield,
     recorded_complete: bool,
+    /// How many chunk hashes the log holds.
+    recorded_known: u32,
 }
 
 impl Blob {
-    pub fn map(&self) -> &ChunkMap {
-        &self.map
+    /// The chunk map as known now.
+    pub fn map(&self) -> ChunkMap {
+        self.read_map().clone()
+    }
+
+    fn read_map(&self) -> std::sync::RwLockReadGuard<'_, ChunkMap> {
+        self.map.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write_map(&self) -> std::sync::RwLockWriteGuard<'_, ChunkMap> {
+        self.map.write().unwrap_or_else(|p| p.into_inner())
     }
 
     pub fn digest(&self) -> BlobDigest {
-        self.map.digest()
+        self.digest
+    }
+
+    /// Takes the chunk hashes `map` knows that this blob lacks; returns how many.
+    pub fn learn(&self, map: &ChunkMap) -> Result<u32> {
+        Ok(self.write_map().merge(map)?)
     }
 
     pub fn path(&self) -> &Path {
@@ -161,9 +179,13 @@ impl Blob {
     }
 
     fn read_at(&self, index: u32) -> Result<Vec<u8>> {
-        let mut buf = vec![0u8; self.map.chunk_len(index)];
+        let (len, offset) = {
+            let m = self.read_map();
+            (m.chunk_len(index), m.offset(index))
+        };
+        let mut buf = vec![0u8; len];
         self.file
-            .read_exact_at(&mut buf, self.map.offset(index))
+            .read_exact_at(&mut buf, offset)
             .map_err(|e| Error::io(format!("reading chunk {index} of {}", self.digest()), e))?;
         Ok(buf)
     }
@@ -176,18 +198,44 @@ impl Blob {
         self.read_at(index).map(Some)
     }
 
-    /// Verifies `bytes` as chunk `index` and writes it. Blocking (disk I/O and
-    /// hashing): call from a blocking thread.
+    /// Verifies `bytes` as chunk `index` against the chunk map and writes it.
+    /// Blocking (disk I/O and hashing): call from a blocking thread.
     ///
     /// An error for the blob digest means every chunk was verified yet the blob
     /// does not match: the chunk map was wrong. The blob is then emptied.
     pub fn put_chunk(&self, index: u32, bytes: &[u8]) -> Result<PutOutcome> {
-        self.map.verify_chunk(index, bytes)?;
+        self.read_map().verify_chunk(index, bytes)?;
+        self.write_verified(index, bytes)
+    }
+
+    /// Stores chunk `index` read from the blob's origin (the registry), and
+    /// records its hash so that it can be published and checked by others.
+    /// The whole-blob digest check still guards it.
+    pub fn put_origin_chunk(&self, index: u32, bytes: &[u8]) -> Result<PutOutcome> {
+        {
+            let mut map = self.write_map();
+            let want = map.chunk_len(index);
+            if bytes.len() != want || index >= map.chunk_count() {
+                return Err(VerifyError::ChunkLength {
+                    digest: self.digest,
+                    index,
+                    got: bytes.len(),
+                    want,
+                }
+                .into());
+            }
+            map.set_hash(index, dray_protocol::chunkmap::chunk_hash(bytes))?;
+        }
+        self.write_verified(index, bytes)
+    }
+
+    fn write_verified(&self, index: u32, bytes: &[u8]) -> Result<PutOutcome> {
         if self.has(index) {
             return Ok(PutOutcome::Duplicate);
         }
+        let offset = self.read_map().offset(index);
         self.file
-            .write_all_at(bytes, self.map.offset(index))
+            .write_all_at(bytes, offset)
             .map_err(|e| Error::io(format!("writing chunk {index} of {}", self.digest()), e))?;
         if !self.lock().held.set(index) {
             return Ok(PutOutcome::Duplicate);
@@ -199,7 +247,7 @@ impl Blob {
     /// when the last one is in.
     fn advance_prefix(&self, fresh: Option<(u32, &[u8])>) -> Result<PutOutcome> {
         let mut prefix = self.prefix.lock().unwrap_or_else(|p| p.into_inner());
-        let count = self.map.chunk_count();
+        let count = self.read_map().chunk_count();
         while prefix.next_chunk() < count && self.has(prefix.next_chunk()) {
             let i = prefix.next_chunk();
             match fresh {
@@ -211,7 +259,8 @@ impl Blob {
             return Ok(PutOutcome::Stored);
         }
         let done = std::mem::take(&mut *prefix);
-        match done.finish(&self.map) {
+        let result = done.finish(&self.read_map());
+        match result {
             Ok(()) => {
                 self.lock().complete = true;
                 Ok(PutOutcome::Completed)
@@ -272,10 +321,10 @@ impl ChunkStore {
     /// Opens the blob described by `map`, creating its file or resuming what the
     /// store recorded before. Blocking: call from a blocking thread.
     pub fn blob(&self, map: &ChunkMap) -> Result<Arc<Blob>> {
-        if let Some(b) = self.blobs().get(&map.digest())
-            && b.map() == map
-        {
-            return Ok(b.clone());
+        let open = self.blobs().get(&map.digest()).cloned();
+        if let Some(b) = open {
+            b.learn(map)?;
+            return Ok(b);
         }
         let rec = self.log.load(&map.digest())?;
         self.open_blob(map.clone(), rec)
@@ -283,6 +332,16 @@ impl ChunkStore {
 
     fn open_blob(&self, map: ChunkMap, rec: Option<LogRecord>) -> Result<Arc<Blob>> {
         let digest = map.digest();
+        let geometry = |m: &ChunkMap| (m.size(), m.chunk_size());
+        // A record of another geometry (say, another chunk size) is started over.
+        let (map, rec) = match rec {
+            Some(r) if geometry(&r.map) == geometry(&map) => {
+                let mut known = r.map.clone();
+                known.merge(&map)?;
+                (known, Some(r))
+            }
+            _ => (map, None),
+        };
         let path = self.blob_path(&digest);
         let file = std::fs::OpenOptions::new()
             .read(true)
@@ -298,8 +357,8 @@ impl ChunkStore {
             )
         })?;
         let count = map.chunk_count();
-        let same_map = rec.as_ref().is_some_and(|r| r.map == map);
         let blob = Arc::new(Blob {
+            digest,
             path,
             file,
             state: Mutex::new(BlobState {
@@ -307,12 +366,13 @@ impl ChunkStore {
                 complete: false,
                 recorded: Bitfield::new(count),
                 recorded_complete: false,
+                recorded_known: 0,
             }),
             prefix: Mutex::new(PrefixHasher::new()),
-            map,
+            map: RwLock::new(map),
         });
         match rec {
-            Some(rec) if same_map && rec.complete => {
+            Some(rec) if rec.complete => {
                 let mut st = blob.lock();
                 st.held = rec.held.clone();
                 st.recorded = rec.held;
@@ -324,7 +384,7 @@ impl ChunkStore {
                 // predates its first record and is not worth a read.
                 blob.file
                     .set_len(0)
-                    .and_then(|()| reserve(&blob.file, blob.map.size()))
+                    .and_then(|()| reserve(&blob.file, blob.read_map().size()))
                     .map_err(|e| {
                         Error::io(format!("resetting blob file {}", blob.path.display()), e)
                     })?;
@@ -346,9 +406,13 @@ impl ChunkStore {
     /// Makes every chunk written so far durable: syncs the blob file, then
     /// records the chunks in the log. Blocking.
     pub fn persist(&self, blob: &Blob) -> Result<()> {
+        let known = blob.read_map().known().count();
         {
             let st = blob.lock();
-            if st.held == st.recorded && st.complete == st.recorded_complete {
+            if st.held == st.recorded
+                && st.complete == st.recorded_complete
+                && st.recorded_known == known
+            {
                 return Ok(());
             }
         }
@@ -363,10 +427,12 @@ impl ChunkStore {
             let st = blob.lock();
             (st.held.clone(), st.complete)
         };
+        let map = blob.map();
+        let known = map.known().count();
         self.log.save(
             &blob.digest(),
             &LogRecord {
-                map: blob.map.clone(),
+                map,
                 held: held.clone(),
                 complete,
             },
@@ -374,6 +440,7 @@ impl ChunkStore {
         let mut st = blob.lock();
         st.recorded = held;
         st.recorded_complete = complete;
+        st.recorded_known = known;
         Ok(())
     }
 
@@ -426,7 +493,8 @@ fn recover(blob: &Blob) -> Result<Bitfield> {
             Ok(()) => {
                 held.set(i);
             }
-            Err(VerifyError::ChunkHash { .. }) => {}
+            // Torn or never written; or its hash is not known yet.
+            Err(VerifyError::ChunkHash { .. } | VerifyError::HashUnknown { .. }) => {}
             Err(e) => return Err(e.into()),
         }
     }
@@ -521,7 +589,7 @@ mod tests {
         let mut forged_bytes = bytes.clone();
         forged_bytes[10] ^= 1;
         let honest = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
-        let forged = ChunkMap::new(
+        let forged = ChunkMap::partial(
             honest.digest(),
             honest.size(),
             honest.chunk_size(),
@@ -537,6 +605,37 @@ mod tests {
         assert!(err.to_string().contains("not its digest"), "{err}");
         assert_eq!(blob.held().count(), 0);
         assert!(!blob.is_complete());
+    }
+
+    #[test]
+    fn origin_chunks_fill_an_unhashed_map_and_verify_peer_chunks_after_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = data(3 * 65536, 5);
+        let full = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
+        let bare = ChunkMap::unhashed(full.digest(), full.size(), full.chunk_size()).unwrap();
+        let chunks: Vec<&[u8]> = bytes.chunks(65536).collect();
+        {
+            let store = ChunkStore::open(dir.path()).unwrap();
+            let blob = store.blob(&bare).unwrap();
+            assert!(matches!(
+                blob.put_chunk(0, chunks[0]),
+                Err(Error::Verify(VerifyError::HashUnknown { index: 0, .. }))
+            ));
+            blob.put_origin_chunk(1, chunks[1]).unwrap();
+            assert_eq!(blob.map().hashes()[1], full.hashes()[1]);
+            store.persist(&blob).unwrap();
+        }
+        let store = ChunkStore::open(dir.path()).unwrap();
+        let blob = store.blob(&bare).unwrap();
+        assert_eq!(blob.held().ones().collect::<Vec<_>>(), vec![1]);
+        assert_eq!(
+            blob.map().known().count(),
+            1,
+            "the learned hash was recorded"
+        );
+        store.blob(&full).unwrap();
+        blob.put_chunk(0, chunks[0]).unwrap();
+        assert_eq!(blob.put_chunk(2, chunks[2]).unwrap(), PutOutcome::Completed);
     }
 
     #[test]

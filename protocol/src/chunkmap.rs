@@ -3,6 +3,8 @@
 //!
 //! A chunk's hash is BLAKE3 of its bytes, independent of every other chunk, so a
 //! node that fetched only chunks 40..48 from the registry can publish their hashes.
+//! A map may therefore be partial: hashes not yet published are unknown, and a
+//! chunk with an unknown hash cannot be accepted from a peer.
 //! The blob as a whole is checked against its OCI sha256 digest by [`PrefixHasher`],
 //! which hashes the verified chunks in order as the contiguous prefix grows.
 
@@ -31,7 +33,7 @@ pub struct ChunkMap {
     digest: BlobDigest,
     size: u64,
     chunk_size: u32,
-    hashes: Vec<ChunkHash>,
+    hashes: Vec<Option<ChunkHash>>,
 }
 
 /// Why a chunk map, chunk or blob is refused.
@@ -54,40 +56,49 @@ pub enum VerifyError {
     },
     #[error("chunk {index} of {digest} does not match its hash in the chunk map")]
     ChunkHash { digest: BlobDigest, index: u32 },
+    #[error("chunk {index} of {digest} has no published hash yet")]
+    HashUnknown { digest: BlobDigest, index: u32 },
+    #[error("chunk {index} of {digest} was published with two different hashes")]
+    HashConflict { digest: BlobDigest, index: u32 },
     #[error("blob assembled from verified chunks hashes to {got}, not its digest {digest}")]
     BlobDigest { digest: BlobDigest, got: BlobDigest },
 }
 
 impl ChunkMap {
-    /// Builds a map from chunk hashes, checking that they fit the size.
+    /// Builds a complete map from chunk hashes, checking that they fit the size.
     pub fn new(
         digest: BlobDigest,
         size: u64,
         chunk_size: u32,
         hashes: Vec<ChunkHash>,
     ) -> Result<Self, VerifyError> {
-        let bad = |reason: String| VerifyError::BadMap {
-            digest: digest.to_string(),
-            reason,
-        };
-        if !(MIN_CHUNK_SIZE..=MAX_CHUNK_SIZE).contains(&chunk_size)
-            || !chunk_size.is_multiple_of(64)
-        {
-            return Err(bad(format!(
-                "chunk size {chunk_size} must be a multiple of 64 between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE}"
-            )));
-        }
-        if size > MAX_BLOB_SIZE {
-            return Err(bad(format!(
-                "size {size} exceeds the limit of {MAX_BLOB_SIZE} bytes"
-            )));
-        }
-        let want = size.div_ceil(u64::from(chunk_size));
+        Self::partial(
+            digest,
+            size,
+            chunk_size,
+            hashes.into_iter().map(Some).collect(),
+        )
+    }
+
+    /// A map whose hashes are all still unknown.
+    pub fn unhashed(digest: BlobDigest, size: u64, chunk_size: u32) -> Result<Self, VerifyError> {
+        let count = check_geometry(digest, size, chunk_size)?;
+        Self::partial(digest, size, chunk_size, vec![None; count as usize])
+    }
+
+    /// Builds a map in which some hashes may be unknown.
+    pub fn partial(
+        digest: BlobDigest,
+        size: u64,
+        chunk_size: u32,
+        hashes: Vec<Option<ChunkHash>>,
+    ) -> Result<Self, VerifyError> {
+        let want = check_geometry(digest, size, chunk_size)?;
         if hashes.len() as u64 != want {
-            return Err(bad(format!(
-                "{} chunk hashes for {want} chunks",
-                hashes.len()
-            )));
+            return Err(VerifyError::BadMap {
+                digest: digest.to_string(),
+                reason: format!("{} chunk hashes for {want} chunks", hashes.len()),
+            });
         }
         Ok(Self {
             digest,
@@ -124,8 +135,65 @@ impl ChunkMap {
         self.hashes.len() as u32
     }
 
-    pub fn hashes(&self) -> &[ChunkHash] {
+    pub fn hashes(&self) -> &[Option<ChunkHash>] {
         &self.hashes
+    }
+
+    /// Whether every chunk's hash is known.
+    pub fn is_fully_hashed(&self) -> bool {
+        self.hashes.iter().all(Option::is_some)
+    }
+
+    /// Chunks whose hash is known.
+    pub fn known(&self) -> crate::Bitfield {
+        let mut b = crate::Bitfield::new(self.chunk_count());
+        for (i, h) in self.hashes.iter().enumerate() {
+            if h.is_some() {
+                b.set(i as u32);
+            }
+        }
+        b
+    }
+
+    /// Records chunk `index`'s hash; returns whether it was new. A different
+    /// hash for a chunk already hashed is refused.
+    pub fn set_hash(&mut self, index: u32, hash: ChunkHash) -> Result<bool, VerifyError> {
+        let (digest, count) = (self.digest, self.chunk_count());
+        match self.hashes.get_mut(index as usize) {
+            None => Err(VerifyError::OutOfRange {
+                digest,
+                index,
+                count,
+            }),
+            Some(Some(h)) if *h == hash => Ok(false),
+            Some(Some(_)) => Err(VerifyError::HashConflict { digest, index }),
+            Some(slot) => {
+                *slot = Some(hash);
+                Ok(true)
+            }
+        }
+    }
+
+    /// Takes every hash `other` knows that this map lacks; refuses conflicts
+    /// and maps of another blob or geometry.
+    pub fn merge(&mut self, other: &ChunkMap) -> Result<u32, VerifyError> {
+        if (other.digest, other.size, other.chunk_size) != (self.digest, self.size, self.chunk_size)
+        {
+            return Err(VerifyError::BadMap {
+                digest: self.digest.to_string(),
+                reason: format!(
+                    "cannot merge a map of {} bytes in {}-byte chunks into one of {} bytes in {}-byte chunks",
+                    other.size, other.chunk_size, self.size, self.chunk_size
+                ),
+            });
+        }
+        let mut added = 0;
+        for (i, h) in other.hashes.iter().enumerate() {
+            if let Some(h) = h {
+                added += u32::from(self.set_hash(i as u32, *h)?);
+            }
+        }
+        Ok(added)
     }
 
     /// Byte offset of chunk `index`.
@@ -146,6 +214,12 @@ impl ChunkMap {
                 digest: self.digest,
                 index,
                 count: self.chunk_count(),
+            });
+        };
+        let Some(want_hash) = want_hash else {
+            return Err(VerifyError::HashUnknown {
+                digest: self.digest,
+                index,
             });
         };
         let want = self.chunk_len(index);
@@ -171,7 +245,12 @@ impl ChunkMap {
             digest: self.digest.to_string(),
             size: self.size,
             chunk_size: self.chunk_size,
-            chunk_hashes: self.hashes.iter().map(|h| h.to_vec().into()).collect(),
+            // An unknown hash travels as empty bytes.
+            chunk_hashes: self
+                .hashes
+                .iter()
+                .map(|h| h.map(|h| h.to_vec().into()).unwrap_or_default())
+                .collect(),
         }
     }
 
@@ -186,14 +265,40 @@ impl ChunkMap {
                 })?;
         let mut hashes = Vec::with_capacity(m.chunk_hashes.len());
         for (i, h) in m.chunk_hashes.iter().enumerate() {
+            if h.is_empty() {
+                hashes.push(None);
+                continue;
+            }
             let h: ChunkHash = h.as_ref().try_into().map_err(|_| VerifyError::BadMap {
                 digest: digest.to_string(),
-                reason: format!("chunk hash {i} is {} bytes, not 32", h.len()),
+                reason: format!(
+                    "chunk hash {i} is {} bytes, not 32 (or 0 when unknown)",
+                    h.len()
+                ),
             })?;
-            hashes.push(h);
+            hashes.push(Some(h));
         }
-        Self::new(digest, m.size, m.chunk_size, hashes)
+        Self::partial(digest, m.size, m.chunk_size, hashes)
     }
+}
+
+/// Checks a blob's size and chunk size; returns the chunk count.
+fn check_geometry(digest: BlobDigest, size: u64, chunk_size: u32) -> Result<u64, VerifyError> {
+    let bad = |reason: String| VerifyError::BadMap {
+        digest: digest.to_string(),
+        reason,
+    };
+    if !(MIN_CHUNK_SIZE..=MAX_CHUNK_SIZE).contains(&chunk_size) || !chunk_size.is_multiple_of(64) {
+        return Err(bad(format!(
+            "chunk size {chunk_size} must be a multiple of 64 between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE}"
+        )));
+    }
+    if size > MAX_BLOB_SIZE {
+        return Err(bad(format!(
+            "size {size} exceeds the limit of {MAX_BLOB_SIZE} bytes"
+        )));
+    }
+    Ok(size.div_ceil(u64::from(chunk_size)))
 }
 
 /// Builds a chunk map while a blob streams past, in order (for a node that reads
@@ -360,6 +465,25 @@ mod tests {
             bad.finish(&map),
             Err(VerifyError::BlobDigest { .. })
         ));
+    }
+
+    #[test]
+    fn partial_maps_learn_hashes_and_refuse_conflicts() {
+        let data = blob(200_000);
+        let full = ChunkMap::of_bytes(&data, MIN_CHUNK_SIZE).unwrap();
+        let mut m = ChunkMap::unhashed(full.digest(), full.size(), full.chunk_size()).unwrap();
+        assert_eq!(m.chunk_count(), 4);
+        assert_eq!(m.known().count(), 0);
+        assert!(m.set_hash(2, full.hashes()[2].unwrap()).unwrap());
+        assert!(!m.set_hash(2, full.hashes()[2].unwrap()).unwrap());
+        assert!(matches!(
+            m.set_hash(2, [0; 32]),
+            Err(VerifyError::HashConflict { index: 2, .. })
+        ));
+        assert_eq!(m.merge(&full).unwrap(), 3);
+        assert_eq!(m, full);
+        let other = ChunkMap::unhashed(full.digest(), full.size() + 1, full.chunk_size()).unwrap();
+        assert!(m.merge(&other).is_err());
     }
 
     #[test]

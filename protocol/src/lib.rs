@@ -11,6 +11,7 @@ pub mod chunkmap;
 pub mod digest;
 pub mod framing;
 pub mod picker;
+pub mod scheduler;
 
 /// Messages generated from `proto/dray.proto`.
 pub mod pb {

@@ -1,0 +1,1496 @@
+//! The tracker's scheduling core: which peers a node should pull a blob from,
+//! and which chunks it should fetch from the registry itself.
+//!
+//! When N nodes pull the same blob at once, each chunk should leave the registry
+//! about once. The scheduler stripes the chunks that nobody holds into short
+//! contiguous runs and hands each run to one node, takes a run back when its node
+//! stalls or disappears, and points every node at the peers holding what it
+//! lacks. Like the rest of this crate it does no I/O and reads no clock: the
+//! time arrives as an `Instant` argument, so the tracker service and the
+//! discrete-event simulator drive the same code.
+//!
+//! All state is soft. A tracker that restarts answers the first delta announce
+//! of each peer with `resend_full` and rebuilds from the full announces that
+//! follow.
+//!
+//! Cost: an announce costs O(chunks it changes + runs it is handed + a bounded
+//! sample of candidate peers x bitfield bytes), never O(nodes x chunks); a tick
+//! costs O(peers + outstanding runs).
+
+use crate::{Bitfield, BlobDigest};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+/// Tunables. The defaults suit 4 MiB chunks and a registry reachable at a few
+/// MiB/s per node.
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    /// How often peers are told to announce.
+    pub announce_interval: Duration,
+    /// A peer silent for more than this many intervals is dropped.
+    pub expiry_intervals: u32,
+    /// Peers handed out per wanted blob (K).
+    pub peers_per_blob: usize,
+    /// Holders scored per answer; bounds the work of an announce in big swarms.
+    pub peer_sample: usize,
+    /// Chunks per registry assignment.
+    pub stripe_chunks: u32,
+    /// Registry assignments a node may hold at once, over all blobs.
+    pub max_outstanding: usize,
+    /// The slowest registry fetch rate (bytes/s) tolerated before a run is taken back.
+    pub min_fetch_rate: u64,
+    /// Floor on an assignment's deadline, for small runs and slow starts.
+    pub min_fetch_timeout: Duration,
+    /// Ceiling on an assignment's deadline, so a bogus blob size cannot park chunks.
+    pub max_fetch_timeout: Duration,
+    /// Distinct reporters after which an offender is no longer handed out.
+    pub reports_to_ban: usize,
+    /// Largest chunk count accepted, so an announce cannot make us allocate without bound.
+    pub max_chunks: u32,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            announce_interval: Duration::from_secs(10),
+            expiry_intervals: 3,
+            peers_per_blob: 8,
+            peer_sample: 64,
+            stripe_chunks: 4,
+            max_outstanding: 2,
+            min_fetch_rate: 1 << 20,
+            min_fetch_timeout: Duration::from_secs(5),
+            max_fetch_timeout: Duration::from_secs(600),
+            reports_to_ban: 3,
+            max_chunks: 1 << 20,
+        }
+    }
+}
+
+/// What a peer says it holds of one blob.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Held {
+    /// Every chunk held: replaces what the tracker knew.
+    Bits(Bitfield),
+    /// Chunks verified since the last announce (the whole set in a full announce).
+    Added(Vec<u32>),
+}
+
+/// One blob in an announce.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlobAnnounce {
+    pub digest: BlobDigest,
+    /// Chunks in the blob, from its chunk map.
+    pub chunk_count: u32,
+    /// Blob size in bytes; 0 if unknown (deadlines then assume default-size chunks).
+    pub size: u64,
+    pub held: Held,
+    /// The peer is pulling this blob and wants peers and assignments for it.
+    pub wanted: bool,
+}
+
+/// A peer's periodic report, as in the `Announce` message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Announce {
+    pub peer: String,
+    /// host:port of the peer's QUIC endpoint.
+    pub address: String,
+    pub upload_bytes_per_s: u64,
+    /// Uploads in progress right now.
+    pub active_uploads: u32,
+    /// Topology labels such as zone and rack.
+    pub labels: BTreeMap<String, String>,
+    pub blobs: Vec<BlobAnnounce>,
+    /// `blobs` is the peer's complete state: blobs not listed are dropped.
+    pub full: bool,
+}
+
+/// A peer worth asking for chunks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerContact {
+    pub peer: String,
+    pub address: String,
+}
+
+/// Fetch chunks `[first, first + count)` of `digest` from the registry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Assignment {
+    pub digest: BlobDigest,
+    pub first: u32,
+    pub count: u32,
+    /// After this the run is taken back if its chunks are still unheld.
+    pub deadline: Instant,
+}
+
+/// The answer to an announce.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AnnounceDecision {
+    /// Up to K peers per wanted blob, best first.
+    pub peers: BTreeMap<BlobDigest, Vec<PeerContact>>,
+    /// Every registry run the peer holds now (not only the new ones), so a lost
+    /// response costs nothing and a run missing here was taken back.
+    pub assignments: Vec<Assignment>,
+    /// Announce again within this.
+    pub interval: Duration,
+    /// The tracker has no state for this peer: send a full announce.
+    pub resend_full: bool,
+    /// Blobs whose chunk map was withdrawn: drop chunks verified against it.
+    pub withdrawn: Vec<BlobDigest>,
+    /// Blob entries of the announce that were ignored, and why.
+    pub rejected: Vec<ScheduleError>,
+}
+
+/// A peer sent a chunk that failed its hash.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BadChunk {
+    pub reporter: String,
+    pub offender: String,
+    pub digest: BlobDigest,
+    pub index: u32,
+    /// The tracker verified the claim itself: one such report is enough.
+    pub confirmed: bool,
+}
+
+/// How much a peer is trusted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Standing {
+    /// Distinct peers that reported it.
+    pub reporters: usize,
+    /// No longer handed out, its holdings ignored, no registry runs.
+    pub banned: bool,
+}
+
+/// What a tick changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TickReport {
+    /// Peers dropped for silence.
+    pub expired: Vec<String>,
+    /// Runs taken back from stalled peers, with the peer that held them.
+    pub reclaimed: Vec<(String, Assignment)>,
+}
+
+/// Why an input was refused.
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ScheduleError {
+    #[error("blob {digest}: chunk count {got} is outside 1..={max}")]
+    ChunkCountOutOfRange {
+        digest: BlobDigest,
+        got: u32,
+        max: u32,
+    },
+    #[error("blob {digest} has {expected} chunks at the tracker but the announce says {got}")]
+    ChunkCountMismatch {
+        digest: BlobDigest,
+        expected: u32,
+        got: u32,
+    },
+    #[error("blob {digest}: bitfield of {got} chunks for a blob of {expected}")]
+    BitfieldLength {
+        digest: BlobDigest,
+        expected: u32,
+        got: u32,
+    },
+    #[error("blob {digest}: chunk {index} is past the last chunk ({chunk_count} chunks)")]
+    ChunkOutOfRange {
+        digest: BlobDigest,
+        index: u32,
+        chunk_count: u32,
+    },
+    #[error("peer {0:?} is not known to the tracker (it must announce first)")]
+    UnknownPeer(String),
+    #[error("blob {0} is not known to the tracker")]
+    UnknownBlob(BlobDigest),
+    #[error("peer {0:?} reported itself")]
+    SelfReport(String),
+}
+
+/// Index into the peer slab: peer ids are strings, but the hot sets hold these.
+type PeerKey = u32;
+
+#[derive(Debug)]
+struct Peer {
+    id: String,
+    address: String,
+    capacity: u64,
+    active_uploads: u32,
+    /// Times handed out since its last announce: load the peer has not reported yet.
+    handed_out: u32,
+    labels: BTreeMap<String, String>,
+    last_announce: Instant,
+    blobs: BTreeSet<BlobDigest>,
+    /// Its runs, as (blob, first chunk).
+    runs: BTreeSet<(BlobDigest, u32)>,
+    pending_withdrawn: BTreeSet<BlobDigest>,
+    /// A peer that stalled gets no runs before this, so the run goes elsewhere.
+    no_runs_before: Option<Instant>,
+}
+
+#[derive(Debug)]
+struct Member {
+    held: Bitfield,
+    wants: bool,
+    /// Position in `Swarm::sources` while it holds anything.
+    source_slot: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    peer: PeerKey,
+    count: u32,
+    deadline: Instant,
+    timeout: Duration,
+}
+
+/// One blob's swarm.
+#[derive(Debug)]
+struct Swarm {
+    chunk_count: u32,
+    /// Approximate bytes per chunk, for deadlines.
+    chunk_bytes: u64,
+    /// Members (not banned) holding each chunk.
+    holders: Vec<u32>,
+    held_chunks: u32,
+    /// Chunks covered by a live run.
+    assigned: Bitfield,
+    /// Every chunk below this is held or assigned; whatever frees a chunk pulls it back.
+    cursor: u32,
+    members: HashMap<PeerKey, Member>,
+    /// Members holding at least one chunk, for sampling without a full scan.
+    sources: Vec<PeerKey>,
+    rotation: usize,
+    /// Live runs by first chunk; they never overlap.
+    runs: BTreeMap<u32, Run>,
+}
+
+impl Swarm {
+    fn new(chunk_count: u32, chunk_bytes: u64) -> Self {
+        Self {
+            chunk_count,
+            chunk_bytes,
+            holders: vec![0; chunk_count as usize],
+            held_chunks: 0,
+            assigned: Bitfield::new(chunk_count),
+            cursor: 0,
+            members: HashMap::new(),
+            sources: Vec::new(),
+            rotation: 0,
+            runs: BTreeMap::new(),
+        }
+    }
+
+    fn is_free(&self, i: u32) -> bool {
+        i < self.chunk_count && self.holders[i as usize] == 0 && !self.assigned.get(i)
+    }
+
+    fn note_maybe_free(&mut self, i: u32) {
+        if self.is_free(i) {
+            self.cursor = self.cursor.min(i);
+        }
+    }
+
+    /// Marks chunk `i` held by `key`; a run whose chunks are now all held is
+    /// dropped and returned so the caller can update its peer.
+    fn add_chunk(&mut self, key: PeerKey, i: u32, dropped: &mut Vec<(u32, Run)>) {
+        let Some(m) = self.members.get_mut(&key) else {
+            return;
+        };
+        if !m.held.set(i) {
+            return;
+        }
+        if m.source_slot.is_none() {
+            m.source_slot = Some(self.sources.len());
+            self.sources.push(key);
+        }
+        let count = &mut self.holders[i as usize];
+        *count += 1;
+        if *count == 1 {
+            self.held_chunks += 1;
+            if let Some((&first, run)) = self.runs.range(..=i).next_back()
+                && i < first + run.count
+                && (first..first + run.count).all(|c| self.holders[c as usize] > 0)
+                && let Some(run) = self.remove_run(first)
+            {
+                dropped.push((first, run));
+            }
+        }
+    }
+
+    fn remove_chunk(&mut self, key: PeerKey, i: u32) {
+        let Some(m) = self.members.get_mut(&key) else {
+            return;
+        };
+        if !m.held.clear(i) {
+            return;
+        }
+        let empty = m.held.count() == 0;
+        let count = &mut self.holders[i as usize];
+        *count -= 1;
+        if *count == 0 {
+            self.held_chunks -= 1;
+            self.note_maybe_free(i);
+        }
+        if empty {
+            self.remove_source(key);
+        }
+    }
+
+    fn remove_source(&mut self, key: PeerKey) {
+        let Some(slot) = self
+            .members
+            .get_mut(&key)
+            .and_then(|m| m.source_slot.take())
+        else {
+            return;
+        };
+        self.sources.swap_remove(slot);
+        if let Some(&moved) = self.sources.get(slot)
+            && let Some(m) = self.members.get_mut(&moved)
+        {
+            m.source_slot = Some(slot);
+        }
+    }
+
+    /// Makes `key`'s holdings equal `bits` (same length, checked by the caller),
+    /// touching only the bytes that differ.
+    fn replace_holdings(&mut self, key: PeerKey, bits: &Bitfield, dropped: &mut Vec<(u32, Run)>) {
+        for (j, &new) in bits.as_bytes().iter().enumerate() {
+            let Some(old) = self.members.get(&key).map(|m| m.held.as_bytes()[j]) else {
+                return;
+            };
+            if old == new {
+                continue;
+            }
+            for b in 0..8u32 {
+                let mask = 0x80u8 >> b;
+                let i = j as u32 * 8 + b;
+                match (old & mask != 0, new & mask != 0) {
+                    (false, true) => self.add_chunk(key, i, dropped),
+                    (true, false) => self.remove_chunk(key, i),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    fn clear_holdings(&mut self, key: PeerKey) {
+        let held: Vec<u32> = match self.members.get(&key) {
+            Some(m) => m.held.ones().collect(),
+            None => return,
+        };
+        for i in held {
+            self.remove_chunk(key, i);
+        }
+        self.remove_source(key);
+    }
+
+    fn remove_run(&mut self, first: u32) -> Option<Run> {
+        let run = self.runs.remove(&first)?;
+        for i in first..first + run.count {
+            self.assigned.clear(i);
+            self.note_maybe_free(i);
+        }
+        Some(run)
+    }
+
+    /// The next run of up to `max` contiguous chunks nobody holds or fetches,
+    /// marked assigned.
+    fn take_free_run(&mut self, max: u32) -> Option<(u32, u32)> {
+        while self.cursor < self.chunk_count && !self.is_free(self.cursor) {
+            self.cursor += 1;
+        }
+        if self.cursor >= self.chunk_count {
+            return None;
+        }
+        let first = self.cursor;
+        let mut count = 0;
+        while count < max.max(1) && self.is_free(first + count) {
+            self.assigned.set(first + count);
+            count += 1;
+        }
+        Some((first, count))
+    }
+}
+
+#[derive(Debug, Default)]
+struct Record {
+    reporters: BTreeSet<String>,
+    banned: bool,
+}
+
+impl Record {
+    fn standing(&self) -> Standing {
+        Standing {
+            reporters: self.reporters.len(),
+            banned: self.banned,
+        }
+    }
+}
+
+/// The tracker's scheduler: all swarms, all peers, driven by announces,
+/// reports and ticks.
+#[derive(Debug)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    slots: Vec<Option<Peer>>,
+    free_slots: Vec<PeerKey>,
+    index: HashMap<String, PeerKey>,
+    swarms: HashMap<BlobDigest, Swarm>,
+    /// Outlives the peer itself, so leaving and rejoining clears nothing.
+    records: HashMap<String, Record>,
+}
+
+fn peer_mut(slots: &mut [Option<Peer>], key: PeerKey) -> Option<&mut Peer> {
+    slots.get_mut(key as usize).and_then(Option::as_mut)
+}
+
+fn peer_ref(slots: &[Option<Peer>], key: PeerKey) -> Option<&Peer> {
+    slots.get(key as usize).and_then(Option::as_ref)
+}
+
+impl Scheduler {
+    /// An empty scheduler, as after a (re)start.
+    pub fn new(config: SchedulerConfig) -> Self {
+        Self {
+            config,
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            index: HashMap::new(),
+            swarms: HashMap::new(),
+            records: HashMap::new(),
+        }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Peers currently known.
+    pub fn peer_count(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Usable peers holding chunk `index` of `digest` (0 if unknown).
+    pub fn holders(&self, digest: &BlobDigest, index: u32) -> u32 {
+        self.swarms
+            .get(digest)
+            .and_then(|s| s.holders.get(index as usize).copied())
+            .unwrap_or(0)
+    }
+
+    /// Chunks of `digest` that no usable peer holds; `None` if the blob is unknown.
+    pub fn unheld_chunks(&self, digest: &BlobDigest) -> Option<u32> {
+        self.swarms
+            .get(digest)
+            .map(|s| s.chunk_count - s.held_chunks)
+    }
+
+    /// Live registry runs of `digest`, with the peer holding each, by first chunk.
+    pub fn assignments(&self, digest: &BlobDigest) -> Vec<(String, Assignment)> {
+        let Some(swarm) = self.swarms.get(digest) else {
+            return Vec::new();
+        };
+        swarm
+            .runs
+            .iter()
+            .filter_map(|(&first, run)| {
+                let peer = peer_ref(&self.slots, run.peer)?;
+                Some((peer.id.clone(), assignment(*digest, first, run)))
+            })
+            .collect()
+    }
+
+    pub fn standing(&self, peer: &str) -> Standing {
+        self.records
+            .get(peer)
+            .map(Record::standing)
+            .unwrap_or_default()
+    }
+
+    fn is_banned(&self, peer: &str) -> bool {
+        self.records.get(peer).is_some_and(|r| r.banned)
+    }
+
+    /// Takes in an announce and answers it.
+    pub fn announce(&mut self, announce: Announce, now: Instant) -> AnnounceDecision {
+        let mut decision = AnnounceDecision {
+            peers: BTreeMap::new(),
+            assignments: Vec::new(),
+            interval: self.config.announce_interval,
+            resend_full: false,
+            withdrawn: Vec::new(),
+            rejected: Vec::new(),
+        };
+        let key = match self.index.get(&announce.peer) {
+            Some(&key) => key,
+            None if !announce.full => {
+                // A delta means nothing without the base it applies to.
+                decision.resend_full = true;
+                return decision;
+            }
+            None => self.insert_peer(&announce.peer, now),
+        };
+        let banned = self.is_banned(&announce.peer);
+        let Some(peer) = peer_mut(&mut self.slots, key) else {
+            return decision;
+        };
+        peer.address = announce.address;
+        peer.capacity = announce.upload_bytes_per_s;
+        peer.active_uploads = announce.active_uploads;
+        peer.handed_out = 0;
+        peer.labels = announce.labels;
+        peer.last_announce = now;
+        let withdrawn = std::mem::take(&mut peer.pending_withdrawn);
+        decision.withdrawn = withdrawn.iter().copied().collect();
+        if announce.full {
+            let listed: BTreeSet<BlobDigest> = announce.blobs.iter().map(|b| b.digest).collect();
+            let gone: Vec<BlobDigest> = peer.blobs.difference(&listed).copied().collect();
+            for digest in gone {
+                self.leave_swarm(key, digest);
+            }
+        }
+        for blob in announce.blobs {
+            // Chunks verified against a map the peer has not yet heard was
+            // withdrawn are worthless; banned peers' claims are not trusted.
+            let ignore_holdings = banned || withdrawn.contains(&blob.digest);
+            if let Err(e) = self.apply_blob(key, blob, announce.full, ignore_holdings) {
+                decision.rejected.push(e);
+            }
+        }
+        let cooling = peer_ref(&self.slots, key)
+            .and_then(|p| p.no_runs_before)
+            .is_some_and(|t| now < t);
+        if !banned && !cooling {
+            self.top_up(key, now);
+        }
+        let wanted: Vec<BlobDigest> = peer_ref(&self.slots, key)
+            .map(|p| p.blobs.iter().copied().collect())
+            .unwrap_or_default();
+        for digest in wanted {
+            let pulling = self
+                .swarms
+                .get(&digest)
+                .and_then(|s| s.members.get(&key))
+                .is_some_and(|m| m.wants && !m.held.is_full());
+            if pulling {
+                decision
+                    .peers
+                    .insert(digest, self.select_peers(key, digest));
+            }
+        }
+        if let Some(peer) = peer_ref(&self.slots, key) {
+            decision.assignments = peer
+                .runs
+                .iter()
+                .filter_map(|&(digest, first)| {
+                    let run = self.swarms.get(&digest)?.runs.get(&first)?;
+                    Some(assignment(digest, first, run))
+                })
+                .collect();
+        }
+        decision
+    }
+
+    fn insert_peer(&mut self, id: &str, now: Instant) -> PeerKey {
+        let peer = Peer {
+            id: id.to_owned(),
+            address: String::new(),
+            capacity: 0,
+            active_uploads: 0,
+            handed_out: 0,
+            labels: BTreeMap::new(),
+            last_announce: now,
+            blobs: BTreeSet::new(),
+            runs: BTreeSet::new(),
+            pending_withdrawn: BTreeSet::new(),
+            no_runs_before: None,
+        };
+        let key = match self.free_slots.pop() {
+            Some(key) => {
+                self.slots[key as usize] = Some(peer);
+                key
+            }
+            None => {
+                self.slots.push(Some(peer));
+                (self.slots.len() - 1) as PeerKey
+            }
+        };
+        self.index.insert(id.to_owned(), key);
+        key
+    }
+
+    /// Validates one blob entry completely before changing anything.
+    fn apply_blob(
+        &mut self,
+        key: PeerKey,
+        blob: BlobAnnounce,
+        full: bool,
+        ignore_holdings: bool,
+    ) -> Result<(), ScheduleError> {
+        let digest = blob.digest;
+        let n = blob.chunk_count;
+        if n == 0 || n > self.config.max_chunks {
+            return Err(ScheduleError::ChunkCountOutOfRange {
+                digest,
+                got: n,
+                max: self.config.max_chunks,
+            });
+        }
+        if let Some(swarm) = self.swarms.get(&digest)
+            && swarm.chunk_count != n
+        {
+            return Err(ScheduleError::ChunkCountMismatch {
+                digest,
+                expected: swarm.chunk_count,
+                got: n,
+            });
+        }
+        match &blob.held {
+            Held::Bits(bits) if bits.len() != n => {
+                return Err(ScheduleError::BitfieldLength {
+                    digest,
+                    expected: n,
+                    got: bits.len(),
+                });
+            }
+            Held::Added(added) => {
+                if let Some(&index) = added.iter().find(|&&i| i >= n) {
+                    return Err(ScheduleError::ChunkOutOfRange {
+                        digest,
+                        index,
+                        chunk_count: n,
+                    });
+                }
+            }
+            Held::Bits(_) => {}
+        }
+        let chunk_bytes = (blob.size > 0).then(|| blob.size.div_ceil(u64::from(n)));
+        let swarm = self.swarms.entry(digest).or_insert_with(|| {
+            Swarm::new(n, chunk_bytes.unwrap_or(crate::DEFAULT_CHUNK_SIZE.into()))
+        });
+        if let Some(bytes) = chunk_bytes {
+            swarm.chunk_bytes = bytes;
+        }
+        swarm
+            .members
+            .entry(key)
+            .or_insert_with(|| Member {
+                held: Bitfield::new(n),
+                wants: false,
+                source_slot: None,
+            })
+            .wants = blob.wanted;
+        if let Some(peer) = peer_mut(&mut self.slots, key) {
+            peer.blobs.insert(digest);
+        }
+        let mut dropped = Vec::new();
+        if !ignore_holdings {
+            match blob.held {
+                Held::Bits(bits) => swarm.replace_holdings(key, &bits, &mut dropped),
+                Held::Added(added) if full => {
+                    let mut bits = Bitfield::new(n);
+                    for i in added {
+                        bits.set(i);
+                    }
+                    swarm.replace_holdings(key, &bits, &mut dropped);
+                }
+                Held::Added(added) => {
+                    for i in added {
+                        swarm.add_chunk(key, i, &mut dropped);
+                    }
+                }
+            }
+        }
+        for (first, run) in dropped {
+            if let Some(peer) = peer_mut(&mut self.slots, run.peer) {
+                peer.runs.remove(&(digest, first));
+            }
+        }
+        self.prune_member(key, digest);
+        Ok(())
+    }
+
+    /// A member that neither holds nor wants the blob is of no use to the swarm.
+    fn prune_member(&mut self, key: PeerKey, digest: BlobDigest) {
+        let idle = self
+            .swarms
+            .get(&digest)
+            .and_then(|s| s.members.get(&key))
+            .is_some_and(|m| !m.wants && m.held.count() == 0);
+        if idle {
+            self.leave_swarm(key, digest);
+        }
+    }
+
+    fn leave_swarm(&mut self, key: PeerKey, digest: BlobDigest) {
+        let Some(peer) = peer_mut(&mut self.slots, key) else {
+            return;
+        };
+        peer.blobs.remove(&digest);
+        let firsts: Vec<u32> = peer
+            .runs
+            .range((digest, 0)..=(digest, u32::MAX))
+            .map(|&(_, first)| first)
+            .collect();
+        for &first in &firsts {
+            peer.runs.remove(&(digest, first));
+        }
+        let Some(swarm) = self.swarms.get_mut(&digest) else {
+            return;
+        };
+        for first in firsts {
+            swarm.remove_run(first);
+        }
+        swarm.clear_holdings(key);
+        swarm.members.remove(&key);
+        if swarm.members.is_empty() {
+            self.swarms.remove(&digest);
+        }
+    }
+
+    /// Gives `key` registry runs up to its outstanding limit.
+    fn top_up(&mut self, key: PeerKey, now: Instant) {
+        let Some(peer) = peer_mut(&mut self.slots, key) else {
+            return;
+        };
+        let blobs: Vec<BlobDigest> = peer.blobs.iter().copied().collect();
+        for digest in blobs {
+            if peer.runs.len() >= self.config.max_outstanding {
+                return;
+            }
+            let Some(swarm) = self.swarms.get_mut(&digest) else {
+                continue;
+            };
+            if !swarm
+                .members
+                .get(&key)
+                .is_some_and(|m| m.wants && !m.held.is_full())
+            {
+                continue;
+            }
+            while peer.runs.len() < self.config.max_outstanding {
+                let Some((first, count)) = swarm.take_free_run(self.config.stripe_chunks) else {
+                    break;
+                };
+                let timeout = fetch_timeout(&self.config, u64::from(count) * swarm.chunk_bytes);
+                swarm.runs.insert(
+                    first,
+                    Run {
+                        peer: key,
+                        count,
+                        deadline: now.checked_add(timeout).unwrap_or(now),
+                        timeout,
+                    },
+                );
+                peer.runs.insert((digest, first));
+            }
+        }
+    }
+
+    /// Up to K holders for `asker`, best first: holding something it lacks, then
+    /// sharing more topology labels, then least loaded, then most capacity.
+    fn select_peers(&mut self, asker: PeerKey, digest: BlobDigest) -> Vec<PeerContact> {
+        let Some(swarm) = self.swarms.get_mut(&digest) else {
+            return Vec::new();
+        };
+        let Some(me) = peer_ref(&self.slots, asker) else {
+            return Vec::new();
+        };
+        let mine = swarm.members.get(&asker).map(|m| m.held.as_bytes());
+        let n = swarm.sources.len();
+        let take = n.min(self.config.peer_sample);
+        // Rotating the sample window spreads askers over all holders when there
+        // are more than we score per answer.
+        let start = if n == 0 { 0 } else { swarm.rotation % n };
+        swarm.rotation = swarm.rotation.wrapping_add(take);
+        let mut scored: Vec<_> = (0..take)
+            .map(|j| swarm.sources[(start + j) % n])
+            .filter(|&k| k != asker)
+            .filter_map(|k| {
+                let p = peer_ref(&self.slots, k)?;
+                if self.records.get(&p.id).is_some_and(|r| r.banned) {
+                    return None;
+                }
+                let theirs = swarm.members.get(&k)?.held.as_bytes();
+                let useful = match mine {
+                    Some(mine) => theirs.iter().zip(mine).any(|(t, m)| t & !m != 0),
+                    None => true,
+                };
+                let locality = me
+                    .labels
+                    .iter()
+                    .filter(|(key, v)| p.labels.get(*key) == Some(*v))
+                    .count();
+                let load = p.active_uploads.saturating_add(p.handed_out);
+                Some((
+                    (
+                        Reverse(useful),
+                        Reverse(locality),
+                        load,
+                        Reverse(p.capacity),
+                    ),
+                    k,
+                ))
+            })
+            .collect();
+        // Stable: ties keep the rotated order.
+        scored.sort_by_key(|&(score, _)| score);
+        scored.truncate(self.config.peers_per_blob);
+        scored
+            .into_iter()
+            .filter_map(|(_, k)| {
+                let p = peer_mut(&mut self.slots, k)?;
+                p.handed_out = p.handed_out.saturating_add(1);
+                Some(PeerContact {
+                    peer: p.id.clone(),
+                    address: p.address.clone(),
+                })
+            })
+            .collect()
+    }
+
+    /// The peer left: forget it and take back its runs. Returns whether it was known.
+    pub fn leave(&mut self, peer: &str) -> bool {
+        match self.index.get(peer) {
+            Some(&key) => {
+                self.remove_peer(key);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn remove_peer(&mut self, key: PeerKey) {
+        let Some(peer) = peer_ref(&self.slots, key) else {
+            return;
+        };
+        let blobs: Vec<BlobDigest> = peer.blobs.iter().copied().collect();
+        for digest in blobs {
+            self.leave_swarm(key, digest);
+        }
+        if let Some(peer) = self.slots.get_mut(key as usize).and_then(Option::take) {
+            self.index.remove(&peer.id);
+            self.free_slots.push(key);
+        }
+    }
+
+    /// A peer sent a chunk that failed its hash. The offender no longer counts
+    /// as holding that chunk; once banned it is not handed out at all.
+    pub fn report_bad_chunk(&mut self, report: &BadChunk) -> Result<Standing, ScheduleError> {
+        if report.reporter == report.offender {
+            return Err(ScheduleError::SelfReport(report.reporter.clone()));
+        }
+        if !self.index.contains_key(&report.reporter) {
+            return Err(ScheduleError::UnknownPeer(report.reporter.clone()));
+        }
+        if let Some(swarm) = self.swarms.get(&report.digest)
+            && report.index >= swarm.chunk_count
+        {
+            return Err(ScheduleError::ChunkOutOfRange {
+                digest: report.digest,
+                index: report.index,
+                chunk_count: swarm.chunk_count,
+            });
+        }
+        let threshold = self.config.reports_to_ban.max(1);
+        let record = self.records.entry(report.offender.clone()).or_default();
+        let was_banned = record.banned;
+        if !record.banned {
+            // Distinct reporters, so that one hostile peer cannot ban another alone.
+            record.reporters.insert(report.reporter.clone());
+            record.banned = report.confirmed || record.reporters.len() >= threshold;
+        }
+        let standing = record.standing();
+        if let Some(&key) = self.index.get(&report.offender) {
+            if let Some(swarm) = self.swarms.get_mut(&report.digest) {
+                swarm.remove_chunk(key, report.index);
+            }
+            if standing.banned && !was_banned {
+                self.ban(key);
+            }
+            self.prune_member(key, report.digest);
+        }
+        Ok(standing)
+    }
+
+    /// Drops a banned peer's holdings and runs; it stays a member where it wants
+    /// a blob, so it can still finish pulling from others.
+    fn ban(&mut self, key: PeerKey) {
+        let Some(peer) = peer_mut(&mut self.slots, key) else {
+            return;
+        };
+        let runs = std::mem::take(&mut peer.runs);
+        let blobs: Vec<BlobDigest> = peer.blobs.iter().copied().collect();
+        for (digest, first) in runs {
+            if let Some(swarm) = self.swarms.get_mut(&digest) {
+                swarm.remove_run(first);
+            }
+        }
+        for digest in blobs {
+            if let Some(swarm) = self.swarms.get_mut(&digest) {
+                swarm.clear_holdings(key);
+            }
+            self.prune_member(key, digest);
+        }
+    }
+
+    /// A blob assembled from verified chunks failed its digest: the chunk map was
+    /// wrong. Every holding and run of the blob is dropped, and every member is
+    /// told in its next answer; registry runs start again from chunk 0.
+    pub fn blob_failed(
+        &mut self,
+        reporter: &str,
+        digest: &BlobDigest,
+    ) -> Result<(), ScheduleError> {
+        if !self.index.contains_key(reporter) {
+            return Err(ScheduleError::UnknownPeer(reporter.to_owned()));
+        }
+        let Some(swarm) = self.swarms.get_mut(digest) else {
+            return Err(ScheduleError::UnknownBlob(*digest));
+        };
+        let firsts: Vec<u32> = swarm.runs.keys().copied().collect();
+        for first in firsts {
+            if let Some(run) = swarm.remove_run(first)
+                && let Some(peer) = peer_mut(&mut self.slots, run.peer)
+            {
+                peer.runs.remove(&(*digest, first));
+            }
+        }
+        let members: Vec<PeerKey> = swarm.members.keys().copied().collect();
+        for &key in &members {
+            swarm.clear_holdings(key);
+            if let Some(peer) = peer_mut(&mut self.slots, key) {
+                peer.pending_withdrawn.insert(*digest);
+            }
+        }
+        for key in members {
+            self.prune_member(key, *digest);
+        }
+        Ok(())
+    }
+
+    /// Expires silent peers and takes back runs past their deadline. A peer
+    /// whose run stalled gets no new run for as long as that run was given.
+    pub fn tick(&mut self, now: Instant) -> TickReport {
+        let mut report = TickReport::default();
+        let limit = self
+            .config
+            .announce_interval
+            .saturating_mul(self.config.expiry_intervals);
+        let silent: Vec<PeerKey> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(k, p)| {
+                let p = p.as_ref()?;
+                (now.saturating_duration_since(p.last_announce) > limit).then_some(k as PeerKey)
+            })
+            .collect();
+        for key in silent {
+            if let Some(p) = peer_ref(&self.slots, key) {
+                report.expired.push(p.id.clone());
+            }
+            self.remove_peer(key);
+        }
+        for (&digest, swarm) in &mut self.swarms {
+            let late: Vec<u32> = swarm
+                .runs
+                .iter()
+                .filter(|(_, run)| now > run.deadline)
+                .map(|(&first, _)| first)
+                .collect();
+            for first in late {
+                // Live runs always cover an unheld chunk: fully held ones are
+                // dropped as their last chunk is announced.
+                let Some(run) = swarm.remove_run(first) else {
+                    continue;
+                };
+                if let Some(peer) = peer_mut(&mut self.slots, run.peer) {
+                    peer.runs.remove(&(digest, first));
+                    peer.no_runs_before = now.checked_add(run.timeout);
+                    report
+                        .reclaimed
+                        .push((peer.id.clone(), assignment(digest, first, &run)));
+                }
+            }
+        }
+        report
+    }
+}
+
+fn assignment(digest: BlobDigest, first: u32, run: &Run) -> Assignment {
+    Assignment {
+        digest,
+        first,
+        count: run.count,
+        deadline: run.deadline,
+    }
+}
+
+/// Time allowed for `bytes` at the minimum rate, within the floor and ceiling.
+fn fetch_timeout(config: &SchedulerConfig, bytes: u64) -> Duration {
+    let at_rate = match config.min_fetch_rate {
+        0 => config.max_fetch_timeout,
+        rate => Duration::from_millis(bytes.saturating_mul(1000) / rate),
+    };
+    at_rate
+        .min(config.max_fetch_timeout)
+        .max(config.min_fetch_timeout)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHUNK: u64 = 4 << 20;
+
+    fn blob() -> BlobDigest {
+        BlobDigest::of(b"layer")
+    }
+
+    fn bits(n: u32, ones: impl IntoIterator<Item = u32>) -> Bitfield {
+        let mut b = Bitfield::new(n);
+        for i in ones {
+            b.set(i);
+        }
+        b
+    }
+
+    fn entry(n: u32, held: Held, wanted: bool) -> BlobAnnounce {
+        BlobAnnounce {
+            digest: blob(),
+            chunk_count: n,
+            size: u64::from(n) * CHUNK,
+            held,
+            wanted,
+        }
+    }
+
+    fn announce(peer: &str, full: bool, blobs: Vec<BlobAnnounce>) -> Announce {
+        Announce {
+            peer: peer.to_owned(),
+            address: format!("{peer}:7000"),
+            upload_bytes_per_s: 100 << 20,
+            active_uploads: 0,
+            labels: BTreeMap::new(),
+            blobs,
+            full,
+        }
+    }
+
+    /// A full announce of a peer wanting the blob with `held` chunks.
+    fn wants(peer: &str, n: u32, held: &[u32]) -> Announce {
+        announce(
+            peer,
+            true,
+            vec![entry(n, Held::Bits(bits(n, held.iter().copied())), true)],
+        )
+    }
+
+    fn added(peer: &str, n: u32, chunks: Vec<u32>) -> Announce {
+        announce(peer, false, vec![entry(n, Held::Added(chunks), true)])
+    }
+
+    fn chunks_of(assignments: &[Assignment]) -> Vec<u32> {
+        assignments
+            .iter()
+            .flat_map(|a| a.first..a.first + a.count)
+            .collect()
+    }
+
+    fn peer_ids(d: &AnnounceDecision) -> Vec<String> {
+        d.peers
+            .get(&blob())
+            .map(|ps| ps.iter().map(|p| p.peer.clone()).collect())
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn eight_nodes_wanting_a_64_chunk_blob_get_disjoint_runs_covering_every_chunk_once() {
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        let now = Instant::now();
+        let mut seen = vec![0u32; 64];
+        for n in 0..8 {
+            let d = s.announce(wants(&format!("n{n}"), 64, &[]), now);
+            assert_eq!(d.assignments.len(), 2);
+            assert!(d.assignments.iter().all(|a| a.count == 4));
+            for c in chunks_of(&d.assignments) {
+                seen[c as usize] += 1;
+            }
+        }
+        assert!(seen.iter().all(|&c| c == 1), "{seen:?}");
+        // Nothing is left to hand out.
+        let d = s.announce(wants("n8", 64, &[]), now);
+        assert!(d.assignments.is_empty());
+    }
+
+    #[test]
+    fn runs_whose_chunks_are_all_announced_are_dropped_and_the_next_handed_out() {
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        let now = Instant::now();
+        let first = s.announce(wants("a", 16, &[]), now).assignments;
+        assert_eq!(chunks_of(&first), (0..8).collect::<Vec<_>>());
+        // Partly held: the run stays.
+        let d = s.announce(added("a", 16, vec![0, 1]), now);
+        assert_eq!(d.assignments, first);
+        let d = s.announce(added("a", 16, vec![2, 3]), now);
+        assert_eq!(chunks_of(&d.assignments), vec![4, 5, 6, 7, 8, 9, 10, 11]);
+        assert_eq!(s.holders(&blob(), 3), 1);
+        assert_eq!(s.unheld_chunks(&blob()), Some(12));
+    }
+
+    #[test]
+    fn a_stalled_run_is_reassigned_to_another_node_after_its_deadline() {
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        let t0 = Instant::now();
+        let a = s.announce(wants("a", 8, &[]), t0).assignments;
+        assert_eq!(chunks_of(&a), (0..8).collect::<Vec<_>>());
+        let b = s.announce(wants("b", 8, &[]), t0).assignments;
+        assert!(b.is_empty());
+
+        // Before the deadline nothing moves.
+        let before = a[0].deadline - Duration::from_millis(1);
+        assert!(s.tick(before).reclaimed.is_empty());
+
+        let after = a[1].deadline.max(a[0].deadline) + Duration::from_millis(1);
+        s.announce(added("a", 8, vec![]), after);
+        s.announce(added("b", 8, vec![]), after);
+        let report = s.tick(after);
+        assert_eq!(report.reclaimed.len(), 2);
+        assert!(report.reclaimed.iter().all(|(p, _)| p == "a"));
+        // The staller is cooling off; the other node gets the chunks.
+        assert!(
+            s.announce(added("a", 8, vec![]), after)
+                .assignments
+                .is_empty()
+        );
+        let b = s.announce(added("b", 8, vec![]), after).assignments;
+        assert_eq!(chunks_of(&b), (0..8).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_deadline_grows_with_the_run_size_above_a_floor() {
+        let config = SchedulerConfig::default();
+        let now = Instant::now();
+        let mut s = Scheduler::new(config.clone());
+        let big = s.announce(wants("a", 8, &[]), now).assignments;
+        // 4 chunks x 4 MiB at 1 MiB/s.
+        assert_eq!(big[0].deadline - now, Duration::from_secs(16));
+        let mut tiny = announce("b", true, vec![entry(8, Held::Added(vec![]), true)]);
+        tiny.blobs[0].digest = BlobDigest::of(b"tiny");
+        tiny.blobs[0].size = 8;
+        let small = s.announce(tiny, now).assignments;
+        assert_eq!(small[0].deadline - now, config.min_fetch_timeout);
+    }
+
+    #[test]
+    fn an_expired_nodes_runs_are_reassigned() {
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        let t0 = Instant::now();
+        let a = s.announce(wants("a", 8, &[]), t0).assignments;
+        assert_eq!(a.len(), 2);
+        let interval = s.config().announce_interval;
+        // b keeps announcing; a goes silent for more than 3 intervals.
+        let later = t0 + interval * 3 + Duration::from_millis(1);
+        assert!(
+            s.announce(wants("b", 8, &[]), t0 + interval)
+                .assignments
+                .is_empty()
+        );
+        s.announce(added("b", 8, vec![]), later);
+        let report = s.tick(later);
+        assert_eq!(report.expired, vec!["a".to_owned()]);
+        assert_eq!(s.peer_count(), 1);
+        let b = s.announce(added("b", 8, vec![]), later).assignments;
+        assert_eq!(chunks_of(&b), (0..8).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_leaving_node_loses_its_runs_and_holdings_at_once() {
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        let now = Instant::now();
+        s.announce(wants("a", 8, &[0]), now);
+        assert_eq!(s.holders(&blob(), 0), 1);
+        assert!(s.leave("a"));
+        assert!(!s.leave("a"));
+        assert_eq!(s.unheld_chunks(&blob()), None);
+        let b = s.announce(wants("b", 8, &[]), now).assignments;
+        assert_eq!(chunks_of(&b), (0..8).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_restarted_scheduler_asks_for_a_full_resend_on_a_delta() {
+        let now = Instant::now();
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        s.announce(wants("a", 8, &[0, 1]), now);
+        assert!(!s.announce(added("a", 8, vec![2]), now).resend_full);
+
+        let mut restarted = Scheduler::new(SchedulerConfig::default());
+        let d = restarted.announce(added("a", 8, vec![3]), now);
+        assert!(d.resend_full);
+        assert!(d.assignments.is_empty() && d.peers.is_empty());
+        assert_eq!(restarted.peer_count(), 0);
+        let d = restarted.announce(wants("a", 8, &[0, 1, 2, 3]), now);
+        assert!(!d.resend_full);
+        assert_eq!(restarted.unheld_chunks(&blob()), Some(4));
+    }
+
+    #[test]
+    fn peers_given_prefer_holders_of_missing_chunks_and_exclude_banned_offenders() {
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        let now = Instant::now();
+        s.announce(wants("asker", 8, &[0, 1]), now);
+        s.announce(wants("same", 8, &[0, 1]), now);
+        s.announce(wants("useful", 8, &[2]), now);
+        s.announce(wants("bad", 8, &(0..8).collect::<Vec<_>>()), now);
+        let d = s.announce(added("asker", 8, vec![]), now);
+        let ids = peer_ids(&d);
+        assert_eq!(ids.len(), 3);
+        assert!(ids[..2].contains(&"useful".to_owned()) && ids[..2].contains(&"bad".to_owned()));
+        assert_eq!(ids[2], "same");
+        assert!(!ids.contains(&"asker".to_owned()));
+
+        let report = |reporter: &str, confirmed| BadChunk {
+            reporter: reporter.to_owned(),
+            offender: "bad".to_owned(),
+            digest: blob(),
+            index: 5,
+            confirmed,
+        };
+        let standing = s.report_bad_chunk(&report("asker", false)).unwrap();
+        assert_eq!(
+            standing,
+            Standing {
+                reporters: 1,
+                banned: false
+            }
+        );
+        // The same reporter twice does not count twice.
+        assert_eq!(
+            s.report_bad_chunk(&report("asker", false))
+                .unwrap()
+                .reporters,
+            1
+        );
+        assert_eq!(s.holders(&blob(), 5), 0, "the bad chunk no longer counts");
+        assert!(s.report_bad_chunk(&report("same", true)).unwrap().banned);
+        assert_eq!(s.holders(&blob(), 7), 0);
+        let ids = peer_ids(&s.announce(added("asker", 8, vec![]), now));
+        assert_eq!(ids, vec!["useful".to_owned(), "same".to_owned()]);
+        // Its later claims are not trusted either.
+        s.announce(wants("bad", 8, &(0..8).collect::<Vec<_>>()), now);
+        assert_eq!(s.holders(&blob(), 7), 0);
+        assert!(s.standing("bad").banned);
+    }
+
+    #[test]
+    fn three_distinct_reporters_ban_an_offender() {
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        let now = Instant::now();
+        for p in ["r1", "r2", "r3", "bad"] {
+            s.announce(wants(p, 8, &[0]), now);
+        }
+        for (i, r) in ["r1", "r2", "r3"].into_iter().enumerate() {
+            let st = s
+                .report_bad_chunk(&BadChunk {
+                    reporter: r.to_owned(),
+                    offender: "bad".to_owned(),
+                    digest: blob(),
+                    index: 0,
+                    confirmed: false,
+                })
+                .unwrap();
+            assert_eq!(st.banned, i == 2);
+        }
+    }
+
+    #[test]
+    fn same_zone_and_lightly_loaded_peers_come_first() {
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        let now = Instant::now();
+        let labelled = |peer: &str, zone: &str, load: u32| {
+            let mut a = wants(peer, 4, &[0, 1, 2, 3]);
+            a.labels.insert("zone".into(), zone.into());
+            a.active_uploads = load;
+            a
+        };
+        s.announce(labelled("far-idle", "b", 0), now);
+        s.announce(labelled("near-busy", "a", 5), now);
+        s.announce(labelled("near-idle", "a", 1), now);
+        let mut asker = labelled("asker", "a", 0);
+        asker.blobs[0].held = Held::Bits(Bitfield::new(4));
+        let ids = peer_ids(&s.announce(asker, now));
+        assert_eq!(ids, vec!["near-idle", "near-busy", "far-idle"]);
+    }
+
+    #[test]
+    fn a_digest_failure_withdraws_holdings_and_lists_the_blob_as_withdrawn() {
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        let now = Instant::now();
+        s.announce(wants("a", 16, &[0, 1, 2, 3]), now);
+        s.announce(wants("b", 16, &[]), now);
+        assert_eq!(
+            s.blob_failed("nobody", &blob()),
+            Err(ScheduleError::UnknownPeer("nobody".into()))
+        );
+        s.blob_failed("b", &blob()).unwrap();
+        assert_eq!(s.unheld_chunks(&blob()), Some(16));
+        assert!(s.assignments(&blob()).is_empty());
+
+        // a had not heard yet: the chunks it adds now were checked against the old map.
+        let d = s.announce(added("a", 16, vec![4]), now);
+        assert_eq!(d.withdrawn, vec![blob()]);
+        assert_eq!(s.holders(&blob(), 4), 0);
+        assert_eq!(chunks_of(&d.assignments), (0..8).collect::<Vec<_>>());
+        // Told once.
+        let d = s.announce(added("a", 16, vec![0]), now);
+        assert!(d.withdrawn.is_empty());
+        assert_eq!(s.holders(&blob(), 0), 1);
+        assert_eq!(
+            s.announce(added("b", 16, vec![]), now).withdrawn,
+            vec![blob()]
+        );
+    }
+
+    #[test]
+    fn hostile_announces_and_reports_are_refused_without_panicking() {
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        let now = Instant::now();
+        s.announce(wants("a", 8, &[]), now);
+        let d = s.announce(
+            announce(
+                "a",
+                false,
+                vec![
+                    entry(8, Held::Bits(Bitfield::new(9)), true),
+                    entry(8, Held::Added(vec![1, 8]), true),
+                    entry(9, Held::Added(vec![]), true),
+                    entry(0, Held::Added(vec![]), true),
+                    entry(u32::MAX, Held::Added(vec![]), true),
+                ],
+            ),
+            now,
+        );
+        assert_eq!(d.rejected.len(), 5);
+        assert!(matches!(
+            d.rejected[0],
+            ScheduleError::BitfieldLength { .. }
+        ));
+        assert!(matches!(
+            d.rejected[1],
+            ScheduleError::ChunkOutOfRange { index: 8, .. }
+        ));
+        assert!(matches!(
+            d.rejected[2],
+            ScheduleError::ChunkCountMismatch { .. }
+        ));
+        assert_eq!(s.holders(&blob(), 1), 0, "a rejected entry changes nothing");
+
+        let mut report = BadChunk {
+            reporter: "ghost".into(),
+            offender: "a".into(),
+            digest: blob(),
+            index: 0,
+            confirmed: true,
+        };
+        assert!(matches!(
+            s.report_bad_chunk(&report),
+            Err(ScheduleError::UnknownPeer(_))
+        ));
+        report.reporter = "a".into();
+        assert!(matches!(
+            s.report_bad_chunk(&report),
+            Err(ScheduleError::SelfReport(_))
+        ));
+        s.announce(wants("b", 8, &[]), now);
+        report.reporter = "b".into();
+        report.index = 99;
+        assert!(matches!(
+            s.report_bad_chunk(&report),
+            Err(ScheduleError::ChunkOutOfRange { .. })
+        ));
+        assert!(matches!(
+            s.blob_failed("a", &BlobDigest::of(b"other")),
+            Err(ScheduleError::UnknownBlob(_))
+        ));
+        assert!(!s.leave("ghost"));
+        s.tick(now);
+    }
+
+    #[test]
+    fn a_hundred_nodes_fetching_runs_instantly_see_each_of_256_chunks_assigned_once() {
+        const N: u32 = 256;
+        const NODES: usize = 100;
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        let mut now = Instant::now();
+        let names: Vec<String> = (0..NODES).map(|i| format!("node{i}")).collect();
+        let mut held: Vec<Bitfield> = vec![Bitfield::new(N); NODES];
+        let mut fresh: Vec<Vec<u32>> = vec![Vec::new(); NODES];
+        let mut assigned = vec![0u32; N as usize];
+        let mut rounds = 0;
+        for name in &names {
+            s.announce(wants(name, N, &[]), now);
+        }
+        while held.iter().any(|h| !h.is_full()) {
+            rounds += 1;
+            assert!(rounds < 100, "the swarm does not converge");
+            now += Duration::from_secs(1);
+            for i in 0..NODES {
+                let d = s.announce(added(&names[i], N, std::mem::take(&mut fresh[i])), now);
+                assert!(!d.resend_full);
+                // Instant fetches mean every run in an answer is new.
+                for c in chunks_of(&d.assignments) {
+                    assigned[c as usize] += 1;
+                    if held[i].set(c) {
+                        fresh[i].push(c);
+                    }
+                }
+                // Copy one chunk per peer, as a slow peer-to-peer transfer would.
+                for p in d.peers.get(&blob()).into_iter().flatten() {
+                    let j: usize = p.peer["node".len()..].parse().unwrap();
+                    assert_ne!(i, j);
+                    let theirs = held[j].clone();
+                    if let Some(c) = theirs.ones().find(|&c| !held[i].get(c)) {
+                        held[i].set(c);
+                        fresh[i].push(c);
+                    }
+                }
+            }
+            assert!(s.tick(now).reclaimed.is_empty());
+        }
+        assert!(assigned.iter().all(|&a| a == 1), "{assigned:?}");
+    }
+
+    #[test]
+    fn ten_thousand_nodes_over_2560_chunks_stay_cheap_and_fetch_each_chunk_once() {
+        const N: u32 = 2560;
+        const NODES: usize = 10_000;
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        let now = Instant::now();
+        let started = std::time::Instant::now();
+        let mut assigned = vec![0u32; N as usize];
+        let mut fresh: Vec<Vec<u32>> = vec![Vec::new(); NODES];
+        for round in 0..3 {
+            for (i, fresh) in fresh.iter_mut().enumerate() {
+                let peer = format!("n{i}");
+                let d = if round == 0 {
+                    s.announce(wants(&peer, N, &[]), now)
+                } else {
+                    s.announce(added(&peer, N, std::mem::take(fresh)), now)
+                };
+                for c in chunks_of(&d.assignments) {
+                    assigned[c as usize] += 1;
+                    fresh.push(c);
+                }
+            }
+        }
+        assert!(assigned.iter().all(|&a| a == 1));
+        assert_eq!(s.unheld_chunks(&blob()), Some(0));
+        // Generous: a few hundred milliseconds in release on a small machine.
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+}
