@@ -8,8 +8,11 @@ use dray_agent::config::AgentConfig;
 use dray_agent::fetch::{PeerAddr, fetch_from_peers};
 use dray_agent::identity::{ClusterCa, Identity};
 use dray_agent::peer::PeerNode;
+use dray_agent::registry::{Credentials, RegistryClient};
 use dray_agent::store::ChunkStore;
+use dray_agent::swarm::Swarm;
 use dray_protocol::{ChunkMap, DEFAULT_CHUNK_SIZE, pb};
+use dray_tracker::{Tracker, TrackerConfig};
 use prost::Message;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -32,6 +35,8 @@ struct Cli {
 enum Command {
     /// Run the node agent: serve verified chunks to authenticated peers.
     Agent(AgentArgs),
+    /// Run the tracker: announces, peer selection, registry-fetch scheduling.
+    Tracker(TrackerArgs),
     /// Create the cluster CA or issue agent certificates.
     #[command(subcommand)]
     Ca(CaCommand),
@@ -47,6 +52,16 @@ enum Command {
 struct AgentArgs {
     #[command(flatten)]
     config: ConfigArgs,
+}
+
+#[derive(Args)]
+struct TrackerArgs {
+    /// Tracker configuration file (TOML); defaults apply without one.
+    #[arg(long, short, env = "DRAY_TRACKER_CONFIG")]
+    config: Option<PathBuf>,
+    /// Overrides `listen`.
+    #[arg(long)]
+    listen: Option<std::net::SocketAddr>,
 }
 
 /// The agent's TOML config and the flags that override it.
@@ -67,6 +82,9 @@ struct ConfigArgs {
     /// Overrides `peer.upload_bytes_per_s`.
     #[arg(long)]
     upload_bytes_per_s: Option<u64>,
+    /// Overrides `swarm.trackers`: a tracker replica URL; repeat for several.
+    #[arg(long = "tracker")]
+    trackers: Vec<String>,
 }
 
 impl ConfigArgs {
@@ -87,15 +105,24 @@ impl ConfigArgs {
         if self.upload_bytes_per_s.is_some() {
             cfg.peer.upload_bytes_per_s = self.upload_bytes_per_s;
         }
+        if !self.trackers.is_empty() {
+            cfg.swarm.trackers = self.trackers.clone();
+        }
         Ok(cfg)
     }
 
     /// Opens the store and binds the peer endpoint as configured.
     fn start(&self) -> Result<Arc<PeerNode>> {
+        Ok(self.start_swarm()?.node().clone())
+    }
+
+    /// Opens the store, binds the peer endpoint and joins the swarm.
+    fn start_swarm(&self) -> Result<Arc<Swarm>> {
         let cfg = self.load()?;
         let identity = Identity::load(&cfg.cert, &cfg.key, &cfg.ca)?;
         let store = Arc::new(ChunkStore::open(&cfg.state_dir)?);
-        Ok(PeerNode::bind(identity, store, cfg.peer_listen, cfg.peer)?)
+        let node = PeerNode::bind(identity, store, cfg.peer_listen, cfg.peer)?;
+        Ok(Swarm::new(node, cfg.swarm))
     }
 }
 
@@ -144,6 +171,26 @@ enum BlobCommand {
         #[arg(long = "peer", required = true)]
         peers: Vec<String>,
     },
+    /// Pull a blob through the swarm (tracker, peers, registry); prints a JSON report.
+    Pull {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Registry base URL, e.g. https://registry.example or http://127.0.0.1:5000.
+        #[arg(long)]
+        registry: String,
+        /// Repository, e.g. library/busybox.
+        #[arg(long)]
+        repo: String,
+        /// Blob digest, sha256:<hex>.
+        #[arg(long)]
+        digest: String,
+        /// Registry user name (the password comes from DRAY_REGISTRY_PASSWORD).
+        #[arg(long)]
+        username: Option<String>,
+        /// Keep serving peers after the pull, until interrupted.
+        #[arg(long)]
+        serve: bool,
+    },
 }
 
 fn main() -> std::process::ExitCode {
@@ -175,14 +222,38 @@ fn init_logging(json: bool) {
 async fn run(command: Command) -> Result<()> {
     match command {
         Command::Agent(args) => {
-            let node = args.config.start()?;
+            let swarm = args.config.start_swarm()?;
+            let node = swarm.node().clone();
+            let announcer = swarm.spawn_announcer();
             eprintln!(
                 "dray agent {} serving peers on {}",
                 node.peer_id(),
                 node.local_addr()?
             );
             tokio::signal::ctrl_c().await?;
+            announcer.abort();
             node.close();
+            Ok(())
+        }
+        Command::Tracker(args) => {
+            let mut cfg = match &args.config {
+                Some(p) => TrackerConfig::load(p)?,
+                None => TrackerConfig::default(),
+            };
+            if let Some(l) = args.listen {
+                cfg.listen = l;
+            }
+            let listener = tokio::net::TcpListener::bind(cfg.listen)
+                .await
+                .with_context(|| format!("binding the tracker to {}", cfg.listen))?;
+            eprintln!(
+                "dray tracker listening on http://{}",
+                listener.local_addr()?
+            );
+            tokio::select! {
+                served = dray_tracker::serve(listener, Tracker::new(&cfg)) => served?,
+                _ = tokio::signal::ctrl_c() => {}
+            }
             Ok(())
         }
         Command::Ca(CaCommand::Init { dir }) => {
@@ -233,6 +304,35 @@ async fn run(command: Command) -> Result<()> {
             let report = fetch_from_peers(&node, &map, &peers).await?;
             node.close();
             println!("{}", serde_json::to_string(&report)?);
+            Ok(())
+        }
+        Command::Blob(BlobCommand::Pull {
+            config,
+            registry,
+            repo,
+            digest,
+            username,
+            serve,
+        }) => {
+            let digest: dray_protocol::BlobDigest = digest.parse()?;
+            let credentials = match username {
+                Some(username) => Some(Credentials {
+                    username,
+                    password: std::env::var("DRAY_REGISTRY_PASSWORD")
+                        .context("--username needs the password in DRAY_REGISTRY_PASSWORD")?,
+                }),
+                None => None,
+            };
+            let registry = Arc::new(RegistryClient::new(&registry, credentials)?);
+            let swarm = config.start_swarm()?;
+            let announcer = swarm.spawn_announcer();
+            let report = swarm.pull(&registry, &repo, digest).await?;
+            println!("{}", serde_json::to_string(&report)?);
+            if serve {
+                tokio::signal::ctrl_c().await?;
+            }
+            announcer.abort();
+            swarm.node().close();
             Ok(())
         }
         Command::Bench(cmd) => bench::run(cmd).await,

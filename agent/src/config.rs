@@ -3,6 +3,7 @@
 
 use crate::error::{Error, Result};
 use crate::peer::PeerConfig;
+use crate::swarm::SwarmConfig;
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -20,6 +21,7 @@ pub struct AgentConfig {
     pub key: PathBuf,
     pub ca: PathBuf,
     pub peer: PeerConfig,
+    pub swarm: SwarmConfig,
 }
 
 impl Default for AgentConfig {
@@ -31,6 +33,7 @@ impl Default for AgentConfig {
             key: PathBuf::from("/etc/dray/tls/agent.key"),
             ca: PathBuf::from("/etc/dray/tls/ca.crt"),
             peer: PeerConfig::default(),
+            swarm: SwarmConfig::default(),
         }
     }
 }

@@ -39,6 +39,10 @@ pub enum Error {
     },
     #[error("blob {0} is not in the chunk store")]
     UnknownBlob(BlobDigest),
+    #[error(transparent)]
+    Registry(#[from] crate::registry::RegistryError),
+    #[error("the tracker withdrew the chunk map of {0}")]
+    Withdrawn(BlobDigest),
     #[error("blob {digest} could not be completed: {detail}")]
     Incomplete { digest: BlobDigest, detail: String },
 }

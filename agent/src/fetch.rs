@@ -1,17 +1,20 @@
-//! Fetching one blob from peers: connects to every peer given, learns what each
-//! holds, and keeps several chunk requests in flight per peer, chosen by the
-//! shared [`ChunkPicker`]. Each chunk is verified against the chunk map before it
-//! is written; a peer that sends a chunk failing its hash is banned for the rest
-//! of the transfer and reported in [`FetchReport::bad_peers`]. Completed chunks
-//! are made durable in groups while the transfer runs.
+//! Moving one blob's chunks into the store: a [`Transfer`] connects to peers,
+//! learns what each holds, and keeps several chunk requests in flight per peer,
+//! chosen by the shared [`ChunkPicker`]. Each chunk is verified against the
+//! chunk map before it is written; a peer that sends a chunk failing its hash is
+//! banned for the rest of the transfer and reported in [`FetchReport::bad_peers`].
+//! Completed chunks are made durable in groups while the transfer runs.
+//!
+//! The swarm engine adds registry fetches to a transfer; [`fetch_from_peers`]
+//! is the plain case of a known map and a fixed list of peers.
 
 use crate::error::{Error, Result};
 use crate::peer::{PeerLink, PeerNode};
 use crate::store::{Blob, PutOutcome};
 use dray_protocol::picker::{ChunkPicker, DEFAULT_WINDOW};
-use dray_protocol::{ChunkMap, VerifyError};
+use dray_protocol::{Bitfield, ChunkMap, VerifyError};
 use serde::Serialize;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -21,6 +24,9 @@ use tokio::sync::Notify;
 const DEPTH_PER_PEER: usize = 4;
 /// How often completed chunks are synced and recorded while a transfer runs.
 const PERSIST_EVERY: Duration = Duration::from_millis(100);
+/// How often an idle lane asks its peer again what it holds (in a swarm,
+/// peers gain chunks as they download).
+const BITFIELD_POLL: Duration = Duration::from_millis(250);
 
 /// A peer to fetch from.
 #[derive(Clone, Debug)]
@@ -29,15 +35,16 @@ pub struct PeerAddr {
     pub addr: SocketAddr,
 }
 
-/// What a fetch did.
-#[derive(Debug, Default, Serialize)]
+/// What a transfer did.
+#[derive(Debug, Default, Clone, Serialize)]
 pub struct FetchReport {
-    /// Chunks already held when the fetch began.
+    /// Chunks already held when the transfer began.
     pub resumed_chunks: u32,
     /// Verified chunks received, by peer.
     pub chunks_by_peer: BTreeMap<String, u32>,
     /// Peers that sent a chunk failing its hash, with the chunk index.
     pub bad_peers: BTreeMap<String, u32>,
+    /// Bytes of verified chunks received from peers.
     pub bytes_received: u64,
     /// UDP payload size each peer's path reached (MTU discovery), at the end.
     pub path_mtu_by_peer: BTreeMap<String, u16>,
@@ -47,196 +54,341 @@ struct Shared {
     picker: ChunkPicker<String>,
     report: FetchReport,
     error: Option<Error>,
+    /// Peers with lanes running (or starting).
+    peers: HashSet<String>,
+    stopped: bool,
 }
 
 /// What a lane does next.
 enum Next {
     Fetch(u32),
-    /// Nothing to pick now, but requests in flight elsewhere may fail and
-    /// release chunks.
+    /// Nothing to pick now; chunks may be released, hashes published or the
+    /// peer may gain chunks.
     Wait,
     Stop,
 }
 
-/// Fetches the blob of `map` from `peers` into the node's store.
+/// One blob being filled from peers (and, through the swarm engine, the registry).
+pub struct Transfer {
+    node: Arc<PeerNode>,
+    blob: Arc<Blob>,
+    shared: Mutex<Shared>,
+    released: Notify,
+    /// Keep lanes alive while the blob is incomplete, polling their peers,
+    /// rather than ending once no peer holds what is missing.
+    swarm: bool,
+    tasks: Mutex<tokio::task::JoinSet<()>>,
+}
+
+impl Transfer {
+    /// Opens the blob of `map` in the node's store and starts recording progress.
+    pub async fn start(node: &Arc<PeerNode>, map: &ChunkMap, swarm: bool) -> Result<Arc<Self>> {
+        let store = node.store().clone();
+        let m = map.clone();
+        let blob = tokio::task::spawn_blocking(move || store.blob(&m))
+            .await
+            .map_err(join_err)??;
+        let held = blob.held();
+        let t = Arc::new(Self {
+            node: node.clone(),
+            shared: Mutex::new(Shared {
+                report: FetchReport {
+                    resumed_chunks: held.count(),
+                    ..Default::default()
+                },
+                picker: ChunkPicker::new(held, DEFAULT_WINDOW),
+                error: None,
+                peers: HashSet::new(),
+                stopped: false,
+            }),
+            blob,
+            released: Notify::new(),
+            swarm,
+            tasks: Mutex::new(tokio::task::JoinSet::new()),
+        });
+        t.spawn(persist_loop(t.clone()));
+        Ok(t)
+    }
+
+    pub fn blob(&self) -> &Arc<Blob> {
+        &self.blob
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn spawn(&self, f: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.tasks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .spawn(f);
+    }
+
+    /// Starts fetching from `peer` unless it is already in use or banned.
+    pub fn add_peer(self: &Arc<Self>, peer: PeerAddr) {
+        {
+            let mut sh = self.lock();
+            if sh.stopped
+                || sh.picker.is_banned(&peer.peer_id)
+                || !sh.peers.insert(peer.peer_id.clone())
+            {
+                return;
+            }
+        }
+        self.spawn(run_peer(self.clone(), peer));
+    }
+
+    /// Claims chunk `index` for a fetch outside the peer lanes (the registry);
+    /// false if it is held or a peer request for it is in flight.
+    pub fn claim(&self, index: u32) -> bool {
+        self.lock().picker.claim(index)
+    }
+
+    /// The outcome of a claimed chunk fetched outside the lanes.
+    pub fn settle(&self, index: u32, stored: bool) {
+        {
+            let mut sh = self.lock();
+            if stored {
+                sh.picker.completed(index);
+            } else {
+                sh.picker.failed(index);
+            }
+        }
+        self.released.notify_waiters();
+    }
+
+    /// Wakes idle lanes (new hashes are known, say).
+    pub fn nudge(&self) {
+        self.released.notify_waiters();
+    }
+
+    /// Records an error that ends the transfer.
+    pub fn fail(&self, e: Error) {
+        self.lock().error.get_or_insert(e);
+        self.released.notify_waiters();
+    }
+
+    /// Takes the error that ended the transfer, if any.
+    pub fn take_error(&self) -> Option<Error> {
+        self.lock().error.take()
+    }
+
+    /// Chunks not held and not being fetched by anyone.
+    pub fn unclaimed(&self) -> Vec<u32> {
+        let sh = self.lock();
+        (0..self.blob.map().chunk_count())
+            .filter(|&i| sh.picker.is_unclaimed(i))
+            .collect()
+    }
+
+    /// Chunk requests in flight (to peers or the registry).
+    pub fn in_flight(&self) -> u32 {
+        self.lock().picker.in_flight()
+    }
+
+    pub fn report(&self) -> FetchReport {
+        self.lock().report.clone()
+    }
+
+    /// Stops every lane and makes what was stored durable.
+    pub async fn finish(&self) -> Result<FetchReport> {
+        self.lock().stopped = true;
+        self.released.notify_waiters();
+        let mut tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|p| p.into_inner()));
+        tasks.abort_all();
+        while tasks.join_next().await.is_some() {}
+        let (store, b) = (self.node.store().clone(), self.blob.clone());
+        tokio::task::spawn_blocking(move || store.persist(&b))
+            .await
+            .map_err(join_err)??;
+        Ok(self.report())
+    }
+
+    /// Waits until the lanes have all ended.
+    async fn join_lanes(&self) {
+        loop {
+            let next = {
+                let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+                // The persister never ends on its own: one task left means the lanes are done.
+                if tasks.len() <= 1 {
+                    return;
+                }
+                tasks.try_join_next()
+            };
+            if next.is_none() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+
+    fn next_for(&self, peer: &str) -> Next {
+        let mut sh = self.lock();
+        if sh.stopped
+            || sh.error.is_some()
+            || sh.picker.is_banned(&peer.to_string())
+            || self.blob.is_complete()
+        {
+            return Next::Stop;
+        }
+        match sh.picker.pick(&peer.to_string()) {
+            Some(i) => Next::Fetch(i),
+            None if self.swarm || sh.picker.in_flight() > 0 => Next::Wait,
+            None => Next::Stop,
+        }
+    }
+}
+
+/// Fetches the blob of a complete `map` from a fixed list of peers.
 pub async fn fetch_from_peers(
     node: &Arc<PeerNode>,
     map: &ChunkMap,
     peers: &[PeerAddr],
 ) -> Result<FetchReport> {
-    let store = node.store().clone();
-    let m = map.clone();
-    let blob = tokio::task::spawn_blocking(move || store.blob(&m))
-        .await
-        .map_err(join_err)??;
-    let held = blob.held();
-    let shared = Arc::new(Mutex::new(Shared {
-        report: FetchReport {
-            resumed_chunks: held.count(),
-            ..Default::default()
-        },
-        picker: ChunkPicker::new(held, DEFAULT_WINDOW),
-        error: None,
-    }));
-    let released = Arc::new(Notify::new());
-    let persister = tokio::spawn(persist_loop(node.clone(), blob.clone()));
-
-    let mut workers = tokio::task::JoinSet::new();
+    let t = Transfer::start(node, map, false).await?;
     for p in peers {
-        let (node, map, blob, shared, p) = (
-            node.clone(),
-            map.clone(),
-            blob.clone(),
-            Arc::clone(&shared),
-            p.clone(),
-        );
-        let released = released.clone();
-        workers.spawn(async move {
-            let link = match node.connect(&p.peer_id, p.addr).await {
-                Ok(l) => l,
-                Err(e) => {
-                    tracing::warn!(error = %e, "skipping peer");
-                    return;
-                }
-            };
-            match node.bitfield(&link, &map).await {
-                Ok(bits) => lock(&shared).picker.set_peer(p.peer_id.clone(), bits),
-                Err(e) => {
-                    tracing::warn!(error = %e, "skipping peer");
-                    return;
-                }
-            }
-            let mut lanes = tokio::task::JoinSet::new();
-            for _ in 0..DEPTH_PER_PEER {
-                lanes.spawn(lane(
-                    node.clone(),
-                    link.clone(),
-                    map.clone(),
-                    blob.clone(),
-                    shared.clone(),
-                    released.clone(),
-                ));
-            }
-            while lanes.join_next().await.is_some() {}
-            lock(&shared)
-                .report
-                .path_mtu_by_peer
-                .insert(p.peer_id.clone(), link.path_mtu());
-        });
+        t.add_peer(p.clone());
     }
-    while workers.join_next().await.is_some() {}
-    persister.abort();
-    let store = node.store().clone();
-    let b = blob.clone();
-    tokio::task::spawn_blocking(move || store.persist(&b))
-        .await
-        .map_err(join_err)??;
-
-    let mut sh = lock(&shared);
-    if let Some(e) = sh.error.take() {
+    t.join_lanes().await;
+    let report = t.finish().await?;
+    if let Some(e) = t.take_error() {
         return Err(e);
     }
-    if !blob.is_complete() {
-        let missing = map.chunk_count() - blob.held().count();
+    if !t.blob.is_complete() {
+        let missing = map.chunk_count() - t.blob.held().count();
         return Err(Error::Incomplete {
             digest: map.digest(),
             detail: format!("{missing} chunks missing and no peer left that holds them"),
         });
     }
-    Ok(std::mem::take(&mut sh.report))
-}
-
-fn lock(shared: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
-    shared.lock().unwrap_or_else(|p| p.into_inner())
+    Ok(report)
 }
 
 fn join_err(e: tokio::task::JoinError) -> Error {
     Error::Db(format!("blocking task failed: {e}"))
 }
 
+/// Peer bits usable now: held by the peer and with a known hash.
+fn usable(bits: &Bitfield, known: &Bitfield) -> Bitfield {
+    let mut out = Bitfield::new(bits.len());
+    for i in bits.ones().filter(|&i| known.get(i)) {
+        out.set(i);
+    }
+    out
+}
+
+async fn run_peer(t: Arc<Transfer>, p: PeerAddr) {
+    let forget = |t: &Transfer| {
+        let mut sh = t.lock();
+        sh.peers.remove(&p.peer_id);
+        sh.picker.remove_peer(&p.peer_id);
+    };
+    let link = match t.node.connect(&p.peer_id, p.addr).await {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!(error = %e, "skipping peer");
+            return forget(&t);
+        }
+    };
+    if let Err(e) = refresh(&t, &link).await {
+        tracing::warn!(error = %e, "skipping peer");
+        return forget(&t);
+    }
+    let mut lanes = tokio::task::JoinSet::new();
+    for _ in 0..DEPTH_PER_PEER {
+        lanes.spawn(lane(t.clone(), link.clone()));
+    }
+    while lanes.join_next().await.is_some() {}
+    t.lock()
+        .report
+        .path_mtu_by_peer
+        .insert(p.peer_id.clone(), link.path_mtu());
+    forget(&t);
+}
+
+/// Asks the peer what it holds and tells the picker what can be fetched.
+async fn refresh(t: &Transfer, link: &PeerLink) -> Result<()> {
+    let map = t.blob.map();
+    let bits = t.node.bitfield(link, &map).await?;
+    t.lock()
+        .picker
+        .set_peer(link.peer_id.clone(), usable(&bits, &map.known()));
+    Ok(())
+}
+
 /// One request slot towards one peer: pick, fetch, verify and store, repeat.
-async fn lane(
-    node: Arc<PeerNode>,
-    link: PeerLink,
-    map: ChunkMap,
-    blob: Arc<Blob>,
-    shared: Arc<Mutex<Shared>>,
-    released: Arc<Notify>,
-) {
+async fn lane(t: Arc<Transfer>, link: PeerLink) {
     let peer = link.peer_id.clone();
+    let mut last_poll = tokio::time::Instant::now();
     loop {
-        let next = {
-            let mut sh = lock(&shared);
-            match sh.picker.pick(&peer) {
-                _ if sh.error.is_some() || sh.picker.is_banned(&peer) => Next::Stop,
-                Some(i) => Next::Fetch(i),
-                None if sh.picker.in_flight() > 0 => Next::Wait,
-                None => Next::Stop,
-            }
-        };
-        let index = match next {
+        let index = match t.next_for(&peer) {
             Next::Fetch(i) => i,
             Next::Wait => {
                 // The timeout covers a release that happened before we started waiting.
-                let _ = tokio::time::timeout(Duration::from_millis(200), released.notified()).await;
+                let _ =
+                    tokio::time::timeout(Duration::from_millis(200), t.released.notified()).await;
+                if t.swarm && last_poll.elapsed() >= BITFIELD_POLL {
+                    last_poll = tokio::time::Instant::now();
+                    if let Err(e) = refresh(&t, &link).await {
+                        tracing::info!(error = %e, "peer stopped answering");
+                        return;
+                    }
+                }
                 continue;
             }
             Next::Stop => return,
         };
-        let bytes = match node.fetch_chunk(&link, &map, index).await {
+        let map = t.blob.map();
+        let bytes = match t.node.fetch_chunk(&link, &map, index).await {
             Ok(b) => b,
             Err(e) => {
                 tracing::warn!(error = %e, index, "chunk request failed");
-                {
-                    let mut sh = lock(&shared);
-                    sh.picker.failed(index);
-                    if link.is_closed() {
-                        sh.picker.remove_peer(&peer);
-                    }
+                t.settle(index, false);
+                if link.is_closed() {
+                    t.lock().picker.remove_peer(&peer);
+                    return;
                 }
-                released.notify_waiters();
-                return;
+                continue;
             }
         };
         let len = bytes.len() as u64;
-        let b = blob.clone();
+        let b = t.blob.clone();
         let put = tokio::task::spawn_blocking(move || b.put_chunk(index, &bytes))
             .await
             .map_err(join_err);
-        let mut sh = lock(&shared);
         match put.and_then(|r| r) {
             Ok(PutOutcome::Stored | PutOutcome::Completed) => {
                 tracing::debug!(index, %peer, "chunk stored");
-                sh.picker.completed(index);
+                let mut sh = t.lock();
                 *sh.report.chunks_by_peer.entry(peer.clone()).or_default() += 1;
                 sh.report.bytes_received += len;
+                sh.picker.completed(index);
             }
-            Ok(PutOutcome::Duplicate) => sh.picker.completed(index),
+            Ok(PutOutcome::Duplicate) => t.settle(index, true),
             Err(Error::Verify(VerifyError::ChunkHash { .. } | VerifyError::ChunkLength { .. })) => {
                 tracing::warn!(%peer, index, digest = %map.digest(), "peer sent a chunk that fails its hash; banning it");
-                sh.picker.failed(index);
-                sh.picker.ban(&peer);
-                sh.report.bad_peers.insert(peer.clone(), index);
-                drop(sh);
-                released.notify_waiters();
+                {
+                    let mut sh = t.lock();
+                    sh.picker.ban(&peer);
+                    sh.report.bad_peers.insert(peer.clone(), index);
+                }
+                t.settle(index, false);
                 return;
             }
             Err(e) => {
-                sh.picker.failed(index);
-                sh.error.get_or_insert(e);
-                drop(sh);
-                released.notify_waiters();
+                t.settle(index, false);
+                t.fail(e);
                 return;
             }
         }
     }
 }
 
-async fn persist_loop(node: Arc<PeerNode>, blob: Arc<Blob>) {
+async fn persist_loop(t: Arc<Transfer>) {
     let mut tick = tokio::time::interval(PERSIST_EVERY);
     loop {
         tick.tick().await;
-        let (store, b) = (node.store().clone(), blob.clone());
+        let (store, b) = (t.node.store().clone(), t.blob.clone());
         match tokio::task::spawn_blocking(move || store.persist(&b)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::error!(error = %e, "recording completed chunks failed"),

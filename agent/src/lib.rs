@@ -2,8 +2,11 @@
 //!
 //! It keeps a [`store::ChunkStore`] of verified chunks on disk, serves them to
 //! other agents and fetches from them over an authenticated QUIC
-//! [`peer::PeerNode`], and drives transfers with [`fetch`]. Later layers (the
-//! tracker client, the registry mirror, the unpacker) build on these.
+//! [`peer::PeerNode`], drives transfers with [`fetch`], and joins the swarm
+//! through [`swarm`]: announces to the tracker ([`tracker_client`]), registry
+//! range fetches ([`registry`]) and the fallbacks that make a pull never worse
+//! than a direct one. Later layers (the registry mirror, the unpacker) build on
+//! these.
 
 pub mod config;
 pub mod error;
@@ -11,6 +14,9 @@ pub mod fetch;
 pub mod identity;
 pub mod peer;
 pub mod rate;
+pub mod registry;
 pub mod store;
+pub mod swarm;
+pub mod tracker_client;
 
 pub use error::{Error, Result};

@@ -175,6 +175,11 @@ impl PeerNode {
         &self.identity.peer_id
     }
 
+    /// Chunk requests being served now.
+    pub fn active_uploads(&self) -> u32 {
+        (self.config.max_uploads - self.upload_slots.available_permits()) as u32
+    }
+
     pub fn store(&self) -> &Arc<ChunkStore> {
         &self.store
     }

@@ -307,6 +307,11 @@ impl ChunkStore {
         self.blobs.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The blobs opened since the store was.
+    pub fn open_blobs(&self) -> Vec<Arc<Blob>> {
+        self.blobs().values().cloned().collect()
+    }
+
     /// A blob already open or on disk, without a chunk map from outside.
     pub fn get(&self, digest: &BlobDigest) -> Result<Option<Arc<Blob>>> {
         if let Some(b) = self.blobs().get(digest) {
@@ -388,6 +393,8 @@ impl ChunkStore {
                     .map_err(|e| {
                         Error::io(format!("resetting blob file {}", blob.path.display()), e)
                     })?;
+                // An empty blob is complete (or wrong) before any chunk arrives.
+                blob.advance_prefix(None)?;
                 self.save(&blob)?;
             }
             Some(_) => {

@@ -97,6 +97,20 @@ impl<P: Clone + Eq + std::hash::Hash> ChunkPicker<P> {
         Some(pick)
     }
 
+    /// Marks a chunk in flight from a source outside the picker (the registry);
+    /// false if it is held or already in flight.
+    pub fn claim(&mut self, index: u32) -> bool {
+        if index >= self.held.len() || self.held.get(index) || self.in_flight.get(index) {
+            return false;
+        }
+        self.in_flight.set(index)
+    }
+
+    /// Neither held nor in flight.
+    pub fn is_unclaimed(&self, index: u32) -> bool {
+        index < self.held.len() && !self.held.get(index) && !self.in_flight.get(index)
+    }
+
     /// The chunk arrived and verified.
     pub fn completed(&mut self, index: u32) {
         self.in_flight.clear(index);
@@ -172,6 +186,18 @@ mod tests {
         }
         assert!(p.is_done());
         assert_eq!(p.pick(&"good"), None);
+    }
+
+    #[test]
+    fn claimed_chunks_are_not_picked_until_released() {
+        let mut p = ChunkPicker::new(bits(2, &[]), 8);
+        p.set_peer("a", bits(2, &[0, 1]));
+        assert!(p.claim(0) && !p.claim(0));
+        assert!(!p.is_unclaimed(0) && p.is_unclaimed(1));
+        assert_eq!(p.pick(&"a"), Some(1));
+        assert_eq!(p.pick(&"a"), None);
+        p.failed(0);
+        assert_eq!(p.pick(&"a"), Some(0));
     }
 
     #[test]

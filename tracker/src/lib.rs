@@ -1,6 +1,449 @@
 //! The dray tracker: the announce service that keeps soft who-has-what state and
 //! schedules registry fetches so that each chunk leaves the registry about once.
 //!
-//! Not built yet: issue "Tracker-scheduled swarm with striped registry fallback"
-//! fills this crate. It exports nothing until then, so nothing can mistake it for
-//! a working tracker.
+//! It wraps the pure [`dray_protocol::scheduler::Scheduler`] (shared with the
+//! simulator) with what a service needs: an HTTP endpoint taking protobuf
+//! `TrackerRequest`s, a clock, a ticker that takes back stalled assignments, and
+//! the chunk maps that registry fetchers publish piecemeal. Nothing is written
+//! to disk: a restarted tracker asks each agent for a full announce and is whole
+//! again within one announce interval. Replicas share nothing; agents pick the
+//! replica that owns a blob by rendezvous hashing of its digest.
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use dray_protocol::framing::MAX_TRACKER_FRAME;
+use dray_protocol::pb::{self, tracker_request::Body};
+use dray_protocol::scheduler::{self, Scheduler, SchedulerConfig};
+use dray_protocol::{Bitfield, BlobDigest, ChunkMap};
+use prost::Message;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// HTTP path of the tracker protocol.
+pub const TRACKER_PATH: &str = "/v1/tracker";
+
+/// Tracker settings, from TOML; every key optional.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrackerConfig {
+    /// HTTP listen address. Loopback by default; a Deployment sets `0.0.0.0:7880`.
+    pub listen: SocketAddr,
+    /// Longest gap between an agent's announces, ms. Agents pulling a blob
+    /// announce sooner, on progress.
+    pub announce_interval_ms: u64,
+    /// Peers handed out per wanted blob.
+    pub peers_per_blob: usize,
+    /// Chunks per registry-fetch assignment.
+    pub stripe_chunks: u32,
+    /// Registry-fetch assignments one agent may hold at once.
+    pub max_outstanding: usize,
+    /// Slowest registry fetch tolerated before an assignment is taken back, bytes/s.
+    pub min_fetch_bytes_per_s: u64,
+    /// Floor on an assignment's deadline, ms.
+    pub min_fetch_timeout_ms: u64,
+}
+
+impl Default for TrackerConfig {
+    fn default() -> Self {
+        let s = SchedulerConfig::default();
+        Self {
+            listen: "127.0.0.1:7880".parse().expect("valid address"),
+            announce_interval_ms: s.announce_interval.as_millis() as u64,
+            peers_per_blob: s.peers_per_blob,
+            stripe_chunks: s.stripe_chunks,
+            max_outstanding: s.max_outstanding,
+            min_fetch_bytes_per_s: s.min_fetch_rate,
+            min_fetch_timeout_ms: s.min_fetch_timeout.as_millis() as u64,
+        }
+    }
+}
+
+impl TrackerConfig {
+    /// Reads a TOML file; unknown keys are errors.
+    pub fn load(path: &Path) -> Result<Self, TrackerError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| TrackerError::Config(format!("reading {}: {e}", path.display())))?;
+        toml::from_str(&text)
+            .map_err(|e| TrackerError::Config(format!("{}: {}", path.display(), e.message())))
+    }
+
+    fn scheduler(&self) -> SchedulerConfig {
+        SchedulerConfig {
+            announce_interval: Duration::from_millis(self.announce_interval_ms),
+            peers_per_blob: self.peers_per_blob,
+            stripe_chunks: self.stripe_chunks,
+            max_outstanding: self.max_outstanding,
+            min_fetch_rate: self.min_fetch_bytes_per_s,
+            min_fetch_timeout: Duration::from_millis(self.min_fetch_timeout_ms),
+            ..SchedulerConfig::default()
+        }
+    }
+}
+
+/// Why a request was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum TrackerError {
+    #[error("configuration: {0}")]
+    Config(String),
+    #[error("malformed request: {0}")]
+    BadRequest(String),
+    #[error(transparent)]
+    Schedule(#[from] scheduler::ScheduleError),
+    #[error(transparent)]
+    Map(#[from] dray_protocol::VerifyError),
+}
+
+/// The tracker's soft state.
+pub struct Tracker {
+    state: Mutex<TrackerState>,
+}
+
+struct TrackerState {
+    scheduler: Scheduler,
+    /// Chunk maps as published so far, per blob; may be partial.
+    maps: HashMap<BlobDigest, ChunkMap>,
+}
+
+fn digest(s: &str) -> Result<BlobDigest, TrackerError> {
+    s.parse()
+        .map_err(|e: dray_protocol::DigestError| TrackerError::BadRequest(e.to_string()))
+}
+
+impl Tracker {
+    pub fn new(config: &TrackerConfig) -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new(TrackerState {
+                scheduler: Scheduler::new(config.scheduler()),
+                maps: HashMap::new(),
+            }),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, TrackerState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Handles one request; an announce gets an answer.
+    pub fn handle(
+        &self,
+        req: pb::TrackerRequest,
+        now: Instant,
+    ) -> Result<Option<pb::AnnounceResponse>, TrackerError> {
+        let mut st = self.lock();
+        match req.body {
+            Some(Body::Announce(a)) => st.announce(a, now).map(Some),
+            Some(Body::Publish(p)) => {
+                let map = p.map.ok_or_else(|| {
+                    TrackerError::BadRequest("publication without a chunk map".into())
+                })?;
+                let map = ChunkMap::from_pb(&map)?;
+                match st.maps.get_mut(&map.digest()) {
+                    Some(known) => {
+                        known.merge(&map)?;
+                    }
+                    None => {
+                        st.maps.insert(map.digest(), map);
+                    }
+                }
+                Ok(None)
+            }
+            Some(Body::BadChunk(r)) => {
+                let report = scheduler::BadChunk {
+                    reporter: r.reporter,
+                    offender: r.offender,
+                    digest: digest(&r.digest)?,
+                    index: r.index,
+                    confirmed: false,
+                };
+                let standing = st.scheduler.report_bad_chunk(&report)?;
+                tracing::warn!(offender = %report.offender, reporter = %report.reporter, digest = %report.digest,
+                    index = report.index, banned = standing.banned, "bad chunk reported");
+                Ok(None)
+            }
+            Some(Body::DigestFailed(f)) => {
+                let d = digest(&f.digest)?;
+                st.scheduler.blob_failed(&f.reporter, &d)?;
+                st.maps.remove(&d);
+                tracing::warn!(digest = %d, reporter = %f.reporter, "blob failed its digest; chunk map withdrawn");
+                Ok(None)
+            }
+            None => Err(TrackerError::BadRequest("empty tracker request".into())),
+        }
+    }
+
+    /// Agents known now.
+    pub fn peer_count(&self) -> usize {
+        self.lock().scheduler.peer_count()
+    }
+
+    /// Agents known to hold chunk `index` of `digest`.
+    pub fn holders(&self, digest: &BlobDigest, index: u32) -> u32 {
+        self.lock().scheduler.holders(digest, index)
+    }
+
+    /// The chunk map (possibly partial) this replica hands out for `digest`.
+    pub fn map(&self, digest: &BlobDigest) -> Option<ChunkMap> {
+        self.lock().maps.get(digest).cloned()
+    }
+
+    /// Expires silent agents and takes back stalled assignments.
+    pub fn tick(&self, now: Instant) {
+        let report = self.lock().scheduler.tick(now);
+        for (peer, a) in &report.reclaimed {
+            tracing::info!(%peer, digest = %a.digest, first = a.first, count = a.count, "assignment taken back");
+        }
+        for peer in &report.expired {
+            tracing::info!(%peer, "agent expired");
+        }
+    }
+}
+
+impl TrackerState {
+    fn announce(
+        &mut self,
+        a: pb::Announce,
+        now: Instant,
+    ) -> Result<pb::AnnounceResponse, TrackerError> {
+        let mut blobs = Vec::with_capacity(a.blobs.len());
+        let mut wanted = Vec::new();
+        for b in &a.blobs {
+            let d = digest(&b.digest)?;
+            let count = ChunkMap::unhashed(d, b.size, b.chunk_size)?.chunk_count();
+            let held = if a.full || !b.bits.is_empty() {
+                let bits = Bitfield::from_bytes(count, &b.bits)
+                    .map_err(|e| TrackerError::BadRequest(format!("{d}: {e}")))?;
+                scheduler::Held::Bits(bits)
+            } else {
+                scheduler::Held::Added(b.added.clone())
+            };
+            if b.wanted {
+                wanted.push(d);
+            }
+            blobs.push(scheduler::BlobAnnounce {
+                digest: d,
+                chunk_count: count,
+                size: b.size,
+                held,
+                wanted: b.wanted,
+            });
+        }
+        let decision = self.scheduler.announce(
+            scheduler::Announce {
+                peer: a.peer_id,
+                address: a.address,
+                upload_bytes_per_s: a.upload_bytes_per_s,
+                active_uploads: a.active_uploads,
+                labels: a.labels.into_iter().collect(),
+                blobs,
+                full: a.full,
+            },
+            now,
+        );
+        for e in &decision.rejected {
+            tracing::debug!(error = %e, "announce entry ignored");
+        }
+        Ok(pb::AnnounceResponse {
+            peers: decision
+                .peers
+                .into_iter()
+                .map(|(d, ps)| {
+                    let peers = ps
+                        .into_iter()
+                        .map(|p| pb::PeerInfo {
+                            peer_id: p.peer,
+                            address: p.address,
+                        })
+                        .collect();
+                    (d.to_string(), pb::PeerList { peers })
+                })
+                .collect(),
+            assignments: decision
+                .assignments
+                .into_iter()
+                .map(|x| pb::Assignment {
+                    digest: x.digest.to_string(),
+                    first: x.first,
+                    count: x.count,
+                })
+                .collect(),
+            interval_ms: decision.interval.as_millis() as u32,
+            chunk_maps: wanted
+                .iter()
+                .filter_map(|d| self.maps.get(d))
+                .map(ChunkMap::to_pb)
+                .collect(),
+            resend_full: decision.resend_full,
+            withdrawn: decision.withdrawn.iter().map(ToString::to_string).collect(),
+        })
+    }
+}
+
+/// Serves the tracker on `listener` until the task is dropped.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    tracker: Arc<Tracker>,
+) -> std::io::Result<()> {
+    let ticker = tracker.clone();
+    let tick = tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            every.tick().await;
+            ticker.tick(Instant::now());
+        }
+    });
+    let app = Router::new()
+        .route(TRACKER_PATH, post(handle_http))
+        .route("/healthz", get(|| async { "ok" }))
+        .layer(DefaultBodyLimit::max(MAX_TRACKER_FRAME))
+        .with_state(tracker);
+    let served = axum::serve(listener, app).await;
+    tick.abort();
+    served
+}
+
+async fn handle_http(State(tracker): State<Arc<Tracker>>, body: Bytes) -> Response {
+    let req = match pb::TrackerRequest::decode(body) {
+        Ok(r) => r,
+        Err(e) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                format!("body is not a TrackerRequest: {e}"),
+            )
+                .into_response();
+        }
+    };
+    match tracker.handle(req, Instant::now()) {
+        Ok(Some(resp)) => (
+            [(header::CONTENT_TYPE, "application/x-protobuf")],
+            resp.encode_to_vec(),
+        )
+            .into_response(),
+        Ok(None) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => (StatusCode::BAD_REQUEST, e.to_string()).into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn announce(
+        peer: &str,
+        digest: BlobDigest,
+        size: u64,
+        bits: Option<&Bitfield>,
+        full: bool,
+    ) -> pb::TrackerRequest {
+        pb::TrackerRequest {
+            body: Some(Body::Announce(pb::Announce {
+                peer_id: peer.into(),
+                address: format!("127.0.0.1:{}", 7000 + peer.len()),
+                full,
+                blobs: vec![pb::BlobHolding {
+                    digest: digest.to_string(),
+                    size,
+                    chunk_size: 1 << 22,
+                    bits: bits
+                        .map(|b| b.as_bytes().to_vec().into())
+                        .unwrap_or_default(),
+                    wanted: true,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })),
+        }
+    }
+
+    #[test]
+    fn stripes_registry_fetches_and_hands_out_published_maps() {
+        let t = Tracker::new(&TrackerConfig::default());
+        let d = BlobDigest::of(b"blob");
+        let size = 64u64 << 22;
+        let now = Instant::now();
+        let mut covered = Bitfield::new(64);
+        for p in ["a", "bb", "ccc", "dddd"] {
+            let resp = t
+                .handle(announce(p, d, size, Some(&Bitfield::new(64)), true), now)
+                .unwrap()
+                .unwrap();
+            for a in &resp.assignments {
+                for i in a.first..a.first + a.count {
+                    assert!(covered.set(i), "chunk {i} assigned twice");
+                }
+            }
+        }
+        let mut map = ChunkMap::unhashed(d, size, 1 << 22).unwrap();
+        map.set_hash(3, [7; 32]).unwrap();
+        let publish = pb::TrackerRequest {
+            body: Some(Body::Publish(pb::PublishChunkMap {
+                peer_id: "a".into(),
+                map: Some(map.to_pb()),
+            })),
+        };
+        assert!(t.handle(publish, now).unwrap().is_none());
+        let resp = t
+            .handle(announce("a", d, size, None, false), now)
+            .unwrap()
+            .unwrap();
+        let got = ChunkMap::from_pb(&resp.chunk_maps[0]).unwrap();
+        assert_eq!(got.hashes()[3], Some([7; 32]));
+    }
+
+    #[test]
+    fn a_restarted_tracker_asks_for_full_announces_and_a_digest_failure_withdraws_the_map() {
+        let t = Tracker::new(&TrackerConfig::default());
+        let d = BlobDigest::of(b"blob");
+        let resp = t
+            .handle(announce("a", d, 1 << 22, None, false), Instant::now())
+            .unwrap()
+            .unwrap();
+        assert!(resp.resend_full);
+        t.handle(
+            announce("a", d, 1 << 22, Some(&Bitfield::new(1)), true),
+            Instant::now(),
+        )
+        .unwrap();
+        let failed = pb::TrackerRequest {
+            body: Some(Body::DigestFailed(pb::BlobDigestFailed {
+                reporter: "a".into(),
+                digest: d.to_string(),
+            })),
+        };
+        t.handle(failed, Instant::now()).unwrap();
+        let resp = t
+            .handle(announce("a", d, 1 << 22, None, false), Instant::now())
+            .unwrap()
+            .unwrap();
+        assert_eq!(resp.withdrawn, vec![d.to_string()]);
+    }
+
+    #[test]
+    fn malformed_requests_are_refused_with_the_reason() {
+        let t = Tracker::new(&TrackerConfig::default());
+        let bad = pb::TrackerRequest {
+            body: Some(Body::Announce(pb::Announce {
+                peer_id: "a".into(),
+                blobs: vec![pb::BlobHolding {
+                    digest: "sha256:zz".into(),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })),
+        };
+        let err = t.handle(bad, Instant::now()).unwrap_err().to_string();
+        assert!(err.contains("64 lowercase hex"), "{err}");
+        let err = t
+            .handle(pb::TrackerRequest { body: None }, Instant::now())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("empty tracker request"), "{err}");
+    }
+}

@@ -1,0 +1,561 @@
+//! The swarm: pulling a blob with the tracker's help, and announcing what this
+//! agent holds.
+//!
+//! A pull asks the registry for the blob's size only, then announces that it
+//! wants the blob. The tracker answers with peers and with registry-fetch
+//! assignments (runs of chunks nobody holds). The agent fetches its runs with
+//! HTTP range requests, publishes their chunk hashes, and takes everything else
+//! from peers, verifying each chunk against the published hashes.
+//!
+//! Never worse than a direct pull: if the tracker stays unreachable, or no chunk
+//! arrives for a while, the agent keeps the peers it has and fetches every
+//! unclaimed chunk from the registry itself. If the assembled blob fails its
+//! digest (a published hash was wrong), the agent reports it, so the tracker
+//! withdraws the map, and pulls the blob again from the registry alone.
+
+use crate::error::{Error, Result};
+use crate::fetch::{PeerAddr, Transfer};
+use crate::peer::PeerNode;
+use crate::registry::RegistryClient;
+use crate::store::{Blob, PutOutcome};
+use crate::tracker_client::TrackerClient;
+use dray_protocol::pb::{self, tracker_request::Body};
+use dray_protocol::{Bitfield, BlobDigest, ChunkMap, DEFAULT_CHUNK_SIZE, VerifyError};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{Notify, watch};
+
+/// Swarm settings; every key optional.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SwarmConfig {
+    /// Tracker replica base URLs. None: every pull goes to the registry alone.
+    pub trackers: Vec<String>,
+    /// Address peers should dial; defaults to the peer endpoint's address.
+    pub advertise: Option<SocketAddr>,
+    /// Topology labels (zone, rack) sent with announces.
+    pub labels: BTreeMap<String, String>,
+    /// Announce period while a pull is running, ms.
+    pub pull_announce_ms: u64,
+    /// Announce period otherwise, ms (the tracker's interval caps it).
+    pub idle_announce_ms: u64,
+    /// Tracker silent this long during a pull: carry on with known peers and the registry, ms.
+    pub tracker_grace_ms: u64,
+    /// Nothing arrived and nothing was in flight for this long: fetch unclaimed
+    /// chunks from the registry, ms.
+    pub stall_ms: u64,
+    /// Registry runs in flight at once when falling back to the registry.
+    pub registry_parallel: usize,
+    /// Chunks per registry run when falling back.
+    pub run_chunks: u32,
+    pub chunk_size: u32,
+}
+
+impl Default for SwarmConfig {
+    fn default() -> Self {
+        Self {
+            trackers: Vec::new(),
+            advertise: None,
+            labels: BTreeMap::new(),
+            pull_announce_ms: 500,
+            idle_announce_ms: 10_000,
+            tracker_grace_ms: 3_000,
+            stall_ms: 5_000,
+            registry_parallel: 4,
+            run_chunks: 4,
+            chunk_size: DEFAULT_CHUNK_SIZE,
+        }
+    }
+}
+
+/// What a pull did.
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct PullReport {
+    pub digest: String,
+    pub size: u64,
+    pub seconds: f64,
+    pub chunks_from_registry: u32,
+    pub bytes_from_registry: u64,
+    pub chunks_from_peers: u32,
+    pub bytes_from_peers: u64,
+    pub resumed_chunks: u32,
+    /// Peers that sent chunks failing their hash.
+    pub bad_peers: Vec<String>,
+    /// Times the assembled blob failed its digest and was pulled again.
+    pub map_failures: u32,
+    /// The pull fell back to fetching unclaimed chunks from the registry itself.
+    pub fell_back: bool,
+}
+
+/// The tracker's latest word on one wanted blob.
+#[derive(Clone, Debug, Default)]
+struct Update {
+    tracker_ok: bool,
+    peers: Vec<PeerAddr>,
+    runs: Vec<(u32, u32)>,
+    map: Option<ChunkMap>,
+    withdrawn: bool,
+}
+
+/// An agent's membership in the swarm.
+pub struct Swarm {
+    node: Arc<PeerNode>,
+    tracker: TrackerClient,
+    config: SwarmConfig,
+    wanted: Mutex<HashMap<BlobDigest, watch::Sender<Update>>>,
+    /// What each replica was last told, per blob (for delta announces).
+    sent: Mutex<HashMap<String, HashMap<BlobDigest, Bitfield>>>,
+    poke: Notify,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Swarm {
+    pub fn new(node: Arc<PeerNode>, config: SwarmConfig) -> Arc<Self> {
+        Arc::new(Self {
+            tracker: TrackerClient::new(config.trackers.clone()),
+            node,
+            config,
+            wanted: Mutex::new(HashMap::new()),
+            sent: Mutex::new(HashMap::new()),
+            poke: Notify::new(),
+        })
+    }
+
+    pub fn node(&self) -> &Arc<PeerNode> {
+        &self.node
+    }
+
+    /// Announces until the task is dropped: often while pulls run, seldom otherwise.
+    pub fn spawn_announcer(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let swarm = self.clone();
+        tokio::spawn(async move {
+            if !swarm.tracker.is_configured() {
+                return;
+            }
+            loop {
+                swarm.announce_once().await;
+                let busy = !lock(&swarm.wanted).is_empty();
+                let wait = if busy {
+                    swarm.config.pull_announce_ms
+                } else {
+                    swarm.config.idle_announce_ms
+                };
+                let _ =
+                    tokio::time::timeout(Duration::from_millis(wait), swarm.poke.notified()).await;
+            }
+        })
+    }
+
+    /// One round of announces: every blob held or wanted, to its owner replica.
+    async fn announce_once(&self) {
+        let advertise = match self
+            .config
+            .advertise
+            .map(Ok)
+            .unwrap_or_else(|| self.node.local_addr())
+        {
+            Ok(a) => a.to_string(),
+            Err(e) => return tracing::error!(error = %e, "no address to advertise"),
+        };
+        let wanted: HashSet<BlobDigest> = lock(&self.wanted).keys().copied().collect();
+        let mut groups: HashMap<String, Vec<Arc<Blob>>> = HashMap::new();
+        for blob in self.node.store().open_blobs() {
+            if let Some(owner) = self.tracker.owner(&blob.digest()) {
+                groups.entry(owner).or_default().push(blob);
+            }
+        }
+        for (replica, blobs) in groups {
+            let previous = lock(&self.sent).get(&replica).cloned();
+            let full = previous
+                .as_ref()
+                .is_none_or(|p| p.keys().any(|d| !blobs.iter().any(|b| b.digest() == *d)));
+            let mut now_sent = HashMap::new();
+            let holdings = blobs
+                .iter()
+                .map(|b| {
+                    let map = b.map();
+                    let held = b.held();
+                    let before = previous.as_ref().and_then(|p| p.get(&b.digest()));
+                    let grew_from = before.filter(|prev| !full && prev.ones().all(|i| held.get(i)));
+                    let (bits, added) = match grew_from {
+                        Some(prev) => (Vec::new(), held.ones().filter(|&i| !prev.get(i)).collect()),
+                        None => (held.as_bytes().to_vec(), Vec::new()),
+                    };
+                    now_sent.insert(b.digest(), held);
+                    pb::BlobHolding {
+                        digest: b.digest().to_string(),
+                        size: map.size(),
+                        chunk_size: map.chunk_size(),
+                        bits: bits.into(),
+                        added,
+                        complete: b.is_complete(),
+                        wanted: wanted.contains(&b.digest()),
+                    }
+                })
+                .collect();
+            let announce = pb::Announce {
+                peer_id: self.node.peer_id().to_string(),
+                address: advertise.clone(),
+                upload_bytes_per_s: self.node.config.upload_bytes_per_s.unwrap_or(0),
+                active_uploads: self.node.active_uploads(),
+                labels: self.config.labels.clone().into_iter().collect(),
+                blobs: holdings,
+                full,
+            };
+            tracing::debug!(%replica, full, blobs = announce.blobs.len(), "announcing");
+            let answer = self.tracker.send(&replica, Body::Announce(announce)).await;
+            let mine: Vec<BlobDigest> = blobs
+                .iter()
+                .map(|b| b.digest())
+                .filter(|d| wanted.contains(d))
+                .collect();
+            match answer {
+                Ok(Some(resp)) => {
+                    tracing::debug!(%replica, peers = resp.peers.len(), runs = resp.assignments.len(), maps = resp.chunk_maps.len(), resend_full = resp.resend_full, "tracker answered");
+                    if resp.resend_full {
+                        lock(&self.sent).remove(&replica);
+                        self.poke.notify_one();
+                    } else {
+                        lock(&self.sent).insert(replica.clone(), now_sent);
+                        if full {
+                            // A replica that needed a full announce has lost its maps too
+                            // (restart, or it just took these blobs over): give it the
+                            // maps of blobs whose digest we verified.
+                            for b in blobs.iter().filter(|b| b.is_complete()) {
+                                let body = Body::Publish(pb::PublishChunkMap {
+                                    peer_id: self.node.peer_id().to_string(),
+                                    map: Some(b.map().to_pb()),
+                                });
+                                if let Err(e) = self.tracker.send(&replica, body).await {
+                                    tracing::warn!(error = %e, "could not republish a chunk map");
+                                }
+                            }
+                        }
+                    }
+                    self.deliver(&mine, &resp);
+                }
+                Ok(None) => tracing::warn!(%replica, "tracker sent no answer to an announce"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "announce failed");
+                    lock(&self.sent).remove(&replica);
+                    for d in &mine {
+                        if let Some(tx) = lock(&self.wanted).get(d) {
+                            tx.send_modify(|u| u.tracker_ok = false);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn deliver(&self, digests: &[BlobDigest], resp: &pb::AnnounceResponse) {
+        let me = self.node.peer_id();
+        for d in digests {
+            let key = d.to_string();
+            let peers = resp
+                .peers
+                .get(&key)
+                .map(|l| {
+                    l.peers
+                        .iter()
+                        .filter(|p| p.peer_id != me)
+                        .filter_map(|p| {
+                            Some(PeerAddr {
+                                peer_id: p.peer_id.clone(),
+                                addr: p.address.parse().ok()?,
+                            })
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            let runs = resp
+                .assignments
+                .iter()
+                .filter(|a| a.digest == key)
+                .map(|a| (a.first, a.count))
+                .collect();
+            let map = resp
+                .chunk_maps
+                .iter()
+                .filter(|m| m.digest == key)
+                .find_map(|m| {
+                    ChunkMap::from_pb(m)
+                        .map_err(|e| tracing::warn!(error = %e, "tracker sent a bad chunk map"))
+                        .ok()
+                });
+            let update = Update {
+                tracker_ok: true,
+                peers,
+                runs,
+                map,
+                withdrawn: resp.withdrawn.contains(&key),
+            };
+            if let Some(tx) = lock(&self.wanted).get(d) {
+                tx.send_replace(update);
+            }
+        }
+    }
+
+    /// Pulls a blob into the store; returns when it is complete and verified.
+    pub async fn pull(
+        self: &Arc<Self>,
+        registry: &Arc<RegistryClient>,
+        repo: &str,
+        digest: BlobDigest,
+    ) -> Result<PullReport> {
+        let started = Instant::now();
+        let size = registry.blob_size(repo, &digest).await?;
+        let mut report = PullReport {
+            digest: digest.to_string(),
+            size,
+            ..Default::default()
+        };
+        let mut alone = !self.tracker.is_configured();
+        loop {
+            let map = ChunkMap::unhashed(digest, size, self.config.chunk_size)?;
+            let transfer = Transfer::start(&self.node, &map, true).await?;
+            let (tx, rx) = watch::channel(Update {
+                tracker_ok: true,
+                ..Default::default()
+            });
+            lock(&self.wanted).insert(digest, tx);
+            self.poke.notify_one();
+            let outcome = self
+                .drive(&transfer, rx, registry, repo, alone, &mut report)
+                .await;
+            lock(&self.wanted).remove(&digest);
+            let fetched = transfer.finish().await?;
+            report.resumed_chunks = report.resumed_chunks.max(fetched.resumed_chunks);
+            report.chunks_from_peers += fetched.chunks_by_peer.values().sum::<u32>();
+            report.bytes_from_peers += fetched.bytes_received;
+            for (peer, index) in &fetched.bad_peers {
+                report.bad_peers.push(peer.clone());
+                self.report_bad_chunk(&digest, peer, *index).await;
+            }
+            match outcome {
+                Ok(()) => {
+                    self.publish(transfer.blob()).await;
+                    self.poke.notify_one();
+                    report.seconds = started.elapsed().as_secs_f64();
+                    return Ok(report);
+                }
+                Err(e) if is_map_failure(&e) && !alone => {
+                    tracing::warn!(error = %e, %digest, "the published chunk map was wrong; pulling from the registry alone");
+                    report.map_failures += 1;
+                    let failed = Body::DigestFailed(pb::BlobDigestFailed {
+                        reporter: self.node.peer_id().to_string(),
+                        digest: digest.to_string(),
+                    });
+                    if let Err(e) = self.tracker.send_for(&digest, failed).await {
+                        tracing::warn!(error = %e, "could not report the failed digest");
+                    }
+                    let store = self.node.store().clone();
+                    tokio::task::spawn_blocking(move || store.remove(&digest))
+                        .await
+                        .map_err(|e| Error::Db(e.to_string()))??;
+                    alone = true;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Runs one attempt of a pull until the blob completes or fails.
+    async fn drive(
+        &self,
+        t: &Arc<Transfer>,
+        mut rx: watch::Receiver<Update>,
+        registry: &Arc<RegistryClient>,
+        repo: &str,
+        alone: bool,
+        report: &mut PullReport,
+    ) -> Result<()> {
+        let digest = t.blob().digest();
+        let mut runs = tokio::task::JoinSet::new();
+        let mut assigned = HashSet::new();
+        let mut last_tracker = Instant::now();
+        let mut progress = (Instant::now(), t.blob().held().count());
+        let mut fallback = alone;
+        let mut woke = false;
+        let tracker_grace = Duration::from_millis(self.config.tracker_grace_ms);
+        let stall = Duration::from_millis(self.config.stall_ms);
+        loop {
+            if let Some(e) = t.take_error() {
+                return Err(e);
+            }
+            while let Some(done) = runs.try_join_next() {
+                let (chunks, bytes, publish) =
+                    done.map_err(|e| Error::Db(format!("registry fetch task: {e}")))??;
+                report.chunks_from_registry += chunks;
+                report.bytes_from_registry += bytes;
+                if publish {
+                    self.publish(t.blob()).await;
+                    self.poke.notify_one();
+                }
+            }
+            if t.blob().is_complete() {
+                return Ok(());
+            }
+            if std::mem::take(&mut woke) || rx.has_changed().unwrap_or(false) {
+                let u = rx.borrow_and_update().clone();
+                if u.withdrawn && !alone {
+                    return Err(Error::Withdrawn(digest));
+                }
+                if u.tracker_ok {
+                    last_tracker = Instant::now();
+                }
+                if !alone {
+                    if let Some(m) = &u.map {
+                        match t.blob().learn(m) {
+                            Ok(n) if n > 0 => t.nudge(),
+                            Ok(_) => {}
+                            Err(e) => return Err(e),
+                        }
+                    }
+                    for p in u.peers {
+                        t.add_peer(p);
+                    }
+                    for (first, count) in u.runs {
+                        if assigned.insert(first) {
+                            runs.spawn(fetch_run(
+                                t.clone(),
+                                registry.clone(),
+                                repo.to_string(),
+                                first,
+                                count,
+                                true,
+                            ));
+                        }
+                    }
+                }
+            }
+            let held = t.blob().held().count();
+            // Chunks in flight count as progress: only a swarm with nothing to
+            // offer is stalled.
+            if held != progress.1 || t.in_flight() > 0 {
+                progress = (Instant::now(), held);
+            }
+            if !fallback && (last_tracker.elapsed() > tracker_grace || progress.0.elapsed() > stall)
+            {
+                tracing::warn!(%digest, tracker_silent_s = last_tracker.elapsed().as_secs_f64(), "falling back to the registry for unclaimed chunks");
+                fallback = true;
+                report.fell_back = true;
+            }
+            if fallback {
+                let mut unclaimed = t.unclaimed().into_iter().peekable();
+                while runs.len() < self.config.registry_parallel {
+                    let Some(first) = unclaimed.next() else { break };
+                    let mut count = 1;
+                    while count < self.config.run_chunks
+                        && unclaimed.next_if_eq(&(first + count)).is_some()
+                    {
+                        count += 1;
+                    }
+                    runs.spawn(fetch_run(
+                        t.clone(),
+                        registry.clone(),
+                        repo.to_string(),
+                        first,
+                        count,
+                        false,
+                    ));
+                }
+            }
+            // `changed()` marks the value seen, so remember that it fired.
+            woke = matches!(
+                tokio::time::timeout(Duration::from_millis(50), rx.changed()).await,
+                Ok(Ok(()))
+            );
+        }
+    }
+
+    async fn publish(&self, blob: &Blob) {
+        let map = blob.map();
+        let body = Body::Publish(pb::PublishChunkMap {
+            peer_id: self.node.peer_id().to_string(),
+            map: Some(map.to_pb()),
+        });
+        if let Err(e) = self.tracker.send_for(&map.digest(), body).await {
+            tracing::warn!(error = %e, "could not publish chunk hashes");
+        }
+    }
+
+    async fn report_bad_chunk(&self, digest: &BlobDigest, offender: &str, index: u32) {
+        let body = Body::BadChunk(pb::BadChunkReport {
+            reporter: self.node.peer_id().to_string(),
+            offender: offender.to_string(),
+            digest: digest.to_string(),
+            index,
+        });
+        if let Err(e) = self.tracker.send_for(digest, body).await {
+            tracing::warn!(error = %e, "could not report a bad chunk");
+        }
+    }
+}
+
+/// Errors that mean the published chunk map cannot be trusted.
+fn is_map_failure(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Withdrawn(_)
+            | Error::Verify(VerifyError::BlobDigest { .. } | VerifyError::HashConflict { .. })
+    )
+}
+
+/// Fetches chunks `[first, first + count)` from the registry into the blob;
+/// returns (chunks, bytes, whether to publish).
+async fn fetch_run(
+    t: Arc<Transfer>,
+    registry: Arc<RegistryClient>,
+    repo: String,
+    first: u32,
+    count: u32,
+    publish: bool,
+) -> Result<(u32, u64, bool)> {
+    let map = t.blob().map();
+    let (mut chunks, mut bytes) = (0, 0);
+    for index in first..first.saturating_add(count).min(map.chunk_count()) {
+        if !t.claim(index) {
+            continue;
+        }
+        let data = match registry
+            .blob_range(
+                &repo,
+                &map.digest(),
+                map.offset(index),
+                map.chunk_len(index) as u64,
+            )
+            .await
+        {
+            Ok(d) => d,
+            Err(e) => {
+                t.settle(index, false);
+                return Err(e.into());
+            }
+        };
+        let len = data.len() as u64;
+        let blob = t.blob().clone();
+        let put = tokio::task::spawn_blocking(move || blob.put_origin_chunk(index, &data))
+            .await
+            .map_err(|e| Error::Db(format!("storing a registry chunk: {e}")))?;
+        match put {
+            Ok(PutOutcome::Stored | PutOutcome::Completed) => {
+                t.settle(index, true);
+                chunks += 1;
+                bytes += len;
+            }
+            Ok(PutOutcome::Duplicate) => t.settle(index, true),
+            Err(e) => {
+                t.settle(index, false);
+                return Err(e);
+            }
+        }
+    }
+    Ok((chunks, bytes, publish))
+}

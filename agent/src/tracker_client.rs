@@ -1,0 +1,174 @@
+//! Talking to the tracker replicas. Each blob has an owner among the replicas,
+//! chosen by rendezvous hashing of its digest: every agent computes the same
+//! owner with no coordination, and when the owner is unreachable the next
+//! replica in that blob's order takes over (and rebuilds its state from the full
+//! announces that follow).
+
+use dray_protocol::BlobDigest;
+use dray_protocol::pb::{self, tracker_request::Body};
+use prost::Message;
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// How long a replica that failed is skipped.
+const DOWN_FOR: Duration = Duration::from_secs(3);
+
+/// Why no replica answered.
+#[derive(Debug, thiserror::Error)]
+#[error("no tracker replica answered: {0}")]
+pub struct TrackerUnavailable(pub String);
+
+/// HTTP client for the tracker replicas.
+pub struct TrackerClient {
+    http: reqwest::Client,
+    replicas: Vec<String>,
+    down_until: Mutex<HashMap<String, Instant>>,
+}
+
+impl TrackerClient {
+    /// `replicas` are base URLs such as `http://tracker-0.dray:7880`.
+    pub fn new(replicas: Vec<String>) -> Self {
+        crate::registry::install_crypto_provider();
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(2))
+            .timeout(Duration::from_secs(5))
+            .build()
+            .expect("static client settings are valid");
+        Self {
+            http,
+            replicas: replicas
+                .into_iter()
+                .map(|r| r.trim_end_matches('/').to_string())
+                .collect(),
+            down_until: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn is_configured(&self) -> bool {
+        !self.replicas.is_empty()
+    }
+
+    /// Replicas in the order that owns `digest`: rendezvous (highest random
+    /// weight) hashing, so removing a replica moves only the blobs it owned.
+    pub fn order(&self, digest: &BlobDigest) -> Vec<&str> {
+        let mut ranked: Vec<(&str, [u8; 32])> = self
+            .replicas
+            .iter()
+            .map(|r| {
+                let mut h = blake3::Hasher::new();
+                h.update(r.as_bytes()).update(digest.as_bytes());
+                (r.as_str(), *h.finalize().as_bytes())
+            })
+            .collect();
+        ranked.sort_by_key(|r| std::cmp::Reverse(r.1));
+        ranked.into_iter().map(|(r, _)| r).collect()
+    }
+
+    /// The replica to use for `digest` now: the first in its order not marked down.
+    pub fn owner(&self, digest: &BlobDigest) -> Option<String> {
+        let down = self.down_until.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        let order = self.order(digest);
+        order
+            .iter()
+            .find(|r| down.get(**r).is_none_or(|until| *until <= now))
+            .or(order.first())
+            .map(|r| r.to_string())
+    }
+
+    fn mark_down(&self, replica: &str) {
+        self.down_until
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(replica.to_string(), Instant::now() + DOWN_FOR);
+    }
+
+    /// Sends one request to `replica`; a failure marks it down for a while.
+    pub async fn send(
+        &self,
+        replica: &str,
+        body: Body,
+    ) -> Result<Option<pb::AnnounceResponse>, TrackerUnavailable> {
+        let req = pb::TrackerRequest { body: Some(body) };
+        let url = format!("{replica}{}", "/v1/tracker");
+        let result = async {
+            let resp = self
+                .http
+                .post(&url)
+                .header(reqwest::header::CONTENT_TYPE, "application/x-protobuf")
+                .body(req.encode_to_vec())
+                .send()
+                .await
+                .map_err(|e| format!("{url}: {e}"))?;
+            let status = resp.status();
+            let bytes = resp.bytes().await.map_err(|e| format!("{url}: {e}"))?;
+            if !status.is_success() {
+                return Err(format!(
+                    "{url} answered {status}: {}",
+                    String::from_utf8_lossy(&bytes)
+                ));
+            }
+            if bytes.is_empty() {
+                return Ok(None);
+            }
+            pb::AnnounceResponse::decode(bytes)
+                .map(Some)
+                .map_err(|e| format!("{url}: bad answer: {e}"))
+        }
+        .await;
+        result.map_err(|e| {
+            self.mark_down(replica);
+            TrackerUnavailable(e)
+        })
+    }
+
+    /// Sends a request about `digest` to its owner, failing over along its order.
+    pub async fn send_for(
+        &self,
+        digest: &BlobDigest,
+        body: Body,
+    ) -> Result<Option<pb::AnnounceResponse>, TrackerUnavailable> {
+        let mut errors = Vec::new();
+        for replica in self.order(digest) {
+            match self.send(replica, body.clone()).await {
+                Ok(r) => return Ok(r),
+                Err(e) => errors.push(e.0),
+            }
+        }
+        Err(TrackerUnavailable(if errors.is_empty() {
+            "no replicas configured".into()
+        } else {
+            errors.join("; ")
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rendezvous_order_moves_only_the_blobs_of_a_removed_replica() {
+        let three = TrackerClient::new(vec![
+            "http://a".into(),
+            "http://b".into(),
+            "http://c".into(),
+        ]);
+        let two = TrackerClient::new(vec!["http://a".into(), "http://b".into()]);
+        let mut owned = HashMap::new();
+        for i in 0..300u32 {
+            let d = BlobDigest::of(&i.to_be_bytes());
+            let before = three.order(&d)[0];
+            let after = two.order(&d)[0];
+            if before != "http://c" {
+                assert_eq!(before, after, "a blob not owned by c moved");
+            }
+            *owned.entry(before).or_insert(0) += 1;
+        }
+        assert!(
+            owned.values().all(|&n| n > 60),
+            "ownership is spread: {owned:?}"
+        );
+    }
+}

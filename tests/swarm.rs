@@ -1,0 +1,424 @@
+//! Issue 3 acceptance: a tracker-scheduled swarm pulling from the real
+//! distribution registry, with registry egress counted by a relay in front of
+//! the registry (never from the agents' own claims).
+
+mod common;
+
+use common::*;
+use dray_agent::identity::ClusterCa;
+use dray_agent::peer::PeerConfig;
+use dray_agent::swarm::PullReport;
+use dray_protocol::pb::{self, tracker_request::Body};
+use dray_protocol::{BlobDigest, ChunkMap, DEFAULT_CHUNK_SIZE};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+async fn pull_all(
+    agents: &[Agent],
+    registry: &Arc<dray_agent::registry::RegistryClient>,
+    repo: &str,
+    digest: &str,
+) -> Vec<PullReport> {
+    let d: BlobDigest = digest.parse().unwrap();
+    let pulls = agents.iter().map(|a| {
+        let (swarm, registry, repo) = (a.swarm.clone(), registry.clone(), repo.to_string());
+        tokio::spawn(async move { swarm.pull(&registry, &repo, d).await })
+    });
+    let mut reports = Vec::new();
+    for p in pulls.collect::<Vec<_>>() {
+        reports.push(p.await.unwrap().expect("pull completes"));
+    }
+    reports
+}
+
+fn assert_identical(agents: &[Agent], digest: &str) {
+    for a in agents {
+        assert_eq!(
+            file_digest(&a.blob_path(digest)),
+            digest,
+            "{} holds a different blob",
+            a.dir.display()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_agents_pull_a_256mib_blob_at_once_and_it_leaves_the_registry_about_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Registry::start(None).await;
+    let src = dir.path().join("blob");
+    let size = 256u64 << 20;
+    random_file(&src, size);
+    let digest = registry.push("test/big", &src);
+    let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
+    let ca = ClusterCa::generate().unwrap();
+    let agents: Vec<Agent> = (0..8)
+        .map(|i| {
+            Agent::start(
+                &ca,
+                &format!("node-{i}"),
+                dir.path(),
+                quick_swarm(vec![tracker.url()]),
+                PeerConfig::default(),
+            )
+        })
+        .collect();
+
+    let reports = pull_all(
+        &agents,
+        &registry_client(&registry.url(), None),
+        "test/big",
+        &digest,
+    )
+    .await;
+
+    assert_identical(&agents, &digest);
+    let ratio = registry.egress() as f64 / size as f64;
+    let from_registry: u64 = reports.iter().map(|r| r.bytes_from_registry).sum();
+    let slowest = reports.iter().map(|r| r.seconds).fold(0.0, f64::max);
+    eprintln!(
+        "registry egress {ratio:.3}x the blob; agents claim {from_registry} bytes from it; slowest {slowest:.1} s"
+    );
+    assert!(ratio <= 1.10, "registry served {ratio:.3}x the blob");
+    assert!(reports.iter().all(|r| !r.fell_back), "{reports:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_agent_completes_when_the_tracker_dies_mid_pull_and_a_restart_recovers_its_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Registry::start(None).await;
+    let src = dir.path().join("blob");
+    random_file(&src, 64 << 20);
+    let digest = registry.push("test/t", &src);
+    registry.throttle(24 << 20);
+    let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
+    let addr = tracker.addr.to_string();
+    let ca = ClusterCa::generate().unwrap();
+    let agents: Vec<Agent> = (0..4)
+        .map(|i| {
+            Agent::start(
+                &ca,
+                &format!("node-{i}"),
+                dir.path(),
+                quick_swarm(vec![tracker.url()]),
+                PeerConfig::default(),
+            )
+        })
+        .collect();
+    let client = registry_client(&registry.url(), None);
+    let pulls = {
+        let agents_pull = pull_all(&agents, &client, "test/t", &digest);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(700)).await;
+            tracker.kill();
+            tracker
+        });
+        agents_pull.await
+    };
+    assert_identical(&agents, &digest);
+    assert!(
+        pulls.iter().any(|r| r.fell_back),
+        "the tracker died before anyone finished: {pulls:?}"
+    );
+
+    // A new tracker on the same address learns everything from re-announces
+    // within one announce interval (the agents' idle interval is 300 ms; the
+    // first delta is answered with resend_full, then comes the full announce).
+    let d: BlobDigest = digest.parse().unwrap();
+    let restarted = TrackerProc::start(&quick_tracker(), &addr).await;
+    let started = Instant::now();
+    while restarted.tracker.holders(&d, 0) < 4 && started.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let recovered = started.elapsed();
+    assert_eq!(restarted.tracker.peer_count(), 4);
+    assert_eq!(restarted.tracker.holders(&d, 15), 4);
+    eprintln!("tracker state recovered in {recovered:?}");
+    assert!(
+        recovered <= Duration::from_millis(500 + 300),
+        "recovered in {recovered:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_killed_while_holding_registry_assignments_loses_them_and_the_others_complete() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Registry::start(None).await;
+    let src = dir.path().join("blob");
+    let size = 64u64 << 20;
+    random_file(&src, size);
+    let digest = registry.push("test/k", &src);
+    // 16 MiB/s from the registry: the victim cannot finish its runs before it dies.
+    registry.throttle(16 << 20);
+    let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
+    let ca = ClusterCa::generate().unwrap();
+    let mut cfg = quick_swarm(vec![tracker.url()]);
+    cfg.stall_ms = 30_000; // prove reassignment, not the stall fallback
+    let victim = Agent::start(
+        &ca,
+        "victim",
+        dir.path(),
+        cfg.clone(),
+        PeerConfig::default(),
+    );
+    let client = registry_client(&registry.url(), None);
+    let d: BlobDigest = digest.parse().unwrap();
+    let victim_pull = {
+        let (swarm, client) = (victim.swarm.clone(), client.clone());
+        tokio::spawn(async move { swarm.pull(&client, "test/k", d).await })
+    };
+    // Let the victim take its assignments, then kill it.
+    let started = Instant::now();
+    while tracker.tracker.peer_count() < 1 && started.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    victim_pull.abort();
+    victim.kill();
+    let others: Vec<Agent> = (0..3)
+        .map(|i| {
+            Agent::start(
+                &ca,
+                &format!("node-{i}"),
+                dir.path(),
+                cfg.clone(),
+                PeerConfig::default(),
+            )
+        })
+        .collect();
+    registry.throttle(0);
+
+    let reports = pull_all(&others, &client, "test/k", &digest).await;
+
+    assert_identical(&others, &digest);
+    assert!(reports.iter().all(|r| !r.fell_back), "{reports:?}");
+    let ratio = registry.egress() as f64 / size as f64;
+    eprintln!("registry egress {ratio:.3}x including what the victim fetched before it died");
+    assert!(ratio <= 1.25, "registry served {ratio:.3}x the blob");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_private_repository_needs_credentials_and_refuses_anonymous_agents_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Registry::start(Some(("alice", "s3cret"))).await;
+    let src = dir.path().join("blob");
+    random_file(&src, 16 << 20);
+    let digest = registry.push("private/p", &src);
+    let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
+    let ca = ClusterCa::generate().unwrap();
+    let agents: Vec<Agent> = (0..2)
+        .map(|i| {
+            Agent::start(
+                &ca,
+                &format!("node-{i}"),
+                dir.path(),
+                quick_swarm(vec![tracker.url()]),
+                PeerConfig::default(),
+            )
+        })
+        .collect();
+
+    pull_all(
+        &agents,
+        &registry_client(&registry.url(), Some(("alice", "s3cret"))),
+        "private/p",
+        &digest,
+    )
+    .await;
+    assert_identical(&agents, &digest);
+
+    let anonymous = Agent::start(
+        &ca,
+        "anon",
+        dir.path(),
+        quick_swarm(vec![tracker.url()]),
+        PeerConfig::default(),
+    );
+    let err = anonymous
+        .swarm
+        .pull(
+            &registry_client(&registry.url(), None),
+            "private/p",
+            digest.parse().unwrap(),
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("refused access to private/p") && err.contains("requires credentials"),
+        "{err}"
+    );
+    let wrong = anonymous
+        .swarm
+        .pull(
+            &registry_client(&registry.url(), Some(("alice", "nope"))),
+            "private/p",
+            digest.parse().unwrap(),
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        wrong.contains("credentials of \"alice\" were not accepted"),
+        "{wrong}"
+    );
+    assert!(
+        !anonymous.blob_path(&digest).exists(),
+        "nothing of the private blob reached the anonymous agent"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_tracker_replicas_split_the_blobs_and_a_dead_one_hands_its_blobs_to_the_other() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Registry::start(None).await;
+    let mut digests = Vec::new();
+    for i in 0..6 {
+        let src = dir.path().join(format!("blob{i}"));
+        random_file(&src, 8 << 20);
+        digests.push(registry.push("test/r", &src));
+    }
+    let a = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
+    let b = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
+    let replicas = vec![a.url(), b.url()];
+    let ca = ClusterCa::generate().unwrap();
+    let client = registry_client(&registry.url(), None);
+    let first: Vec<Agent> = (0..2)
+        .map(|i| {
+            Agent::start(
+                &ca,
+                &format!("first-{i}"),
+                dir.path(),
+                quick_swarm(replicas.clone()),
+                PeerConfig::default(),
+            )
+        })
+        .collect();
+    for d in &digests {
+        pull_all(&first, &client, "test/r", d).await;
+    }
+    let parsed: Vec<BlobDigest> = digests.iter().map(|d| d.parse().unwrap()).collect();
+    let on_a: Vec<&BlobDigest> = parsed
+        .iter()
+        .filter(|d| a.tracker.map(d).is_some())
+        .collect();
+    let on_b: Vec<&BlobDigest> = parsed
+        .iter()
+        .filter(|d| b.tracker.map(d).is_some())
+        .collect();
+    assert!(
+        !on_a.is_empty() && !on_b.is_empty(),
+        "both replicas own blobs: a {on_a:?}, b {on_b:?}"
+    );
+    assert_eq!(
+        on_a.len() + on_b.len(),
+        parsed.len(),
+        "each blob has exactly one owner"
+    );
+
+    a.kill();
+    let second: Vec<Agent> = (0..2)
+        .map(|i| {
+            Agent::start(
+                &ca,
+                &format!("second-{i}"),
+                dir.path(),
+                quick_swarm(replicas.clone()),
+                PeerConfig::default(),
+            )
+        })
+        .collect();
+    for d in &on_a {
+        let reports = pull_all(&second, &client, "test/r", &d.to_string()).await;
+        assert!(reports.iter().all(|r| !r.fell_back), "{reports:?}");
+        assert!(
+            b.tracker.map(d).is_some(),
+            "{d} moved to the surviving replica"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_map_published_with_a_wrong_hash_is_caught_by_the_digest_withdrawn_and_pulled_from_the_registry()
+ {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Registry::start(None).await;
+    let src = dir.path().join("blob");
+    let size = 32u64 << 20;
+    random_file(&src, size);
+    let digest = registry.push("test/w", &src);
+    let d: BlobDigest = digest.parse().unwrap();
+    let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
+    let ca = ClusterCa::generate().unwrap();
+
+    // A liar holds every chunk but the last, with chunk 2 forged, and publishes
+    // a map whose hash for chunk 2 matches the forgery.
+    let mut forged = std::fs::read(&src).unwrap();
+    forged[2 * DEFAULT_CHUNK_SIZE as usize + 99] ^= 0xff;
+    let real = ChunkMap::of_bytes(&std::fs::read(&src).unwrap(), DEFAULT_CHUNK_SIZE).unwrap();
+    let lie = ChunkMap::of_bytes(&forged, DEFAULT_CHUNK_SIZE).unwrap();
+    let lie = ChunkMap::new(
+        d,
+        size,
+        DEFAULT_CHUNK_SIZE,
+        lie.hashes().iter().map(|h| h.unwrap()).collect(),
+    )
+    .unwrap();
+    assert_ne!(lie, real);
+    let liar = Agent::start(
+        &ca,
+        "liar",
+        dir.path(),
+        quick_swarm(vec![tracker.url()]),
+        PeerConfig::default(),
+    );
+    let blob = liar.swarm.node().store().blob(&lie).unwrap();
+    for i in 0..lie.chunk_count() - 1 {
+        let at = lie.offset(i) as usize;
+        blob.put_chunk(i, &forged[at..at + lie.chunk_len(i)])
+            .unwrap();
+    }
+    let publish = pb::TrackerRequest {
+        body: Some(Body::Publish(pb::PublishChunkMap {
+            peer_id: "liar".into(),
+            map: Some(lie.to_pb()),
+        })),
+    };
+    assert!(
+        tracker
+            .tracker
+            .handle(publish, Instant::now())
+            .unwrap()
+            .is_none()
+    );
+    while tracker.tracker.holders(&d, 2) < 1 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let honest: Vec<Agent> = (0..2)
+        .map(|i| {
+            Agent::start(
+                &ca,
+                &format!("node-{i}"),
+                dir.path(),
+                quick_swarm(vec![tracker.url()]),
+                PeerConfig::default(),
+            )
+        })
+        .collect();
+    let reports = pull_all(
+        &honest,
+        &registry_client(&registry.url(), None),
+        "test/w",
+        &digest,
+    )
+    .await;
+
+    assert_identical(&honest, &digest);
+    assert!(reports.iter().any(|r| r.map_failures >= 1), "{reports:?}");
+    // The forged map is gone; what the tracker holds now (republished by the
+    // honest agents after their registry pull) is the true one.
+    if let Some(map) = tracker.tracker.map(&d) {
+        assert_eq!(map, real, "the tracker still hands out the forged hashes");
+    }
+}
