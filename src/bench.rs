@@ -19,6 +19,26 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 pub enum BenchCommand {
     /// Agent-to-agent chunk transfer over QUIC vs a bare quinn stream and plain TCP.
     Peer(PeerBench),
+    /// N agents pulling one blob through the swarm vs N direct pulls, from the
+    /// real registry (`docker-registry`) on loopback.
+    Swarm(SwarmBench),
+}
+
+#[derive(Args)]
+pub struct SwarmBench {
+    /// Agents pulling at once.
+    #[arg(long, default_value_t = 8)]
+    nodes: usize,
+    /// Blob size, e.g. 256MiB.
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    size: u64,
+    /// Cap the registry's total egress, bytes per second (e.g. 50MiB), to model
+    /// a registry that is the bottleneck; unlimited by default.
+    #[arg(long, value_parser = parse_size)]
+    registry_rate: Option<u64>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -61,7 +81,166 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 pub async fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Peer(b) => peer(b).await,
+        BenchCommand::Swarm(b) => swarm(b).await,
     }
+}
+
+#[derive(Serialize)]
+struct SwarmResult {
+    nodes: usize,
+    blob_bytes: u64,
+    registry_egress_bytes: u64,
+    egress_ratio: f64,
+    swarm_p50_s: f64,
+    swarm_last_s: f64,
+    direct_egress_ratio: f64,
+    direct_p50_s: f64,
+    direct_last_s: f64,
+    /// direct_last_s / swarm_last_s: above 1 the swarm is faster.
+    speedup: f64,
+    /// Agents that fell back to the registry for unclaimed chunks.
+    fell_back: usize,
+}
+
+/// Waits for every task; returns each one's completion time, sorted.
+async fn finish_times(
+    tasks: Vec<tokio::task::JoinHandle<Result<()>>>,
+    start: Instant,
+) -> Result<Vec<f64>> {
+    let mut times = Vec::new();
+    for t in tasks {
+        t.await??;
+        times.push(start.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times)
+}
+
+async fn swarm(b: SwarmBench) -> Result<()> {
+    use dray_agent::registry::RegistryClient;
+    use dray_agent::swarm::{Swarm, SwarmConfig};
+    if b.nodes == 0 || b.size == 0 {
+        bail!("--nodes and --size must be positive");
+    }
+    let dir = tempfile::tempdir().context("creating a temporary directory")?;
+    let registry = crate::testbed::Registry::start(None).await;
+    let src = dir.path().join("blob");
+    write_random(&src, b.size)?;
+    let digest: dray_protocol::BlobDigest = registry.push("bench/blob", &src).parse()?;
+    std::fs::remove_file(&src)?;
+    if let Some(rate) = b.registry_rate {
+        registry.throttle(rate);
+    }
+    let client = Arc::new(RegistryClient::new(&registry.url(), None)?);
+
+    // Baseline: every node pulls the blob straight from the registry.
+    let before = registry.egress();
+    let start = Instant::now();
+    let direct: Vec<_> = (0..b.nodes)
+        .map(|i| {
+            let (client, path) = (client.clone(), dir.path().join(format!("direct-{i}")));
+            tokio::spawn(async move {
+                client.download("bench/blob", &digest, &path).await?;
+                std::fs::remove_file(&path)?;
+                Ok(())
+            })
+        })
+        .collect();
+    let direct = finish_times(direct, start).await.context("direct pulls")?;
+    let direct_egress = registry.egress() - before;
+
+    // The swarm: a tracker and N agents in this process.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let tracker_url = format!("http://{}", listener.local_addr()?);
+    let tracker = tokio::spawn(dray_tracker::serve(
+        listener,
+        dray_tracker::Tracker::new(&Default::default()),
+    ));
+    let ca = ClusterCa::generate()?;
+    let mut agents = Vec::new();
+    for i in 0..b.nodes {
+        let store = Arc::new(ChunkStore::open(&dir.path().join(format!("node-{i}")))?);
+        let id = format!("node-{i}");
+        let node = PeerNode::bind(
+            ca.issue(&id)?,
+            store,
+            "127.0.0.1:0".parse()?,
+            PeerConfig::default(),
+        )?;
+        let swarm = Swarm::new(
+            node,
+            SwarmConfig {
+                trackers: vec![tracker_url.clone()],
+                ..SwarmConfig::default()
+            },
+        );
+        let announcer = swarm.spawn_announcer();
+        agents.push((swarm, announcer));
+    }
+    let before = registry.egress();
+    let start = Instant::now();
+    let fell_back = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let pulls: Vec<_> = agents
+        .iter()
+        .map(|(swarm, _)| {
+            let (swarm, client, fell_back) = (swarm.clone(), client.clone(), fell_back.clone());
+            tokio::spawn(async move {
+                let report = swarm.pull(&client, "bench/blob", digest).await?;
+                if report.fell_back {
+                    fell_back.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    let times = finish_times(pulls, start).await.context("swarm pulls")?;
+    let egress = registry.egress() - before;
+    for (swarm, announcer) in &agents {
+        announcer.abort();
+        swarm.node().close();
+    }
+    tracker.abort();
+
+    let median = |t: &[f64]| t[t.len() / 2];
+    let last = |t: &[f64]| t[t.len() - 1];
+    let r = SwarmResult {
+        nodes: b.nodes,
+        blob_bytes: b.size,
+        registry_egress_bytes: egress,
+        egress_ratio: egress as f64 / b.size as f64,
+        swarm_p50_s: median(&times),
+        swarm_last_s: last(&times),
+        direct_egress_ratio: direct_egress as f64 / b.size as f64,
+        direct_p50_s: median(&direct),
+        direct_last_s: last(&direct),
+        speedup: last(&direct) / last(&times),
+        fell_back: fell_back.load(std::sync::atomic::Ordering::Relaxed),
+    };
+    if b.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "nodes {} · blob {} bytes · registry cap {}",
+            r.nodes,
+            r.blob_bytes,
+            b.registry_rate
+                .map_or("none".into(), |x| format!("{x} B/s"))
+        );
+        println!("            egress/blob   p50 s   last s");
+        println!(
+            "swarm       {:11.3} {:7.2} {:8.2}",
+            r.egress_ratio, r.swarm_p50_s, r.swarm_last_s
+        );
+        println!(
+            "direct      {:11.3} {:7.2} {:8.2}",
+            r.direct_egress_ratio, r.direct_p50_s, r.direct_last_s
+        );
+        println!(
+            "direct_last / swarm_last = {:.2}   agents that fell back: {}",
+            r.speedup, r.fell_back
+        );
+    }
+    Ok(())
 }
 
 #[derive(Serialize)]

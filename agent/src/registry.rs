@@ -158,6 +158,53 @@ impl RegistryClient {
         unreachable!("the last attempt returns")
     }
 
+    /// Downloads a whole blob to `path` in one GET, as a client without dray
+    /// would, checking its digest; returns its size. The baseline of the benches.
+    pub async fn download(
+        &self,
+        repo: &str,
+        digest: &BlobDigest,
+        path: &std::path::Path,
+    ) -> Result<u64, RegistryError> {
+        use sha2::Digest as _;
+        use std::io::Write as _;
+        let what = format!("GET {digest}");
+        let mut resp = self.send(repo, digest, reqwest::Method::GET, None).await?;
+        if !resp.status().is_success() {
+            return Err(RegistryError::Status {
+                registry: self.base.clone(),
+                status: resp.status(),
+                what,
+            });
+        }
+        let io_err = |e: std::io::Error| RegistryError::Http {
+            registry: self.base.clone(),
+            what: format!("writing {}", path.display()),
+            detail: e.to_string(),
+        };
+        let mut file = std::io::BufWriter::with_capacity(
+            1 << 20,
+            std::fs::File::create(path).map_err(io_err)?,
+        );
+        let mut sha = sha2::Sha256::new();
+        let mut size = 0u64;
+        while let Some(bytes) = resp.chunk().await.map_err(|e| self.http_err(&what, e))? {
+            sha.update(&bytes);
+            file.write_all(&bytes).map_err(io_err)?;
+            size += bytes.len() as u64;
+        }
+        file.flush().map_err(io_err)?;
+        let got = BlobDigest::from_bytes(sha.finalize().into());
+        if got != *digest {
+            return Err(RegistryError::Http {
+                registry: self.base.clone(),
+                what,
+                detail: format!("the blob hashes to {got}"),
+            });
+        }
+        Ok(size)
+    }
+
     fn http_err(&self, what: &str, e: reqwest::Error) -> RegistryError {
         RegistryError::Http {
             registry: self.base.clone(),

@@ -368,7 +368,7 @@ impl Swarm {
 
     /// Runs one attempt of a pull until the blob completes or fails.
     async fn drive(
-        &self,
+        self: &Arc<Self>,
         t: &Arc<Transfer>,
         mut rx: watch::Receiver<Update>,
         registry: &Arc<RegistryClient>,
@@ -390,14 +390,10 @@ impl Swarm {
                 return Err(e);
             }
             while let Some(done) = runs.try_join_next() {
-                let (chunks, bytes, publish) =
+                let (chunks, bytes) =
                     done.map_err(|e| Error::Db(format!("registry fetch task: {e}")))??;
                 report.chunks_from_registry += chunks;
                 report.bytes_from_registry += bytes;
-                if publish {
-                    self.publish(t.blob()).await;
-                    self.poke.notify_one();
-                }
             }
             if t.blob().is_complete() {
                 return Ok(());
@@ -424,6 +420,7 @@ impl Swarm {
                     for (first, count) in u.runs {
                         if assigned.insert(first) {
                             runs.spawn(fetch_run(
+                                self.clone(),
                                 t.clone(),
                                 registry.clone(),
                                 repo.to_string(),
@@ -458,6 +455,7 @@ impl Swarm {
                         count += 1;
                     }
                     runs.spawn(fetch_run(
+                        self.clone(),
                         t.clone(),
                         registry.clone(),
                         repo.to_string(),
@@ -486,6 +484,27 @@ impl Swarm {
         }
     }
 
+    /// Publishes the hash of one chunk this agent read from the registry.
+    async fn publish_chunk(&self, geometry: &ChunkMap, index: u32, blob: &Blob) {
+        let Some(hash) = blob.map().hashes().get(index as usize).copied().flatten() else {
+            return;
+        };
+        let mut one =
+            match ChunkMap::unhashed(geometry.digest(), geometry.size(), geometry.chunk_size()) {
+                Ok(m) => m,
+                Err(e) => return tracing::error!(error = %e, "bad geometry"),
+            };
+        if one.set_hash(index, hash).is_ok() {
+            let body = Body::Publish(pb::PublishChunkMap {
+                peer_id: self.node.peer_id().to_string(),
+                map: Some(one.to_pb()),
+            });
+            if let Err(e) = self.tracker.send_for(&geometry.digest(), body).await {
+                tracing::warn!(error = %e, "could not publish a chunk hash");
+            }
+        }
+    }
+
     async fn report_bad_chunk(&self, digest: &BlobDigest, offender: &str, index: u32) {
         let body = Body::BadChunk(pb::BadChunkReport {
             reporter: self.node.peer_id().to_string(),
@@ -508,16 +527,17 @@ fn is_map_failure(e: &Error) -> bool {
     )
 }
 
-/// Fetches chunks `[first, first + count)` from the registry into the blob;
-/// returns (chunks, bytes, whether to publish).
+/// Fetches chunks `[first, first + count)` from the registry into the blob,
+/// publishing each chunk's hash when `publish`; returns (chunks, bytes).
 async fn fetch_run(
+    swarm: Arc<Swarm>,
     t: Arc<Transfer>,
     registry: Arc<RegistryClient>,
     repo: String,
     first: u32,
     count: u32,
     publish: bool,
-) -> Result<(u32, u64, bool)> {
+) -> Result<(u32, u64)> {
     let map = t.blob().map();
     let (mut chunks, mut bytes) = (0, 0);
     for index in first..first.saturating_add(count).min(map.chunk_count()) {
@@ -549,6 +569,11 @@ async fn fetch_run(
                 t.settle(index, true);
                 chunks += 1;
                 bytes += len;
+                if publish {
+                    // Peers can take the chunk only once its hash is published.
+                    swarm.publish_chunk(&map, index, t.blob()).await;
+                    swarm.poke.notify_one();
+                }
             }
             Ok(PutOutcome::Duplicate) => t.settle(index, true),
             Err(e) => {
@@ -557,5 +582,5 @@ async fn fetch_run(
             }
         }
     }
-    Ok((chunks, bytes, publish))
+    Ok((chunks, bytes))
 }

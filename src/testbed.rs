@@ -1,0 +1,246 @@
+//! A registry testbed on loopback: the real distribution registry from Debian
+//! (`docker-registry`) behind a relay that counts, and can pace, the bytes it
+//! sends. Registry egress is measured here, on the registry's side, never from
+//! the agents' own claims. Used by `dray bench` and by the tests (which include
+//! this file as a module).
+
+use sha2::Digest;
+use std::io::Read;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// sha256 of a file, computed here rather than trusted from a store.
+pub fn file_digest(path: &Path) -> String {
+    let mut f = std::fs::File::open(path).unwrap();
+    let mut h = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    format!("sha256:{}", hex::encode(h.finalize()))
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A `docker-registry` process on loopback, reached through a counting relay.
+pub struct Registry {
+    child: Child,
+    pub port: u16,
+    relay: Relay,
+    auth: Option<(String, String)>,
+    _dir: tempfile::TempDir,
+}
+
+impl Registry {
+    /// Starts a registry; with `auth`, behind htpasswd basic auth.
+    pub async fn start(auth: Option<(&str, &str)>) -> Registry {
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let mut cfg = format!(
+            "version: 0.1\nlog: {{level: warn}}\nstorage: {{filesystem: {{rootdirectory: {}}}, delete: {{enabled: true}}}}\nhttp: {{addr: \"127.0.0.1:{port}\", secret: test}}\n",
+            dir.path().join("data").display()
+        );
+        if let Some((user, pass)) = auth {
+            let htpasswd = dir.path().join("htpasswd");
+            let ok = Command::new("htpasswd")
+                .args(["-Bbc", htpasswd.to_str().unwrap(), user, pass])
+                .stderr(Stdio::null())
+                .status()
+                .expect("htpasswd (apache2-utils) is installed by scripts/test.sh");
+            assert!(ok.success());
+            cfg.push_str(&format!(
+                "auth: {{htpasswd: {{realm: test, path: {}}}}}\n",
+                htpasswd.display()
+            ));
+        }
+        let cfg_path = dir.path().join("config.yml");
+        std::fs::write(&cfg_path, cfg).unwrap();
+        let child = Command::new("docker-registry")
+            .args(["serve", cfg_path.to_str().unwrap()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("docker-registry is installed by scripts/test.sh");
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let relay = Relay::start(port).await;
+        Registry {
+            child,
+            port,
+            relay,
+            auth: auth.map(|(u, p)| (u.into(), p.into())),
+            _dir: dir,
+        }
+    }
+
+    /// Base URL through the counting relay (what agents use).
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.relay.port)
+    }
+
+    /// Bytes the registry sent through the relay so far.
+    pub fn egress(&self) -> u64 {
+        self.relay.down.load(Ordering::Relaxed)
+    }
+
+    /// Limits what the registry sends through the relay, bytes per second.
+    pub fn throttle(&self, bytes_per_s: u64) {
+        self.relay.rate.store(bytes_per_s, Ordering::Relaxed);
+    }
+
+    /// Uploads a file as a blob of `repo`, straight to the registry (not counted).
+    pub fn push(&self, repo: &str, file: &Path) -> String {
+        let digest = file_digest(file);
+        let base = format!("http://127.0.0.1:{}", self.port);
+        let mut auth = Vec::new();
+        if let Some((u, p)) = &self.auth {
+            auth = vec!["-u".to_string(), format!("{u}:{p}")];
+        }
+        let out = Command::new("curl")
+            .args(["-sfS", "-X", "POST", "-D", "-", "-o", "/dev/null"])
+            .args(&auth)
+            .arg(format!("{base}/v2/{repo}/blobs/uploads/"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "upload start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let headers = String::from_utf8(out.stdout).unwrap();
+        let location = headers
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("Location: ")
+                    .or_else(|| l.strip_prefix("location: "))
+            })
+            .expect("Location header")
+            .trim()
+            .to_string();
+        let location = if location.starts_with("http") {
+            location
+        } else {
+            format!("{base}{location}")
+        };
+        let sep = if location.contains('?') { '&' } else { '?' };
+        let out = Command::new("curl")
+            .args([
+                "-sfS",
+                "-X",
+                "PUT",
+                "-H",
+                "Content-Type: application/octet-stream",
+                "--data-binary",
+            ])
+            .arg(format!("@{}", file.display()))
+            .args(&auth)
+            .arg(format!("{location}{sep}digest={digest}"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "upload: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        digest
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A TCP relay that counts (and can pace) bytes flowing from upstream to clients.
+struct Relay {
+    port: u16,
+    down: Arc<AtomicU64>,
+    rate: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    async fn start(upstream: u16) -> Relay {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let down = Arc::new(AtomicU64::new(0));
+        let rate = Arc::new(AtomicU64::new(0));
+        let (d, r) = (down.clone(), rate.clone());
+        let task = tokio::spawn(async move {
+            let pacer = Arc::new(tokio::sync::Mutex::new(tokio::time::Instant::now()));
+            while let Ok((client, _)) = listener.accept().await {
+                let (d, r, pacer) = (d.clone(), r.clone(), pacer.clone());
+                tokio::spawn(async move {
+                    let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
+                    else {
+                        return;
+                    };
+                    let (mut cr, mut cw) = client.into_split();
+                    let (mut sr, mut sw) = server.into_split();
+                    let up = tokio::spawn(async move {
+                        let _ = tokio::io::copy(&mut cr, &mut sw).await;
+                        let _ = sw.shutdown().await;
+                    });
+                    let mut buf = vec![0u8; 64 << 10];
+                    loop {
+                        let n = match sr.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        let rate = r.load(Ordering::Relaxed);
+                        if rate > 0 {
+                            // One schedule for all connections caps the registry's total
+                            // egress. Sleeping until an absolute time keeps timer
+                            // rounding from adding up.
+                            let due = {
+                                let mut next = pacer.lock().await;
+                                let now = tokio::time::Instant::now();
+                                *next = (*next).max(now)
+                                    + Duration::from_secs_f64(n as f64 / rate as f64);
+                                *next
+                            };
+                            tokio::time::sleep_until(due).await;
+                        }
+                        d.fetch_add(n as u64, Ordering::Relaxed);
+                        if cw.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                    up.abort();
+                });
+            }
+        });
+        Relay {
+            port,
+            down,
+            rate,
+            task,
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
