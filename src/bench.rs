@@ -100,6 +100,12 @@ struct SwarmResult {
     speedup: f64,
     /// Agents that fell back to the registry for unclaimed chunks.
     fell_back: usize,
+    /// With --registry-rate: the blob size over the registry's rate, the
+    /// lower bound when the registry is the bottleneck (node links here are
+    /// loopback, so CPU, not links, bounds the rest).
+    registry_bound_s: Option<f64>,
+    /// swarm_last_s / registry_bound_s.
+    bound_ratio: Option<f64>,
 }
 
 /// Waits for every task; returns each one's completion time, sorted.
@@ -215,6 +221,10 @@ async fn swarm(b: SwarmBench) -> Result<()> {
         direct_last_s: last(&direct),
         speedup: last(&direct) / last(&times),
         fell_back: fell_back.load(std::sync::atomic::Ordering::Relaxed),
+        registry_bound_s: b.registry_rate.map(|rate| b.size as f64 / rate as f64),
+        bound_ratio: b
+            .registry_rate
+            .map(|rate| last(&times) / (b.size as f64 / rate as f64)),
     };
     if b.json {
         println!("{}", serde_json::to_string(&r)?);
