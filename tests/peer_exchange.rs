@@ -1,42 +1,18 @@
 //! Issue 2 acceptance: agents exchanging verified blobs over mutual-TLS QUIC on
 //! loopback, with real files, real sled logs and real processes.
 
+mod common;
+
+use common::{file_digest, random_file};
 use dray_agent::fetch::{PeerAddr, fetch_from_peers};
 use dray_agent::identity::{ClusterCa, Identity};
 use dray_agent::peer::{PeerConfig, PeerNode};
 use dray_agent::store::ChunkStore;
 use dray_protocol::DEFAULT_CHUNK_SIZE;
-use sha2::Digest;
-use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-
-/// `size` random bytes from the kernel into `path`.
-fn random_file(path: &Path, size: u64) {
-    let status = Command::new("head")
-        .args(["-c", &size.to_string(), "/dev/urandom"])
-        .stdout(std::fs::File::create(path).unwrap())
-        .status()
-        .unwrap();
-    assert!(status.success());
-}
-
-/// sha256 of a file, computed here rather than trusted from the store.
-fn file_digest(path: &Path) -> String {
-    let mut f = std::fs::File::open(path).unwrap();
-    let mut h = sha2::Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf).unwrap();
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    format!("sha256:{}", hex::encode(h.finalize()))
-}
 
 fn node(ca: &ClusterCa, id: &str, dir: &Path) -> Arc<PeerNode> {
     let store = Arc::new(ChunkStore::open(&dir.join(id)).unwrap());

@@ -31,6 +31,33 @@ async fn pull_all(
     reports
 }
 
+fn start_agents(
+    ca: &ClusterCa,
+    root: &std::path::Path,
+    prefix: &str,
+    n: usize,
+    cfg: dray_agent::swarm::SwarmConfig,
+) -> Vec<Agent> {
+    (0..n)
+        .map(|i| {
+            Agent::start(
+                ca,
+                &format!("{prefix}-{i}"),
+                root,
+                cfg.clone(),
+                PeerConfig::default(),
+            )
+        })
+        .collect()
+}
+
+/// Pushes `size` random bytes as a blob of `repo`; returns its digest.
+fn push_random(registry: &Registry, dir: &std::path::Path, repo: &str, size: u64) -> String {
+    let src = dir.join(format!("blob-{}", repo.replace('/', "-")));
+    random_file(&src, size);
+    registry.push(repo, &src)
+}
+
 fn assert_identical(agents: &[Agent], digest: &str) {
     for a in agents {
         assert_eq!(
@@ -46,23 +73,12 @@ fn assert_identical(agents: &[Agent], digest: &str) {
 async fn eight_agents_pull_a_256mib_blob_at_once_and_it_leaves_the_registry_about_once() {
     let dir = tempfile::tempdir().unwrap();
     let registry = Registry::start(None).await;
-    let src = dir.path().join("blob");
     let size = 256u64 << 20;
-    random_file(&src, size);
-    let digest = registry.push("test/big", &src);
+    let digest = push_random(&registry, dir.path(), "test/big", size);
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
     let ca = ClusterCa::generate().unwrap();
-    let agents: Vec<Agent> = (0..8)
-        .map(|i| {
-            Agent::start(
-                &ca,
-                &format!("node-{i}"),
-                dir.path(),
-                quick_swarm(vec![tracker.url()]),
-                PeerConfig::default(),
-            )
-        })
-        .collect();
+    let agents: Vec<Agent> =
+        start_agents(&ca, dir.path(), "node", 8, quick_swarm(vec![tracker.url()]));
 
     let reports = pull_all(
         &agents,
@@ -87,24 +103,13 @@ async fn eight_agents_pull_a_256mib_blob_at_once_and_it_leaves_the_registry_abou
 async fn every_agent_completes_when_the_tracker_dies_mid_pull_and_a_restart_recovers_its_state() {
     let dir = tempfile::tempdir().unwrap();
     let registry = Registry::start(None).await;
-    let src = dir.path().join("blob");
-    random_file(&src, 64 << 20);
-    let digest = registry.push("test/t", &src);
+    let digest = push_random(&registry, dir.path(), "test/t", 64 << 20);
     registry.throttle(24 << 20);
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
     let addr = tracker.addr.to_string();
     let ca = ClusterCa::generate().unwrap();
-    let agents: Vec<Agent> = (0..4)
-        .map(|i| {
-            Agent::start(
-                &ca,
-                &format!("node-{i}"),
-                dir.path(),
-                quick_swarm(vec![tracker.url()]),
-                PeerConfig::default(),
-            )
-        })
-        .collect();
+    let agents: Vec<Agent> =
+        start_agents(&ca, dir.path(), "node", 4, quick_swarm(vec![tracker.url()]));
     let client = registry_client(&registry.url(), None);
     let pulls = {
         let agents_pull = pull_all(&agents, &client, "test/t", &digest);
@@ -144,10 +149,8 @@ async fn every_agent_completes_when_the_tracker_dies_mid_pull_and_a_restart_reco
 async fn a_node_killed_while_holding_registry_assignments_loses_them_and_the_others_complete() {
     let dir = tempfile::tempdir().unwrap();
     let registry = Registry::start(None).await;
-    let src = dir.path().join("blob");
     let size = 64u64 << 20;
-    random_file(&src, size);
-    let digest = registry.push("test/k", &src);
+    let digest = push_random(&registry, dir.path(), "test/k", size);
     // 16 MiB/s from the registry: the victim cannot finish its runs before it dies.
     registry.throttle(16 << 20);
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
@@ -175,17 +178,7 @@ async fn a_node_killed_while_holding_registry_assignments_loses_them_and_the_oth
     tokio::time::sleep(Duration::from_millis(300)).await;
     victim_pull.abort();
     victim.kill();
-    let others: Vec<Agent> = (0..3)
-        .map(|i| {
-            Agent::start(
-                &ca,
-                &format!("node-{i}"),
-                dir.path(),
-                cfg.clone(),
-                PeerConfig::default(),
-            )
-        })
-        .collect();
+    let others: Vec<Agent> = start_agents(&ca, dir.path(), "node", 3, cfg.clone());
     registry.throttle(0);
 
     let reports = pull_all(&others, &client, "test/k", &digest).await;
@@ -201,22 +194,11 @@ async fn a_node_killed_while_holding_registry_assignments_loses_them_and_the_oth
 async fn a_private_repository_needs_credentials_and_refuses_anonymous_agents_clearly() {
     let dir = tempfile::tempdir().unwrap();
     let registry = Registry::start(Some(("alice", "s3cret"))).await;
-    let src = dir.path().join("blob");
-    random_file(&src, 16 << 20);
-    let digest = registry.push("private/p", &src);
+    let digest = push_random(&registry, dir.path(), "private/p", 16 << 20);
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
     let ca = ClusterCa::generate().unwrap();
-    let agents: Vec<Agent> = (0..2)
-        .map(|i| {
-            Agent::start(
-                &ca,
-                &format!("node-{i}"),
-                dir.path(),
-                quick_swarm(vec![tracker.url()]),
-                PeerConfig::default(),
-            )
-        })
-        .collect();
+    let agents: Vec<Agent> =
+        start_agents(&ca, dir.path(), "node", 2, quick_swarm(vec![tracker.url()]));
 
     pull_all(
         &agents,
@@ -283,17 +265,8 @@ async fn two_tracker_replicas_split_the_blobs_and_a_dead_one_hands_its_blobs_to_
     let replicas = vec![a.url(), b.url()];
     let ca = ClusterCa::generate().unwrap();
     let client = registry_client(&registry.url(), None);
-    let first: Vec<Agent> = (0..2)
-        .map(|i| {
-            Agent::start(
-                &ca,
-                &format!("first-{i}"),
-                dir.path(),
-                quick_swarm(replicas.clone()),
-                PeerConfig::default(),
-            )
-        })
-        .collect();
+    let first: Vec<Agent> =
+        start_agents(&ca, dir.path(), "first", 2, quick_swarm(replicas.clone()));
     for d in &digests {
         pull_all(&first, &client, "test/r", d).await;
     }
@@ -317,17 +290,8 @@ async fn two_tracker_replicas_split_the_blobs_and_a_dead_one_hands_its_blobs_to_
     );
 
     a.kill();
-    let second: Vec<Agent> = (0..2)
-        .map(|i| {
-            Agent::start(
-                &ca,
-                &format!("second-{i}"),
-                dir.path(),
-                quick_swarm(replicas.clone()),
-                PeerConfig::default(),
-            )
-        })
-        .collect();
+    let second: Vec<Agent> =
+        start_agents(&ca, dir.path(), "second", 2, quick_swarm(replicas.clone()));
     for d in &on_a {
         let reports = pull_all(&second, &client, "test/r", &d.to_string()).await;
         assert!(reports.iter().all(|r| !r.fell_back), "{reports:?}");
@@ -343,19 +307,18 @@ async fn a_chunk_map_published_with_a_wrong_hash_is_caught_by_the_digest_withdra
  {
     let dir = tempfile::tempdir().unwrap();
     let registry = Registry::start(None).await;
-    let src = dir.path().join("blob");
     let size = 32u64 << 20;
-    random_file(&src, size);
-    let digest = registry.push("test/w", &src);
+    let digest = push_random(&registry, dir.path(), "test/w", size);
     let d: BlobDigest = digest.parse().unwrap();
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
     let ca = ClusterCa::generate().unwrap();
 
     // A liar holds every chunk but the last, with chunk 2 forged, and publishes
     // a map whose hash for chunk 2 matches the forgery.
-    let mut forged = std::fs::read(&src).unwrap();
+    let original = std::fs::read(dir.path().join("blob-test-w")).unwrap();
+    let mut forged = original.clone();
     forged[2 * DEFAULT_CHUNK_SIZE as usize + 99] ^= 0xff;
-    let real = ChunkMap::of_bytes(&std::fs::read(&src).unwrap(), DEFAULT_CHUNK_SIZE).unwrap();
+    let real = ChunkMap::of_bytes(&original, DEFAULT_CHUNK_SIZE).unwrap();
     let lie = ChunkMap::of_bytes(&forged, DEFAULT_CHUNK_SIZE).unwrap();
     let lie = ChunkMap::new(
         d,
@@ -395,17 +358,8 @@ async fn a_chunk_map_published_with_a_wrong_hash_is_caught_by_the_digest_withdra
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
-    let honest: Vec<Agent> = (0..2)
-        .map(|i| {
-            Agent::start(
-                &ca,
-                &format!("node-{i}"),
-                dir.path(),
-                quick_swarm(vec![tracker.url()]),
-                PeerConfig::default(),
-            )
-        })
-        .collect();
+    let honest: Vec<Agent> =
+        start_agents(&ca, dir.path(), "node", 2, quick_swarm(vec![tracker.url()]));
     let reports = pull_all(
         &honest,
         &registry_client(&registry.url(), None),

@@ -383,6 +383,17 @@ impl Swarm {
         let mut progress = (Instant::now(), t.blob().held().count());
         let mut fallback = alone;
         let mut woke = false;
+        let run = |first, count, publish| {
+            fetch_run(
+                self.clone(),
+                t.clone(),
+                registry.clone(),
+                repo.to_string(),
+                first,
+                count,
+                publish,
+            )
+        };
         let tracker_grace = Duration::from_millis(self.config.tracker_grace_ms);
         let stall = Duration::from_millis(self.config.stall_ms);
         loop {
@@ -419,15 +430,7 @@ impl Swarm {
                     }
                     for (first, count) in u.runs {
                         if assigned.insert(first) {
-                            runs.spawn(fetch_run(
-                                self.clone(),
-                                t.clone(),
-                                registry.clone(),
-                                repo.to_string(),
-                                first,
-                                count,
-                                true,
-                            ));
+                            runs.spawn(run(first, count, true));
                         }
                     }
                 }
@@ -454,15 +457,7 @@ impl Swarm {
                     {
                         count += 1;
                     }
-                    runs.spawn(fetch_run(
-                        self.clone(),
-                        t.clone(),
-                        registry.clone(),
-                        repo.to_string(),
-                        first,
-                        count,
-                        false,
-                    ));
+                    runs.spawn(run(first, count, false));
                 }
             }
             // `changed()` marks the value seen, so remember that it fired.

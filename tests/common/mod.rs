@@ -1,7 +1,7 @@
 //! Test harness: the real distribution registry from Debian behind a counting
 //! (and optionally throttling) TCP relay, a tracker and agents in this process.
 
-#![allow(dead_code)] // each test binary uses a different part of the harness
+#![allow(dead_code, unused_imports)] // each test binary uses a different part of the harness
 
 #[path = "../../src/testbed.rs"]
 mod testbed;
