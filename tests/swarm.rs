@@ -254,15 +254,27 @@ async fn a_private_repository_needs_credentials_and_refuses_anonymous_agents_cle
 async fn two_tracker_replicas_split_the_blobs_and_a_dead_one_hands_its_blobs_to_the_other() {
     let dir = tempfile::tempdir().unwrap();
     let registry = Registry::start(None).await;
+    let a = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
+    let b = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
+    let replicas = vec![a.url(), b.url()];
+    // Ownership hashes digests with the replicas' (random) addresses: push
+    // blobs until each replica owns at least two.
+    let owners = dray_agent::tracker_client::TrackerClient::new(replicas.clone());
     let mut digests = Vec::new();
-    for i in 0..6 {
+    for i in 0..40 {
+        let owned_by = |r: &str| {
+            digests
+                .iter()
+                .filter(|d: &&String| owners.order(&d.parse().unwrap())[0] == r)
+                .count()
+        };
+        if owned_by(&replicas[0]) >= 2 && owned_by(&replicas[1]) >= 2 {
+            break;
+        }
         let src = dir.path().join(format!("blob{i}"));
         random_file(&src, 8 << 20);
         digests.push(registry.push("test/r", &src));
     }
-    let a = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
-    let b = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
-    let replicas = vec![a.url(), b.url()];
     let ca = ClusterCa::generate().unwrap();
     let client = registry_client(&registry.url(), None);
     let first: Vec<Agent> =
