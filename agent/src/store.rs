@@ -32,6 +32,8 @@ pub trait CompletionLog: Send + Sync + 'static {
     fn load(&self, digest: &BlobDigest) -> Result<Option<LogRecord>>;
     fn save(&self, digest: &BlobDigest, record: &LogRecord) -> Result<()>;
     fn remove(&self, digest: &BlobDigest) -> Result<()>;
+    /// Every blob with a record.
+    fn digests(&self) -> Result<Vec<BlobDigest>>;
 }
 
 /// One blob's durable state.
@@ -99,6 +101,19 @@ impl CompletionLog for SledLog {
         self.db.remove(digest.as_bytes())?;
         self.db.flush()?;
         Ok(())
+    }
+
+    fn digests(&self) -> Result<Vec<BlobDigest>> {
+        let mut out = Vec::new();
+        for key in self.db.iter().keys() {
+            let key = key?;
+            let bytes: [u8; 32] = key
+                .as_ref()
+                .try_into()
+                .map_err(|_| Error::Db(format!("stray key of {} bytes", key.len())))?;
+            out.push(BlobDigest::from_bytes(bytes));
+        }
+        Ok(out)
     }
 }
 
@@ -292,11 +307,19 @@ impl ChunkStore {
         let blobs_dir = dir.join("blobs");
         std::fs::create_dir_all(&blobs_dir)
             .map_err(|e| Error::io(format!("creating {}", blobs_dir.display()), e))?;
-        Ok(Self {
+        let store = Self {
             dir: dir.to_path_buf(),
             log,
             blobs: Mutex::new(HashMap::new()),
-        })
+        };
+        // Complete blobs are served (and announced) again at once; partial ones
+        // are resumed, with their re-verification, when pulled again.
+        for digest in store.log.digests()? {
+            if let Some(rec) = store.log.load(&digest)?.filter(|r| r.complete) {
+                store.open_blob(rec.map.clone(), Some(rec))?;
+            }
+        }
+        Ok(store)
     }
 
     fn blob_path(&self, digest: &BlobDigest) -> PathBuf {
@@ -643,6 +666,25 @@ mod tests {
         store.blob(&full).unwrap();
         blob.put_chunk(0, chunks[0]).unwrap();
         assert_eq!(blob.put_chunk(2, chunks[2]).unwrap(), PutOutcome::Completed);
+    }
+
+    #[test]
+    fn a_reopened_store_lists_its_complete_blobs_but_not_partial_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (data(65536, 6), data(2 * 65536, 7));
+        {
+            let store = ChunkStore::open(dir.path()).unwrap();
+            let full = ChunkMap::of_bytes(&a, MIN_CHUNK_SIZE).unwrap();
+            store.blob(&full).unwrap().put_chunk(0, &a).unwrap();
+            store.persist(&store.blob(&full).unwrap()).unwrap();
+            let half = ChunkMap::of_bytes(&b, MIN_CHUNK_SIZE).unwrap();
+            let blob = store.blob(&half).unwrap();
+            blob.put_chunk(0, &b[..65536]).unwrap();
+            store.persist(&blob).unwrap();
+        }
+        let store = ChunkStore::open(dir.path()).unwrap();
+        let open: Vec<BlobDigest> = store.open_blobs().iter().map(|b| b.digest()).collect();
+        assert_eq!(open, vec![BlobDigest::of(&a)]);
     }
 
     #[test]
