@@ -24,6 +24,12 @@ pub enum RegistryError {
         repo: String,
         detail: String,
     },
+    #[error("registry {registry} asks the client to authenticate for {repo}")]
+    Challenge {
+        registry: String,
+        repo: String,
+        challenge: Option<String>,
+    },
     #[error("registry {registry} has no blob {digest} in {repo}")]
     NotFound {
         registry: String,
@@ -58,6 +64,10 @@ pub struct RegistryClient {
     credentials: Option<Credentials>,
     /// Bearer tokens by scope.
     tokens: Mutex<HashMap<String, String>>,
+    /// A client's Authorization header, forwarded as is (see [`Self::for_client`]).
+    forwarded: Option<HeaderValue>,
+    /// Hand 401 challenges back to the caller rather than answering them.
+    relay_challenges: bool,
 }
 
 /// Installs rustls' ring provider as the process default (reqwest needs one);
@@ -83,15 +93,13 @@ impl RegistryClient {
             base: base.trim_end_matches('/').to_string(),
             credentials,
             tokens: Mutex::new(HashMap::new()),
+            forwarded: None,
+            relay_challenges: false,
         })
     }
 
     pub fn base(&self) -> &str {
         &self.base
-    }
-
-    fn blob_url(&self, repo: &str, digest: &BlobDigest) -> String {
-        format!("{}/v2/{repo}/blobs/{digest}", self.base)
     }
 
     /// The blob's size, from a HEAD request.
@@ -213,7 +221,7 @@ impl RegistryClient {
         }
     }
 
-    /// Sends a blob request, answering auth challenges and retrying server errors.
+    /// Sends a blob request; a missing blob and refused credentials are errors.
     async fn send(
         &self,
         repo: &str,
@@ -221,17 +229,59 @@ impl RegistryClient {
         method: reqwest::Method,
         range: Option<&str>,
     ) -> Result<reqwest::Response, RegistryError> {
-        let url = self.blob_url(repo, digest);
-        let what = format!("{method} {digest}");
-        let mut auth = self.cached_auth(repo);
+        let mut headers = reqwest::header::HeaderMap::new();
+        if let Some(r) = range.and_then(|r| HeaderValue::from_str(r).ok()) {
+            headers.insert(RANGE, r);
+        }
+        let resp = self
+            .request(repo, &format!("blobs/{digest}"), method, headers)
+            .await?;
+        match resp.status() {
+            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => Err(RegistryError::Auth {
+                registry: self.base.clone(),
+                repo: repo.into(),
+                detail: match &self.credentials {
+                    Some(c) => format!(
+                        "credentials of {:?} were not accepted ({})",
+                        c.username,
+                        resp.status()
+                    ),
+                    None => format!("{} without credentials", resp.status()),
+                },
+            }),
+            StatusCode::NOT_FOUND => Err(RegistryError::NotFound {
+                registry: self.base.clone(),
+                repo: repo.into(),
+                digest: *digest,
+            }),
+            _ => Ok(resp),
+        }
+    }
+
+    /// Sends `method` for `/v2/<repo>/<path>`, answering one auth challenge (or,
+    /// for a client's own credentials, handing the challenge back) and retrying
+    /// server errors and broken connections. Other statuses are the caller's.
+    pub async fn request(
+        &self,
+        repo: &str,
+        path: &str,
+        method: reqwest::Method,
+        headers: reqwest::header::HeaderMap,
+    ) -> Result<reqwest::Response, RegistryError> {
+        let url = format!("{}/v2/{repo}/{path}", self.base);
+        let what = format!("{method} {repo}/{path}");
+        let mut auth = self.forwarded.clone().or_else(|| {
+            self.cached_auth(repo)
+                .and_then(|a| HeaderValue::from_str(&a).ok())
+        });
         let mut challenged = false;
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let mut req = self.http.request(method.clone(), &url);
-            if let Some(r) = range {
-                req = req.header(RANGE, r);
-            }
+            let mut req = self
+                .http
+                .request(method.clone(), &url)
+                .headers(headers.clone());
             if let Some(a) = &auth {
                 req = req.header(AUTHORIZATION, a);
             }
@@ -245,33 +295,23 @@ impl RegistryClient {
                 Err(e) => return Err(self.http_err(&what, e)),
             };
             match resp.status() {
+                StatusCode::UNAUTHORIZED if self.relay_challenges => {
+                    return Err(RegistryError::Challenge {
+                        registry: self.base.clone(),
+                        repo: repo.into(),
+                        challenge: resp
+                            .headers()
+                            .get(WWW_AUTHENTICATE)
+                            .and_then(|v| v.to_str().ok())
+                            .map(str::to_string),
+                    });
+                }
                 StatusCode::UNAUTHORIZED if !challenged => {
                     challenged = true;
-                    auth = Some(
-                        self.answer_challenge(repo, resp.headers().get(WWW_AUTHENTICATE))
-                            .await?,
-                    );
-                }
-                StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
-                    return Err(RegistryError::Auth {
-                        registry: self.base.clone(),
-                        repo: repo.into(),
-                        detail: match &self.credentials {
-                            Some(c) => format!(
-                                "credentials of {:?} were not accepted ({})",
-                                c.username,
-                                resp.status()
-                            ),
-                            None => format!("{} without credentials", resp.status()),
-                        },
-                    });
-                }
-                StatusCode::NOT_FOUND => {
-                    return Err(RegistryError::NotFound {
-                        registry: self.base.clone(),
-                        repo: repo.into(),
-                        digest: *digest,
-                    });
+                    let answer = self
+                        .answer_challenge(repo, resp.headers().get(WWW_AUTHENTICATE))
+                        .await?;
+                    auth = HeaderValue::from_str(&answer).ok();
                 }
                 s if (s.is_server_error() || s == StatusCode::TOO_MANY_REQUESTS)
                     && attempt < ATTEMPTS =>
@@ -281,6 +321,20 @@ impl RegistryClient {
                 }
                 _ => return Ok(resp),
             }
+        }
+    }
+
+    /// The same registry with a client's own `Authorization` header: used as is,
+    /// and a 401 hands the registry's challenge back instead of answering it, so
+    /// the client authenticates exactly as it would directly.
+    pub fn for_client(&self, authorization: Option<HeaderValue>) -> RegistryClient {
+        RegistryClient {
+            http: self.http.clone(),
+            base: self.base.clone(),
+            credentials: None,
+            tokens: Mutex::new(HashMap::new()),
+            forwarded: authorization,
+            relay_challenges: true,
         }
     }
 

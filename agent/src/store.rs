@@ -128,6 +128,18 @@ pub enum PutOutcome {
     Completed,
 }
 
+/// How far a blob's verified in-order prefix has come: what a streaming
+/// reader may read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// Chunks from the start that are verified and on disk.
+    pub chunks: u32,
+    /// The whole blob matched its digest.
+    pub complete: bool,
+    /// The blob failed its digest and was emptied; readers must stop.
+    pub failed: bool,
+}
+
 /// A blob in the store.
 pub struct Blob {
     digest: BlobDigest,
@@ -138,6 +150,7 @@ pub struct Blob {
     state: Mutex<BlobState>,
     /// Serialises the in-order digest check; never held together with `state`.
     prefix: Mutex<PrefixHasher>,
+    progress: tokio::sync::watch::Sender<Progress>,
 }
 
 struct BlobState {
@@ -166,6 +179,23 @@ impl Blob {
 
     pub fn digest(&self) -> BlobDigest {
         self.digest
+    }
+
+    /// Follows the verified in-order prefix as it grows.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<Progress> {
+        self.progress.subscribe()
+    }
+
+    /// Reads `len` bytes at `offset`, which must lie in the verified prefix.
+    pub fn read_range(&self, offset: u64, len: usize) -> Result<Vec<u8>> {
+        let mut buf = vec![0u8; len];
+        self.file.read_exact_at(&mut buf, offset).map_err(|e| {
+            Error::io(
+                format!("reading {len} bytes at {offset} of {}", self.digest),
+                e,
+            )
+        })?;
+        Ok(buf)
     }
 
     /// Takes the chunk hashes `map` knows that this blob lacks; returns how many.
@@ -271,6 +301,9 @@ impl Blob {
             }
         }
         if prefix.next_chunk() < count || self.is_complete() {
+            let chunks = prefix.next_chunk();
+            self.progress
+                .send_if_modified(|p| std::mem::replace(&mut p.chunks, chunks) != chunks);
             return Ok(PutOutcome::Stored);
         }
         let done = std::mem::take(&mut *prefix);
@@ -278,11 +311,21 @@ impl Blob {
         match result {
             Ok(()) => {
                 self.lock().complete = true;
+                self.progress.send_replace(Progress {
+                    chunks: count,
+                    complete: true,
+                    failed: false,
+                });
                 Ok(PutOutcome::Completed)
             }
             Err(e) => {
                 let mut st = self.lock();
                 st.held = Bitfield::new(count);
+                self.progress.send_replace(Progress {
+                    chunks: 0,
+                    complete: false,
+                    failed: true,
+                });
                 Err(e.into())
             }
         }
@@ -397,6 +440,7 @@ impl ChunkStore {
                 recorded_known: 0,
             }),
             prefix: Mutex::new(PrefixHasher::new()),
+            progress: tokio::sync::watch::Sender::new(Progress::default()),
             map: RwLock::new(map),
         });
         match rec {
@@ -406,6 +450,11 @@ impl ChunkStore {
                 st.recorded = rec.held;
                 st.complete = true;
                 st.recorded_complete = true;
+                blob.progress.send_replace(Progress {
+                    chunks: count,
+                    complete: true,
+                    failed: false,
+                });
             }
             None => {
                 // Nothing recorded: whatever an earlier run left in the file
