@@ -6,8 +6,10 @@ mod testbed;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use dray_agent::config::AgentConfig;
+use dray_agent::containerd;
 use dray_agent::fetch::{PeerAddr, fetch_from_peers};
 use dray_agent::identity::{ClusterCa, Identity};
+use dray_agent::mirror::Mirror;
 use dray_agent::peer::PeerNode;
 use dray_agent::registry::{Credentials, RegistryClient};
 use dray_agent::store::ChunkStore;
@@ -50,9 +52,31 @@ enum Command {
 }
 
 #[derive(Args)]
+#[command(args_conflicts_with_subcommands = true)]
 struct AgentArgs {
+    #[command(subcommand)]
+    action: Option<AgentAction>,
     #[command(flatten)]
     config: ConfigArgs,
+}
+
+#[derive(Subcommand)]
+enum AgentAction {
+    /// Write containerd's hosts.toml so that pulls of each registry try this
+    /// agent's mirror first and the registry itself second (idempotent; a
+    /// different file is kept as a backup).
+    ConfigureContainerd {
+        /// containerd's registry config_path directory.
+        #[arg(long, default_value = "/etc/containerd/certs.d")]
+        config_path: PathBuf,
+        /// A registry to mirror, as NAME or NAME=SERVER_URL (default server:
+        /// https://NAME; docker.io maps to its real registry host); repeat.
+        #[arg(long = "registry", required = true)]
+        registries: Vec<String>,
+        /// The mirror's URL as containerd reaches it.
+        #[arg(long, default_value = "http://127.0.0.1:5050")]
+        mirror: String,
+    },
 }
 
 #[derive(Args)]
@@ -86,6 +110,12 @@ struct ConfigArgs {
     /// Overrides `swarm.trackers`: a tracker replica URL; repeat for several.
     #[arg(long = "tracker")]
     trackers: Vec<String>,
+    /// Overrides `mirror.listen`.
+    #[arg(long)]
+    mirror_listen: Option<std::net::SocketAddr>,
+    /// Adds to `mirror.upstreams`: REGISTRY=URL (e.g. 127.0.0.1:5000=http://127.0.0.1:5000); repeat.
+    #[arg(long = "upstream")]
+    upstreams: Vec<String>,
 }
 
 impl ConfigArgs {
@@ -108,6 +138,17 @@ impl ConfigArgs {
         }
         if !self.trackers.is_empty() {
             cfg.swarm.trackers = self.trackers.clone();
+        }
+        if let Some(l) = self.mirror_listen {
+            cfg.mirror.listen = l;
+        }
+        for u in &self.upstreams {
+            let (name, url) = u
+                .split_once('=')
+                .with_context(|| format!("--upstream {u:?} must look like REGISTRY=URL"))?;
+            cfg.mirror
+                .upstreams
+                .insert(name.to_string(), url.to_string());
         }
         Ok(cfg)
     }
@@ -222,16 +263,50 @@ fn init_logging(json: bool) {
 
 async fn run(command: Command) -> Result<()> {
     match command {
-        Command::Agent(args) => {
-            let swarm = args.config.start_swarm()?;
+        Command::Agent(AgentArgs {
+            action:
+                Some(AgentAction::ConfigureContainerd {
+                    config_path,
+                    registries,
+                    mirror,
+                }),
+            ..
+        }) => {
+            for r in &registries {
+                let (name, server) = match r.split_once('=') {
+                    Some((n, s)) => (n.to_string(), s.to_string()),
+                    None => (r.clone(), containerd::default_server(r)),
+                };
+                let outcome = containerd::write_hosts(&config_path, &name, &server, &mirror)
+                    .with_context(|| {
+                        format!("writing {}/{name}/hosts.toml", config_path.display())
+                    })?;
+                println!("{name}: {outcome:?}");
+            }
+            Ok(())
+        }
+        Command::Agent(AgentArgs {
+            action: None,
+            config,
+        }) => {
+            let cfg = config.load()?;
+            let swarm = config.start_swarm()?;
             let node = swarm.node().clone();
             let announcer = swarm.spawn_announcer();
+            let listener = tokio::net::TcpListener::bind(cfg.mirror.listen)
+                .await
+                .with_context(|| format!("binding the mirror to {}", cfg.mirror.listen))?;
             eprintln!(
-                "dray agent {} serving peers on {}",
+                "dray agent {} serving peers on {} and the registry mirror on http://{}",
                 node.peer_id(),
-                node.local_addr()?
+                node.local_addr()?,
+                listener.local_addr()?
             );
-            tokio::signal::ctrl_c().await?;
+            let mirror = Mirror::new(swarm.clone(), cfg.mirror);
+            tokio::select! {
+                served = mirror.serve(listener) => served?,
+                _ = tokio::signal::ctrl_c() => {}
+            }
             announcer.abort();
             node.close();
             Ok(())

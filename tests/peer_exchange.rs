@@ -212,7 +212,7 @@ fn a_receiver_killed_halfway_resumes_fetching_only_the_missing_chunks_plus_one()
             &d(id),
         ]));
         let cfg = format!(
-            "state_dir = {:?}\npeer_listen = \"127.0.0.1:0\"\ncert = {:?}\nkey = {:?}\nca = {:?}\n",
+            "state_dir = {:?}\npeer_listen = \"127.0.0.1:0\"\ncert = {:?}\nkey = {:?}\nca = {:?}\n[mirror]\nlisten = \"127.0.0.1:0\"\n",
             d(&format!("{id}/state")),
             d(&format!("{id}/agent.crt")),
             d(&format!("{id}/agent.key")),
@@ -244,7 +244,12 @@ fn a_receiver_killed_halfway_resumes_fetching_only_the_missing_chunks_plus_one()
         &mut line,
     )
     .unwrap();
-    let a_addr = line.trim().rsplit(' ').next().unwrap().to_string();
+    let a_addr = line
+        .split("serving peers on ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .expect("the agent names its peer address")
+        .to_string();
     let peer = format!("node-a@{a_addr}");
 
     // 256 MiB at 64 MiB/s: about four seconds; kill -9 after two.

@@ -2,6 +2,7 @@
 //! defaulted to what a large cluster should run with.
 
 use crate::error::{Error, Result};
+use crate::mirror::MirrorConfig;
 use crate::peer::PeerConfig;
 use crate::swarm::SwarmConfig;
 use serde::{Deserialize, Serialize};
@@ -22,6 +23,7 @@ pub struct AgentConfig {
     pub ca: PathBuf,
     pub peer: PeerConfig,
     pub swarm: SwarmConfig,
+    pub mirror: MirrorConfig,
 }
 
 impl Default for AgentConfig {
@@ -34,6 +36,7 @@ impl Default for AgentConfig {
             ca: PathBuf::from("/etc/dray/tls/ca.crt"),
             peer: PeerConfig::default(),
             swarm: SwarmConfig::default(),
+            mirror: MirrorConfig::default(),
         }
     }
 }

@@ -5,13 +5,15 @@
 //! [`peer::PeerNode`], drives transfers with [`fetch`], and joins the swarm
 //! through [`swarm`]: announces to the tracker ([`tracker_client`]), registry
 //! range fetches ([`registry`]) and the fallbacks that make a pull never worse
-//! than a direct one. Later layers (the registry mirror, the unpacker) build on
-//! these.
+//! than a direct one. [`mirror`] puts the OCI pull API on localhost for
+//! containerd.
 
 pub mod config;
+pub mod containerd;
 pub mod error;
 pub mod fetch;
 pub mod identity;
+pub mod mirror;
 pub mod peer;
 pub mod rate;
 pub mod registry;

@@ -324,6 +324,34 @@ impl RegistryClient {
         }
     }
 
+    /// `GET /v2/`: whether the registry answers, and (with a client's
+    /// credentials) whether it asks for authentication.
+    pub async fn ping(&self) -> Result<(), RegistryError> {
+        let url = format!("{}/v2/", self.base);
+        let mut req = self.http.get(&url);
+        if let Some(a) = &self.forwarded {
+            req = req.header(AUTHORIZATION, a);
+        }
+        let resp = req.send().await.map_err(|e| self.http_err("GET /v2/", e))?;
+        match resp.status() {
+            s if s.is_success() => Ok(()),
+            StatusCode::UNAUTHORIZED => Err(RegistryError::Challenge {
+                registry: self.base.clone(),
+                repo: String::new(),
+                challenge: resp
+                    .headers()
+                    .get(WWW_AUTHENTICATE)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string),
+            }),
+            status => Err(RegistryError::Status {
+                registry: self.base.clone(),
+                status,
+                what: "GET /v2/".into(),
+            }),
+        }
+    }
+
     /// The same registry with a client's own `Authorization` header: used as is,
     /// and a 401 hands the registry's challenge back instead of answering it, so
     /// the client authenticates exactly as it would directly.

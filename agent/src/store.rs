@@ -359,7 +359,8 @@ impl ChunkStore {
         // are resumed, with their re-verification, when pulled again.
         for digest in store.log.digests()? {
             if let Some(rec) = store.log.load(&digest)?.filter(|r| r.complete) {
-                store.open_blob(rec.map.clone(), Some(rec))?;
+                let blob = store.open_blob(rec.map.clone(), Some(rec))?;
+                store.blobs().insert(digest, blob);
             }
         }
         Ok(store)
@@ -380,25 +381,34 @@ impl ChunkStore {
 
     /// A blob already open or on disk, without a chunk map from outside.
     pub fn get(&self, digest: &BlobDigest) -> Result<Option<Arc<Blob>>> {
-        if let Some(b) = self.blobs().get(digest) {
+        // The lock is held while opening, so that a blob is opened once.
+        let mut blobs = self.blobs();
+        if let Some(b) = blobs.get(digest) {
             return Ok(Some(b.clone()));
         }
-        match self.log.load(digest)? {
-            Some(rec) => self.open_blob(rec.map.clone(), Some(rec)).map(Some),
-            None => Ok(None),
-        }
+        let Some(rec) = self.log.load(digest)? else {
+            return Ok(None);
+        };
+        let blob = self.open_blob(rec.map.clone(), Some(rec))?;
+        blobs.insert(*digest, blob.clone());
+        Ok(Some(blob))
     }
 
     /// Opens the blob described by `map`, creating its file or resuming what the
     /// store recorded before. Blocking: call from a blocking thread.
     pub fn blob(&self, map: &ChunkMap) -> Result<Arc<Blob>> {
-        let open = self.blobs().get(&map.digest()).cloned();
-        if let Some(b) = open {
+        // The lock is held while opening: two openers of one blob would
+        // otherwise each reset its file and keep separate state.
+        let mut blobs = self.blobs();
+        if let Some(b) = blobs.get(&map.digest()).cloned() {
+            drop(blobs);
             b.learn(map)?;
             return Ok(b);
         }
         let rec = self.log.load(&map.digest())?;
-        self.open_blob(map.clone(), rec)
+        let blob = self.open_blob(map.clone(), rec)?;
+        blobs.insert(map.digest(), blob.clone());
+        Ok(blob)
     }
 
     fn open_blob(&self, map: ChunkMap, rec: Option<LogRecord>) -> Result<Arc<Blob>> {
@@ -478,7 +488,6 @@ impl ChunkStore {
                 self.save(&blob)?;
             }
         }
-        self.blobs().insert(digest, blob.clone());
         Ok(blob)
     }
 

@@ -63,7 +63,7 @@ impl Default for SwarmConfig {
             pull_announce_ms: 500,
             idle_announce_ms: 10_000,
             tracker_grace_ms: 3_000,
-            stall_ms: 5_000,
+            stall_ms: 30_000,
             registry_parallel: 4,
             run_chunks: 4,
             chunk_size: DEFAULT_CHUNK_SIZE,
@@ -125,6 +125,10 @@ impl Swarm {
             sent: Mutex::new(HashMap::new()),
             poke: Notify::new(),
         })
+    }
+
+    pub fn config(&self) -> &SwarmConfig {
+        &self.config
     }
 
     pub fn node(&self) -> &Arc<PeerNode> {
@@ -469,6 +473,9 @@ impl Swarm {
     }
 
     async fn publish(&self, blob: &Blob) {
+        if !self.tracker.is_configured() {
+            return;
+        }
         let map = blob.map();
         let body = Body::Publish(pb::PublishChunkMap {
             peer_id: self.node.peer_id().to_string(),
@@ -481,6 +488,9 @@ impl Swarm {
 
     /// Publishes the hash of one chunk this agent read from the registry.
     async fn publish_chunk(&self, geometry: &ChunkMap, index: u32, blob: &Blob) {
+        if !self.tracker.is_configured() {
+            return;
+        }
         let Some(hash) = blob.map().hashes().get(index as usize).copied().flatten() else {
             return;
         };

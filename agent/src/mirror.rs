@@ -1,0 +1,703 @@
+//! The registry mirror: the OCI distribution pull API on localhost, which
+//! containerd (through `hosts.toml`) and any other registry client use.
+//!
+//! Manifests and tags are passed through to the upstream registry (chosen by
+//! containerd's `?ns=` parameter) with the client's own credentials; a manifest
+//! fetched by digest is checked against it. Blobs come from the swarm and are
+//! streamed to the client as the verified in-order prefix grows, not after the
+//! blob completes.
+//!
+//! Access: every request is first made (manifests) or checked with a HEAD
+//! (blobs) upstream with the client's own `Authorization` header, and an
+//! upstream 401 is handed back with its challenge, so the client authenticates
+//! exactly as it would directly and nothing private reaches a client that could
+//! not read it upstream. The cost is one HEAD round trip per blob request.
+//!
+//! When the mirror cannot serve a blob (upstream and swarm both failing for it)
+//! it answers 502 before sending any byte, so containerd moves on to the next
+//! host in `hosts.toml`, the real registry.
+
+use crate::registry::{RegistryClient, RegistryError};
+use crate::store::{Blob, Progress};
+use crate::swarm::Swarm;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use dray_protocol::{BlobDigest, ChunkMap};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// Largest manifest passed through (the distribution spec's own limit).
+const MAX_MANIFEST: usize = 4 << 20;
+/// Bytes read from disk per body frame of a streamed blob.
+const FRAME: u64 = 1 << 20;
+/// A stream waiting this long for the next verified chunk gives up.
+const STALL: Duration = Duration::from_secs(60);
+
+/// Mirror settings; every key optional.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MirrorConfig {
+    /// Where the mirror listens; loopback, since containerd runs on the node.
+    pub listen: SocketAddr,
+    /// Upstream base URL by registry name (containerd's `ns`), for registries
+    /// not reached at `https://<name>`, e.g. `"127.0.0.1:5000" = "http://127.0.0.1:5000"`.
+    pub upstreams: BTreeMap<String, String>,
+    /// Registry name used when a request has no `ns` parameter.
+    pub default_registry: Option<String>,
+}
+
+impl Default for MirrorConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:5050".parse().expect("valid address"),
+            upstreams: BTreeMap::new(),
+            default_registry: None,
+        }
+    }
+}
+
+impl MirrorConfig {
+    /// The upstream base URL for a registry name, as containerd resolves it.
+    pub fn upstream(&self, registry: &str) -> String {
+        self.upstreams
+            .get(registry)
+            .cloned()
+            .unwrap_or_else(|| crate::containerd::default_server(registry))
+    }
+}
+
+/// How a pull started by the mirror is going.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum PullState {
+    Running,
+    Done,
+    Failed(String),
+}
+
+/// The mirror's shared state.
+pub struct Mirror {
+    swarm: Arc<Swarm>,
+    config: MirrorConfig,
+    /// One client (connection pool) per upstream.
+    upstreams: Mutex<HashMap<String, Arc<RegistryClient>>>,
+    /// Pulls in progress, so concurrent requests for a blob share one.
+    pulls: Mutex<HashMap<BlobDigest, watch::Receiver<PullState>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// An error answered in the distribution spec's JSON shape.
+struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+    challenge: Option<String>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+            challenge: None,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body =
+            serde_json::json!({ "errors": [{ "code": self.code, "message": self.message }] });
+        let mut resp = (
+            self.status,
+            [(header::CONTENT_TYPE, "application/json")],
+            body.to_string(),
+        )
+            .into_response();
+        if let Some(c) = self.challenge.and_then(|c| HeaderValue::from_str(&c).ok()) {
+            resp.headers_mut().insert(header::WWW_AUTHENTICATE, c);
+        }
+        resp
+    }
+}
+
+impl From<RegistryError> for ApiError {
+    fn from(e: RegistryError) -> Self {
+        match e {
+            RegistryError::Challenge {
+                challenge, repo, ..
+            } => ApiError {
+                challenge,
+                ..ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "UNAUTHORIZED",
+                    format!("authentication required for {repo}"),
+                )
+            },
+            RegistryError::Auth { .. } => {
+                ApiError::new(StatusCode::UNAUTHORIZED, "UNAUTHORIZED", e.to_string())
+            }
+            RegistryError::NotFound { .. } => {
+                ApiError::new(StatusCode::NOT_FOUND, "BLOB_UNKNOWN", e.to_string())
+            }
+            RegistryError::Status { status, .. } if status == reqwest::StatusCode::FORBIDDEN => {
+                ApiError::new(StatusCode::FORBIDDEN, "DENIED", e.to_string())
+            }
+            other => ApiError::new(StatusCode::BAD_GATEWAY, "UNAVAILABLE", other.to_string()),
+        }
+    }
+}
+
+/// Checks a repository name against the distribution spec's grammar.
+fn valid_name(name: &str) -> bool {
+    let component = |c: &str| {
+        let b = c.as_bytes();
+        let alnum = |x: &u8| x.is_ascii_lowercase() || x.is_ascii_digit();
+        !b.is_empty()
+            && alnum(&b[0])
+            && alnum(&b[b.len() - 1])
+            && b.iter()
+                .all(|x| alnum(x) || matches!(x, b'.' | b'_' | b'-'))
+            && !c.contains("..")
+            && !c.contains("___")
+            && !c.contains("._")
+            && !c.contains("_.")
+    };
+    name.len() <= 255 && name.split('/').all(component)
+}
+
+/// A tag per the distribution spec.
+fn valid_tag(tag: &str) -> bool {
+    let b = tag.as_bytes();
+    !b.is_empty()
+        && b.len() <= 128
+        && (b[0].is_ascii_alphanumeric() || b[0] == b'_')
+        && b.iter()
+            .all(|x| x.is_ascii_alphanumeric() || matches!(x, b'_' | b'.' | b'-'))
+}
+
+/// What a `/v2/<rest>` path asks for.
+enum Target<'a> {
+    Manifest { name: &'a str, reference: &'a str },
+    Blob { name: &'a str, digest: BlobDigest },
+}
+
+fn parse_target(rest: &str) -> Result<Target<'_>, ApiError> {
+    let (name, kind, reference) = ["/manifests/", "/blobs/"]
+        .iter()
+        .filter_map(|k| rest.rsplit_once(k).map(|(n, r)| (n, *k, r)))
+        .max_by_key(|(n, _, _)| n.len())
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "UNSUPPORTED",
+                format!("no such endpoint: /v2/{rest}"),
+            )
+        })?;
+    if !valid_name(name) {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "NAME_INVALID",
+            format!("invalid repository name {name:?}"),
+        ));
+    }
+    let digest = || {
+        reference
+            .parse::<BlobDigest>()
+            .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "DIGEST_INVALID", e.to_string()))
+    };
+    match kind {
+        "/blobs/" => Ok(Target::Blob {
+            name,
+            digest: digest()?,
+        }),
+        _ if reference.contains(':') => digest().map(|_| Target::Manifest { name, reference }),
+        _ if valid_tag(reference) => Ok(Target::Manifest { name, reference }),
+        _ => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "TAG_INVALID",
+            format!("invalid tag {reference:?}"),
+        )),
+    }
+}
+
+/// Parses `Range: bytes=a-b` (one range; open end allowed) against `size`.
+fn parse_range(h: Option<&HeaderValue>, size: u64) -> Result<Option<(u64, u64)>, ApiError> {
+    let Some(h) = h else { return Ok(None) };
+    let bad = || {
+        ApiError::new(
+            StatusCode::RANGE_NOT_SATISFIABLE,
+            "RANGE_INVALID",
+            format!("unsatisfiable range {h:?} for {size} bytes"),
+        )
+    };
+    let spec = h
+        .to_str()
+        .ok()
+        .and_then(|s| s.strip_prefix("bytes="))
+        .ok_or_else(bad)?;
+    let (a, b) = spec.split_once('-').ok_or_else(bad)?;
+    let (start, end) = match (a.trim(), b.trim()) {
+        ("", n) => {
+            let n: u64 = n.parse().map_err(|_| bad())?;
+            (size.saturating_sub(n), size)
+        }
+        (a, "") => (a.parse().map_err(|_| bad())?, size),
+        (a, b) => (
+            a.parse().map_err(|_| bad())?,
+            b.parse::<u64>()
+                .map_err(|_| bad())?
+                .saturating_add(1)
+                .min(size),
+        ),
+    };
+    if start >= end || start >= size {
+        return Err(bad());
+    }
+    Ok(Some((start, end)))
+}
+
+#[derive(Deserialize)]
+struct NsQuery {
+    ns: Option<String>,
+}
+
+impl Mirror {
+    pub fn new(swarm: Arc<Swarm>, config: MirrorConfig) -> Arc<Self> {
+        Arc::new(Self {
+            swarm,
+            config,
+            upstreams: Mutex::new(HashMap::new()),
+            pulls: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The router serving the pull API.
+    pub fn router(self: &Arc<Self>) -> axum::Router {
+        axum::Router::new()
+            .route("/v2/", axum::routing::get(ping))
+            .route("/v2/{*rest}", axum::routing::get(get_or_head))
+            .with_state(self.clone())
+    }
+
+    /// Serves on `listener` until the task is dropped.
+    pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener) -> std::io::Result<()> {
+        axum::serve(listener, self.router()).await
+    }
+
+    /// The upstream client for `ns`, with the client's credentials.
+    fn upstream(&self, ns: Option<&str>, headers: &HeaderMap) -> Result<RegistryClient, ApiError> {
+        let registry = ns
+            .or(self.config.default_registry.as_deref())
+            .ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "UNSUPPORTED",
+                    "no ns parameter and no default registry configured",
+                )
+            })?;
+        let base = self.config.upstream(registry);
+        let shared = {
+            let mut ups = lock(&self.upstreams);
+            match ups.get(&base) {
+                Some(c) => c.clone(),
+                None => {
+                    let c = Arc::new(RegistryClient::new(&base, None)?);
+                    ups.insert(base, c.clone());
+                    c
+                }
+            }
+        };
+        Ok(shared.for_client(headers.get(header::AUTHORIZATION).cloned()))
+    }
+
+    /// Starts (or joins) the swarm pull of a blob.
+    fn ensure_pull(
+        self: &Arc<Self>,
+        client: RegistryClient,
+        repo: &str,
+        digest: BlobDigest,
+    ) -> watch::Receiver<PullState> {
+        let mut pulls = lock(&self.pulls);
+        if let Some(rx) = pulls.get(&digest)
+            && *rx.borrow() == PullState::Running
+        {
+            return rx.clone();
+        }
+        let (tx, rx) = watch::channel(PullState::Running);
+        pulls.insert(digest, rx.clone());
+        let (mirror, repo, client) = (self.clone(), repo.to_string(), Arc::new(client));
+        tokio::spawn(async move {
+            let state = match mirror.swarm.pull(&client, &repo, digest).await {
+                Ok(_) => PullState::Done,
+                Err(e) => {
+                    tracing::warn!(%digest, error = %e, "mirror pull failed");
+                    PullState::Failed(e.to_string())
+                }
+            };
+            let _ = tx.send(state);
+            lock(&mirror.pulls).remove(&digest);
+        });
+        rx
+    }
+
+    async fn manifest(
+        &self,
+        method: Method,
+        ns: Option<&str>,
+        headers: &HeaderMap,
+        name: &str,
+        reference: &str,
+    ) -> Result<Response, ApiError> {
+        let client = self.upstream(ns, headers)?;
+        let mut fwd = reqwest::header::HeaderMap::new();
+        for v in headers.get_all(header::ACCEPT) {
+            fwd.append(reqwest::header::ACCEPT, v.clone());
+        }
+        let resp = client
+            .request(name, &format!("manifests/{reference}"), method.clone(), fwd)
+            .await?;
+        let status = resp.status();
+        if status == reqwest::StatusCode::NOT_FOUND {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "MANIFEST_UNKNOWN",
+                format!("manifest {name}:{reference} not found upstream"),
+            ));
+        }
+        if !status.is_success() {
+            return Err(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "UNAVAILABLE",
+                format!("upstream answered {status} for manifest {name}:{reference}"),
+            ));
+        }
+        let content_type = resp.headers().get(reqwest::header::CONTENT_TYPE).cloned();
+        let upstream_digest = resp
+            .headers()
+            .get("docker-content-digest")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        // Not `content_length()`: for a HEAD response that is the empty body's.
+        let length: Option<u64> = resp
+            .headers()
+            .get(reqwest::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse().ok());
+        let body = if method == Method::HEAD {
+            Bytes::new()
+        } else {
+            if length.is_some_and(|l| l as usize > MAX_MANIFEST) {
+                return Err(ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "MANIFEST_INVALID",
+                    "upstream manifest exceeds 4 MiB",
+                ));
+            }
+            let body = resp.bytes().await.map_err(|e| {
+                ApiError::new(StatusCode::BAD_GATEWAY, "UNAVAILABLE", e.to_string())
+            })?;
+            if body.len() > MAX_MANIFEST {
+                return Err(ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "MANIFEST_INVALID",
+                    "upstream manifest exceeds 4 MiB",
+                ));
+            }
+            body
+        };
+        let digest = if method == Method::HEAD {
+            upstream_digest
+        } else {
+            let got = BlobDigest::of(&body).to_string();
+            if reference.contains(':') && got != reference {
+                return Err(ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "MANIFEST_INVALID",
+                    format!("upstream manifest hashes to {got}, not {reference}"),
+                ));
+            }
+            Some(got)
+        };
+        let mut out = Response::new(Body::from(body.clone()));
+        let h = out.headers_mut();
+        if let Some(ct) = content_type {
+            h.insert(header::CONTENT_TYPE, ct);
+        }
+        if let Some(d) = digest.and_then(|d| HeaderValue::from_str(&d).ok()) {
+            h.insert("docker-content-digest", d);
+        }
+        let len = if method == Method::HEAD {
+            length.unwrap_or(0)
+        } else {
+            body.len() as u64
+        };
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+        Ok(out)
+    }
+
+    async fn blob(
+        self: &Arc<Self>,
+        method: Method,
+        ns: Option<&str>,
+        headers: &HeaderMap,
+        name: &str,
+        digest: BlobDigest,
+    ) -> Result<Response, ApiError> {
+        let client = self.upstream(ns, headers)?;
+        // The access check: the client's own credentials must reach the blob upstream.
+        let size = client.blob_size(name, &digest).await?;
+        let range = parse_range(headers.get(header::RANGE), size)?;
+        let mut resp = if method == Method::HEAD {
+            Response::new(Body::empty())
+        } else {
+            let pull = self.ensure_pull(client, name, digest);
+            let (start, end) = range.unwrap_or((0, size));
+            Response::new(self.stream(digest, size, start, end, pull).await?)
+        };
+        let (status, len) = match range {
+            Some((a, b)) => (StatusCode::PARTIAL_CONTENT, b - a),
+            None => (StatusCode::OK, size),
+        };
+        *resp.status_mut() = status;
+        let h = resp.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/octet-stream"),
+        );
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+        h.insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
+        h.insert(
+            "docker-content-digest",
+            HeaderValue::from_str(&digest.to_string()).expect("ascii"),
+        );
+        if let Some((a, b)) = range {
+            h.insert(
+                header::CONTENT_RANGE,
+                HeaderValue::from_str(&format!("bytes {a}-{}/{size}", b - 1)).expect("ascii"),
+            );
+        }
+        Ok(resp)
+    }
+
+    /// A body that follows the blob's verified prefix from `start` to `end`.
+    /// Waits for the first bytes (or the pull's failure) before answering, so
+    /// a failure becomes a 502 and the client moves on to the next host.
+    async fn stream(
+        &self,
+        digest: BlobDigest,
+        size: u64,
+        start: u64,
+        end: u64,
+        mut pull: watch::Receiver<PullState>,
+    ) -> Result<Body, ApiError> {
+        let chunk_size = self.swarm.config().chunk_size;
+        let map = ChunkMap::unhashed(digest, size, chunk_size)
+            .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "UNAVAILABLE", e.to_string()))?;
+        let store = self.swarm.node().store().clone();
+        let blob = tokio::task::spawn_blocking(move || store.blob(&map))
+            .await
+            .map_err(|e| {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "UNKNOWN", e.to_string())
+            })?
+            .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "UNAVAILABLE", e.to_string()))?;
+        let mut progress = blob.subscribe();
+        let available = |p: &Progress| {
+            if p.complete {
+                size
+            } else {
+                u64::from(p.chunks) * u64::from(chunk_size)
+            }
+        };
+        // Wait for the first byte we need, or a failure.
+        loop {
+            let p = *progress.borrow_and_update();
+            if available(&p) > start {
+                break;
+            }
+            if let PullState::Failed(e) = pull.borrow_and_update().clone() {
+                return Err(ApiError::new(StatusCode::BAD_GATEWAY, "UNAVAILABLE", e));
+            }
+            tokio::select! {
+                _ = progress.changed() => {}
+                _ = pull.changed() => {}
+                _ = tokio::time::sleep(STALL) => {
+                    return Err(ApiError::new(StatusCode::GATEWAY_TIMEOUT, "UNAVAILABLE", format!("no verified bytes of {digest} within {STALL:?}")));
+                }
+            }
+        }
+        let state = StreamState {
+            blob,
+            progress,
+            pull,
+            pos: start,
+            end,
+            size,
+            chunk_size,
+        };
+        let stream = futures_util::stream::unfold(state, |mut st| async move {
+            if st.pos >= st.end {
+                return None;
+            }
+            let next = st.next().await;
+            Some((next, st))
+        });
+        Ok(Body::from_stream(stream))
+    }
+}
+
+struct StreamState {
+    blob: Arc<Blob>,
+    progress: watch::Receiver<Progress>,
+    pull: watch::Receiver<PullState>,
+    pos: u64,
+    end: u64,
+    size: u64,
+    chunk_size: u32,
+}
+
+impl StreamState {
+    /// The next frame of verified bytes; an error ends the response early, so
+    /// the client sees a short body, never unverified bytes.
+    async fn next(&mut self) -> std::io::Result<Bytes> {
+        loop {
+            let p = *self.progress.borrow_and_update();
+            if p.failed {
+                self.pos = self.end;
+                return Err(std::io::Error::other("the blob failed its digest"));
+            }
+            let available = if p.complete {
+                self.size
+            } else {
+                u64::from(p.chunks) * u64::from(self.chunk_size)
+            };
+            if available > self.pos {
+                let len = (available.min(self.end) - self.pos).min(FRAME);
+                let (blob, at) = (self.blob.clone(), self.pos);
+                let bytes = tokio::task::spawn_blocking(move || blob.read_range(at, len as usize))
+                    .await
+                    .map_err(std::io::Error::other)?
+                    .map_err(std::io::Error::other)?;
+                self.pos += len;
+                return Ok(Bytes::from(bytes));
+            }
+            if let PullState::Failed(e) = self.pull.borrow_and_update().clone() {
+                self.pos = self.end;
+                return Err(std::io::Error::other(e));
+            }
+            tokio::select! {
+                r = self.progress.changed() => if r.is_err() { self.pos = self.end; return Err(std::io::Error::other("blob closed")); },
+                _ = self.pull.changed() => {}
+                _ = tokio::time::sleep(STALL) => {
+                    self.pos = self.end;
+                    return Err(std::io::Error::other("no verified bytes within the stall limit"));
+                }
+            }
+        }
+    }
+}
+
+async fn ping(
+    State(mirror): State<Arc<Mirror>>,
+    Query(q): Query<NsQuery>,
+    headers: HeaderMap,
+) -> Response {
+    let client = match mirror.upstream(q.ns.as_deref(), &headers) {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
+    };
+    match client.ping().await {
+        Ok(()) => ([("docker-distribution-api-version", "registry/2.0")], "{}").into_response(),
+        Err(e) => ApiError::from(e).into_response(),
+    }
+}
+
+async fn get_or_head(
+    State(mirror): State<Arc<Mirror>>,
+    method: Method,
+    Path(rest): Path<String>,
+    Query(q): Query<NsQuery>,
+    headers: HeaderMap,
+) -> Response {
+    let result = match parse_target(&rest) {
+        Ok(Target::Manifest { name, reference }) => {
+            mirror
+                .manifest(method, q.ns.as_deref(), &headers, name, reference)
+                .await
+        }
+        Ok(Target::Blob { name, digest }) => {
+            mirror
+                .blob(method, q.ns.as_deref(), &headers, name, digest)
+                .await
+        }
+        Err(e) => Err(e),
+    };
+    let mut resp = result.unwrap_or_else(IntoResponse::into_response);
+    resp.headers_mut().insert(
+        "docker-distribution-api-version",
+        HeaderValue::from_static("registry/2.0"),
+    );
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_names_references_and_ranges_as_the_spec_says() {
+        assert!(valid_name("library/busybox") && valid_name("a/b-c/d__e.f") && valid_name("x"));
+        assert!(
+            !valid_name("Library/x")
+                && !valid_name("a//b")
+                && !valid_name("-a")
+                && !valid_name("a/")
+                && !valid_name("a..b")
+        );
+        assert!(valid_tag("1.2_rc-3") && !valid_tag(".x") && !valid_tag(""));
+        assert!(matches!(
+            parse_target("a/b/manifests/latest"),
+            Ok(Target::Manifest {
+                name: "a/b",
+                reference: "latest"
+            })
+        ));
+        assert!(matches!(
+            parse_target("a/blobs/manifests/x"),
+            Ok(Target::Manifest {
+                name: "a/blobs",
+                ..
+            })
+        ));
+        assert_eq!(
+            parse_target("a/blobs/sha256:12").err().map(|e| e.code),
+            Some("DIGEST_INVALID")
+        );
+        assert_eq!(
+            parse_target("A/manifests/x").err().map(|e| e.code),
+            Some("NAME_INVALID")
+        );
+        assert_eq!(
+            parse_target("a/manifests/bad tag").err().map(|e| e.code),
+            Some("TAG_INVALID")
+        );
+        assert_eq!(
+            parse_target("a/tags/list").err().map(|e| e.status),
+            Some(StatusCode::NOT_FOUND)
+        );
+        let r = |s: &str| parse_range(Some(&HeaderValue::from_str(s).unwrap()), 100);
+        assert_eq!(r("bytes=0-9").ok().flatten(), Some((0, 10)));
+        assert_eq!(r("bytes=90-").ok().flatten(), Some((90, 100)));
+        assert_eq!(r("bytes=-5").ok().flatten(), Some((95, 100)));
+        assert_eq!(r("bytes=0-1000").ok().flatten(), Some((0, 100)));
+        assert!(r("bytes=100-").is_err() && r("bytes=5-2").is_err() && r("items=0-1").is_err());
+    }
+}

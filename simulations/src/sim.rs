@@ -1,0 +1,1064 @@
+//! The simulated cluster: nodes, the tracker, and what each strategy does when
+//! a node starts, a flow ends, an announce is due or an idle node wakes up.
+//!
+//! `dray` nodes drive the real [`Scheduler`] and one real [`ChunkPicker`] per
+//! blob, as the agent does: announce (full, then `Held::Added` deltas) every
+//! `announce_interval_s` while pulling and right after each registry run,
+//! fetch assigned runs chunk by chunk from the registry, take the rest from
+//! the peers the tracker named (a node sees those peers' true bitfields,
+//! refreshed whenever they changed), and fall back to the registry for chunks
+//! no known peer holds after a stall or while the tracker is silent.
+
+use crate::Strategy;
+use crate::net::{Ev, FlowId, LinkId, Net, Payload, Purpose, Rng, Source, to_ns};
+use crate::report::{Outcome, Samples, SimReport};
+use crate::scenario::Scenario;
+use dray_protocol::picker::{ChunkPicker, DEFAULT_WINDOW};
+use dray_protocol::scheduler::{
+    Announce, AnnounceDecision, BlobAnnounce, Held, Scheduler, SchedulerConfig,
+};
+use dray_protocol::{Bitfield, BlobDigest};
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+/// Peers a node keeps per blob; the oldest idle one goes when more arrive.
+const MAX_KNOWN_PEERS: usize = 16;
+/// Nodes waiting for a free upload slot of one peer.
+const MAX_WAITERS: usize = 64;
+/// The tracker's ticker period.
+const TICK_S: f64 = 0.5;
+
+struct BlobInfo {
+    digest: BlobDigest,
+    chunks: u32,
+    bytes: u64,
+}
+
+/// A registry run the tracker gave a node: its chunks are fetched in order.
+struct RunState {
+    blob: u16,
+    first: u32,
+    /// The run's chunks this node claimed (not held or in flight from a peer).
+    chunks: Vec<u32>,
+    next: usize,
+    flow: Option<FlowId>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Fallback {
+    /// Nothing arrived for `stall_s`: runs until no unclaimed chunk lacks a holder.
+    Stall,
+    /// The tracker has been silent for `tracker_grace_s`: runs until it answers.
+    Tracker,
+}
+
+struct NodeBlob {
+    held: Bitfield,
+    picker: Option<ChunkPicker<u32>>,
+    /// Known peers and the held-count of theirs the picker last saw.
+    peers: Vec<(u32, u32)>,
+    /// Chunks verified since the last successful announce.
+    added: Vec<u32>,
+    complete: bool,
+}
+
+struct Node {
+    start: f64,
+    started: bool,
+    alive: bool,
+    done_at: Option<f64>,
+    blobs: Vec<NodeBlob>,
+    /// Peer chunk downloads in flight.
+    downloads: u32,
+    uploads: u32,
+    waiters: Vec<u32>,
+    in_flows: Vec<FlowId>,
+    out_flows: Vec<FlowId>,
+    announce_gen: u32,
+    poll_at: Option<u64>,
+    last_progress: f64,
+    last_tracker_ok: f64,
+    need_full: bool,
+    runs: Vec<RunState>,
+    fallback: Option<Fallback>,
+    fallback_flow: Option<FlowId>,
+    rotor: usize,
+}
+
+struct World<'a> {
+    sc: &'a Scenario,
+    strategy: Strategy,
+    net: Net,
+    rng: Rng,
+    nodes: Vec<Node>,
+    /// Nodes that pull (origins of the kraken-like baseline come after them).
+    pullers: u32,
+    blobs: Vec<BlobInfo>,
+    digest_index: HashMap<BlobDigest, u16>,
+    sched: Scheduler,
+    sched_config: SchedulerConfig,
+    tracker_up: bool,
+    base: Instant,
+    names: Vec<String>,
+    /// Nodes holding each complete blob (spegel-like).
+    seeds: Vec<Vec<u32>>,
+    /// Pullers neither done nor gone.
+    pending: u32,
+    samples: Samples,
+    registry_link: LinkId,
+}
+
+impl World<'_> {
+    fn up(&self, n: u32) -> LinkId {
+        2 * n
+    }
+    fn down(&self, n: u32) -> LinkId {
+        2 * n + 1
+    }
+    fn rack(&self, n: u32) -> Option<u32> {
+        let r = self.sc.racks.as_ref()?;
+        (n < self.pullers).then_some(n / r.nodes_per_rack)
+    }
+    fn rack_up(&self, r: u32) -> LinkId {
+        2 * self.nodes.len() as u32 + 2 * r
+    }
+
+    /// Links a transfer from `from` to `to` crosses.
+    fn path(&self, from: Source, to: u32) -> Vec<LinkId> {
+        let mut links = Vec::with_capacity(4);
+        let to_rack = self.rack(to);
+        match from {
+            Source::Registry => links.push(self.registry_link),
+            Source::Peer(p) => {
+                links.push(self.up(p));
+                let from_rack = self.rack(p);
+                if from_rack != to_rack
+                    && let Some(r) = from_rack
+                {
+                    links.push(self.rack_up(r));
+                }
+                if from_rack == to_rack {
+                    links.push(self.down(to));
+                    return links;
+                }
+            }
+        }
+        if let Some(r) = to_rack {
+            links.push(self.rack_up(r) + 1);
+        }
+        links.push(self.down(to));
+        links
+    }
+
+    fn instant(&self) -> Instant {
+        self.base + Duration::from_nanos(self.net.now_ns())
+    }
+
+    fn chunk_bytes(&self, blob: u16, chunk: u32) -> f64 {
+        let info = &self.blobs[blob as usize];
+        let first = u64::from(chunk) * self.sc.sim_chunk_bytes;
+        (info.bytes - first.min(info.bytes)).min(self.sc.sim_chunk_bytes) as f64
+    }
+
+    fn start_flow(&mut self, payload: Payload, bytes: f64) -> FlowId {
+        let links = self.path(payload.from, payload.to);
+        let id = self.net.start(payload, bytes, &links);
+        self.nodes[payload.to as usize].in_flows.push(id);
+        if let Source::Peer(p) = payload.from {
+            self.nodes[p as usize].out_flows.push(id);
+        }
+        id
+    }
+
+    fn registry_chunk(&mut self, to: u32, blob: u16, chunk: u32, purpose: Purpose) -> FlowId {
+        let bytes = self.chunk_bytes(blob, chunk);
+        let payload = Payload {
+            to,
+            from: Source::Registry,
+            blob,
+            chunk,
+            purpose,
+        };
+        self.start_flow(payload, bytes)
+    }
+
+    fn schedule_poll(&mut self, n: u32, secs: f64) {
+        let at = self.net.now_ns().saturating_add(to_ns(secs));
+        let node = &mut self.nodes[n as usize];
+        if node.poll_at.is_some_and(|t| t <= at) {
+            return;
+        }
+        node.poll_at = Some(at);
+        self.net.after(secs, Ev::Poll(n));
+    }
+
+    fn schedule_announce(&mut self, n: u32, secs: f64) {
+        let node = &mut self.nodes[n as usize];
+        node.announce_gen = node.announce_gen.wrapping_add(1);
+        let ev = Ev::Announce(n, node.announce_gen);
+        self.net.after(secs, ev);
+    }
+
+    // ---- node lifecycle ---------------------------------------------------
+
+    fn start_node(&mut self, n: u32) {
+        let now = self.net.now();
+        let node = &mut self.nodes[n as usize];
+        if node.started || !node.alive {
+            return;
+        }
+        node.started = true;
+        node.last_progress = now;
+        node.last_tracker_ok = now;
+        match self.strategy {
+            Strategy::Dray => {
+                self.nodes[n as usize].need_full = true;
+                self.announce(n);
+            }
+            Strategy::KrakenLike => self.try_fill(n),
+            Strategy::Direct | Strategy::SpegelLike => {
+                for b in 0..self.blobs.len() as u16 {
+                    let bytes = self.blobs[b as usize].bytes as f64;
+                    self.fetch_whole(n, b, bytes);
+                }
+            }
+        }
+    }
+
+    /// Direct and spegel-like: the whole blob from a complete holder if
+    /// spegel-like and one exists, else from the registry.
+    fn fetch_whole(&mut self, n: u32, blob: u16, bytes: f64) {
+        let mut from = Source::Registry;
+        if self.strategy == Strategy::SpegelLike {
+            let seeds = &mut self.seeds[blob as usize];
+            while !seeds.is_empty() {
+                let k = self.rng.below(seeds.len());
+                let s = seeds[k];
+                if self.nodes[s as usize].alive {
+                    from = Source::Peer(s);
+                    break;
+                }
+                seeds.swap_remove(k);
+            }
+        }
+        if let Source::Peer(s) = from {
+            self.nodes[s as usize].uploads += 1;
+        }
+        let payload = Payload {
+            to: n,
+            from,
+            blob,
+            chunk: 0,
+            purpose: Purpose::Whole,
+        };
+        self.start_flow(payload, bytes);
+    }
+
+    /// A chunk (or, for whole-blob strategies, a blob) arrived at `n`.
+    fn receive(&mut self, n: u32, blob: u16, chunk: Option<u32>) {
+        let now = self.net.now();
+        let node = &mut self.nodes[n as usize];
+        node.last_progress = now;
+        let nb = &mut node.blobs[blob as usize];
+        match chunk {
+            Some(c) => {
+                if !nb.held.set(c) {
+                    return;
+                }
+                if let Some(p) = nb.picker.as_mut() {
+                    p.completed(c);
+                }
+                nb.added.push(c);
+            }
+            None => {
+                for c in 0..nb.held.len() {
+                    nb.held.set(c);
+                }
+            }
+        }
+        if !nb.held.is_full() || nb.complete {
+            return;
+        }
+        nb.complete = true;
+        nb.picker = None;
+        nb.peers = Vec::new();
+        if self.strategy == Strategy::SpegelLike {
+            self.seeds[blob as usize].push(n);
+        }
+        let node = &mut self.nodes[n as usize];
+        if node.done_at.is_none() && node.blobs.iter().all(|b| b.complete) && n < self.pullers {
+            node.done_at = Some(now);
+            self.pending -= 1;
+            if self.strategy == Strategy::Dray {
+                // Tell the tracker at once: the node now seeds instead of wanting.
+                self.schedule_announce(n, 0.0);
+            }
+        }
+    }
+
+    fn flow_done(&mut self, id: FlowId) {
+        let (p, _) = self.net.remove(id);
+        let to = p.to;
+        let node = &mut self.nodes[to as usize];
+        remove_item(&mut node.in_flows, id);
+        if let Source::Peer(s) = p.from {
+            let sender = &mut self.nodes[s as usize];
+            remove_item(&mut sender.out_flows, id);
+            sender.uploads = sender.uploads.saturating_sub(1);
+        }
+        match p.purpose {
+            Purpose::Whole => self.receive(to, p.blob, None),
+            Purpose::PeerChunk => {
+                self.nodes[to as usize].downloads -= 1;
+                self.receive(to, p.blob, Some(p.chunk));
+            }
+            Purpose::RunChunk => {
+                self.receive(to, p.blob, Some(p.chunk));
+                if let Some(k) = self.nodes[to as usize]
+                    .runs
+                    .iter()
+                    .position(|r| r.flow == Some(id))
+                {
+                    let run = &mut self.nodes[to as usize].runs[k];
+                    run.flow = None;
+                    run.next += 1;
+                    self.advance_run(to, k);
+                }
+            }
+            Purpose::FallbackChunk => {
+                self.nodes[to as usize].fallback_flow = None;
+                self.receive(to, p.blob, Some(p.chunk));
+                self.continue_fallback(to);
+            }
+        }
+        if let Source::Peer(s) = p.from {
+            self.wake_waiter(s);
+        }
+        if matches!(self.strategy, Strategy::Dray | Strategy::KrakenLike) {
+            self.try_fill(to);
+        }
+    }
+
+    fn wake_waiter(&mut self, s: u32) {
+        if self.nodes[s as usize].waiters.is_empty() {
+            return;
+        }
+        let w = self.nodes[s as usize].waiters.remove(0);
+        self.try_fill(w);
+    }
+
+    // ---- peer transfers ---------------------------------------------------
+
+    /// Fills `n`'s free download slots with chunks its picker chooses from
+    /// known peers that have a free upload slot.
+    fn try_fill(&mut self, n: u32) {
+        let nu = n as usize;
+        if !self.nodes[nu].alive || !self.nodes[nu].started || self.nodes[nu].done_at.is_some() {
+            return;
+        }
+        let max_down = self.sc.max_downloads;
+        let max_up = self.sc.max_uploads;
+        let nblobs = self.blobs.len();
+        let mut blocked = Vec::new();
+        let rotor = self.nodes[nu].rotor;
+        self.nodes[nu].rotor = rotor.wrapping_add(1);
+        'blobs: for k in 0..nblobs {
+            let b = (rotor + k) % nblobs;
+            if self.nodes[nu].blobs[b].picker.is_none() {
+                continue;
+            }
+            let npeers = self.nodes[nu].blobs[b].peers.len();
+            let mut gone = Vec::new();
+            for step in 0..npeers {
+                if self.nodes[nu].downloads >= max_down {
+                    break 'blobs;
+                }
+                let slot = (rotor + step) % npeers;
+                let (p, seen) = self.nodes[nu].blobs[b].peers[slot];
+                let pu = p as usize;
+                if !self.nodes[pu].alive {
+                    gone.push(p);
+                    continue;
+                }
+                if self.nodes[pu].uploads >= max_up {
+                    blocked.push(p);
+                    continue;
+                }
+                let theirs = &self.nodes[pu].blobs[b].held;
+                let mine = &self.nodes[nu].blobs[b].held;
+                let useful = theirs
+                    .as_bytes()
+                    .iter()
+                    .zip(mine.as_bytes())
+                    .any(|(t, m)| t & !m != 0);
+                if !useful {
+                    continue;
+                }
+                if theirs.count() != seen {
+                    let bits = theirs.clone();
+                    let count = bits.count();
+                    let nb = &mut self.nodes[nu].blobs[b];
+                    nb.peers[slot].1 = count;
+                    if let Some(picker) = nb.picker.as_mut() {
+                        picker.set_peer(p, bits);
+                    }
+                }
+                while self.nodes[nu].downloads < max_down && self.nodes[pu].uploads < max_up {
+                    let Some(c) = self.nodes[nu].blobs[b]
+                        .picker
+                        .as_mut()
+                        .and_then(|picker| picker.pick(&p))
+                    else {
+                        break;
+                    };
+                    self.nodes[nu].downloads += 1;
+                    self.nodes[pu].uploads += 1;
+                    let bytes = self.chunk_bytes(b as u16, c);
+                    let payload = Payload {
+                        to: n,
+                        from: Source::Peer(p),
+                        blob: b as u16,
+                        chunk: c,
+                        purpose: Purpose::PeerChunk,
+                    };
+                    self.start_flow(payload, bytes);
+                }
+            }
+            for p in gone {
+                self.drop_peer(n, b, p);
+            }
+        }
+        if self.nodes[nu].downloads < max_down {
+            for p in blocked {
+                let w = &mut self.nodes[p as usize].waiters;
+                if w.len() < MAX_WAITERS && !w.contains(&n) {
+                    w.push(n);
+                }
+            }
+            self.schedule_poll(n, self.sc.poll_s);
+        }
+    }
+
+    /// Forgets a peer that left; the kraken-like graph gets a random live
+    /// replacement, as Kraken's tracker would hand out.
+    fn drop_peer(&mut self, n: u32, b: usize, p: u32) {
+        let nb = &mut self.nodes[n as usize].blobs[b];
+        nb.peers.retain(|&(q, _)| q != p);
+        if let Some(picker) = nb.picker.as_mut() {
+            picker.remove_peer(&p);
+        }
+        if self.strategy == Strategy::KrakenLike {
+            for _ in 0..8 {
+                let q = self.rng.below(self.pullers as usize) as u32;
+                let known = self.nodes[n as usize].blobs[b]
+                    .peers
+                    .iter()
+                    .any(|&(x, _)| x == q);
+                if q != n && self.nodes[q as usize].alive && !known {
+                    self.nodes[n as usize].blobs[b].peers.push((q, u32::MAX));
+                    break;
+                }
+            }
+        }
+    }
+
+    // ---- dray: tracker, runs, fallback -------------------------------------
+
+    fn announce(&mut self, n: u32) {
+        let nu = n as usize;
+        if !self.nodes[nu].alive {
+            return;
+        }
+        let pulling = self.nodes[nu].done_at.is_none();
+        let every = if pulling {
+            self.sc.announce_interval_s
+        } else {
+            self.sched_config.announce_interval.as_secs_f64()
+        };
+        self.schedule_announce(n, every);
+        if !self.tracker_up {
+            return;
+        }
+        // A restarted tracker asks for a full announce; send it straight away.
+        for _ in 0..2 {
+            let full = self.nodes[nu].need_full;
+            let blobs = (0..self.blobs.len())
+                .map(|b| {
+                    let info = &self.blobs[b];
+                    let nb = &mut self.nodes[nu].blobs[b];
+                    let held = if full {
+                        nb.added.clear();
+                        Held::Bits(nb.held.clone())
+                    } else {
+                        Held::Added(std::mem::take(&mut nb.added))
+                    };
+                    BlobAnnounce {
+                        digest: info.digest,
+                        chunk_count: info.chunks,
+                        size: info.bytes,
+                        held,
+                        wanted: !nb.complete,
+                    }
+                })
+                .collect();
+            let mut labels = BTreeMap::new();
+            if let Some(r) = self.rack(n) {
+                labels.insert("rack".to_owned(), r.to_string());
+            }
+            let a = Announce {
+                peer: self.names[nu].clone(),
+                address: String::new(),
+                upload_bytes_per_s: self.sc.node_up_bps as u64,
+                active_uploads: self.nodes[nu].uploads,
+                labels,
+                blobs,
+                full,
+            };
+            let now = self.instant();
+            let d = self.sched.announce(a, now);
+            self.nodes[nu].last_tracker_ok = self.net.now();
+            if self.nodes[nu].fallback == Some(Fallback::Tracker) {
+                self.nodes[nu].fallback = None;
+            }
+            if d.resend_full {
+                self.nodes[nu].need_full = true;
+                continue;
+            }
+            self.nodes[nu].need_full = false;
+            self.apply_decision(n, d);
+            break;
+        }
+        self.try_fill(n);
+    }
+
+    fn apply_decision(&mut self, n: u32, d: AnnounceDecision) {
+        let nu = n as usize;
+        for (digest, contacts) in &d.peers {
+            let Some(&b) = self.digest_index.get(digest) else {
+                continue;
+            };
+            for c in contacts {
+                let Some(p) = c.peer.strip_prefix('n').and_then(|s| s.parse::<u32>().ok()) else {
+                    continue;
+                };
+                if p == n || p as usize >= self.nodes.len() {
+                    continue;
+                }
+                self.learn_peer(n, b as usize, p);
+            }
+        }
+        let wanted: Vec<(u16, u32, u32)> = d
+            .assignments
+            .iter()
+            .filter_map(|a| {
+                let b = *self.digest_index.get(&a.digest)?;
+                Some((b, a.first, a.count))
+            })
+            .collect();
+        // Runs missing from the answer were taken back: stop fetching them.
+        let mut k = 0;
+        while k < self.nodes[nu].runs.len() {
+            let r = &self.nodes[nu].runs[k];
+            if wanted.iter().any(|&(b, f, _)| b == r.blob && f == r.first) {
+                k += 1;
+                continue;
+            }
+            let run = self.nodes[nu].runs.swap_remove(k);
+            self.release_run(n, run);
+        }
+        for (b, first, count) in wanted {
+            if self.nodes[nu]
+                .runs
+                .iter()
+                .any(|r| r.blob == b && r.first == first)
+            {
+                continue;
+            }
+            let nb = &mut self.nodes[nu].blobs[b as usize];
+            let chunks = match nb.picker.as_mut() {
+                Some(p) => (first..first.saturating_add(count))
+                    .filter(|&c| p.claim(c))
+                    .collect(),
+                None => Vec::new(),
+            };
+            self.nodes[nu].runs.push(RunState {
+                blob: b,
+                first,
+                chunks,
+                next: 0,
+                flow: None,
+            });
+            let k = self.nodes[nu].runs.len() - 1;
+            self.advance_run(n, k);
+        }
+    }
+
+    fn learn_peer(&mut self, n: u32, b: usize, p: u32) {
+        let nb = &self.nodes[n as usize].blobs[b];
+        if nb.picker.is_none() || nb.peers.iter().any(|&(q, _)| q == p) {
+            return;
+        }
+        if nb.peers.len() >= MAX_KNOWN_PEERS {
+            // The oldest peer goes; what it offered, others now offer too.
+            let nb = &mut self.nodes[n as usize].blobs[b];
+            let (old, _) = nb.peers.remove(0);
+            if let Some(picker) = nb.picker.as_mut() {
+                picker.remove_peer(&old);
+            }
+        }
+        self.nodes[n as usize].blobs[b].peers.push((p, u32::MAX));
+    }
+
+    /// Stops a run: the chunk in flight and the claimed rest become pickable again.
+    fn release_run(&mut self, n: u32, run: RunState) {
+        if let Some(id) = run.flow {
+            self.net.remove(id);
+            remove_item(&mut self.nodes[n as usize].in_flows, id);
+        }
+        let nb = &mut self.nodes[n as usize].blobs[run.blob as usize];
+        if let Some(p) = nb.picker.as_mut() {
+            for &c in &run.chunks[run.next.min(run.chunks.len())..] {
+                p.failed(c);
+            }
+        }
+    }
+
+    /// Fetches the run's next chunk, or finishes the run and announces.
+    fn advance_run(&mut self, n: u32, k: usize) {
+        let run = &self.nodes[n as usize].runs[k];
+        if let Some(&c) = run.chunks.get(run.next) {
+            let b = run.blob;
+            let id = self.registry_chunk(n, b, c, Purpose::RunChunk);
+            self.nodes[n as usize].runs[k].flow = Some(id);
+        } else {
+            let run = self.nodes[n as usize].runs.swap_remove(k);
+            // Only a run that fetched something has news for the tracker; an
+            // empty one (its chunks already arriving from peers) announcing at
+            // once would be handed the same run again at the same instant.
+            if !run.chunks.is_empty() {
+                self.schedule_announce(n, 0.0);
+            }
+        }
+    }
+
+    fn poll(&mut self, n: u32) {
+        let nu = n as usize;
+        self.nodes[nu].poll_at = None;
+        if !self.nodes[nu].alive || self.nodes[nu].done_at.is_some() {
+            return;
+        }
+        if self.strategy == Strategy::Dray {
+            let now = self.net.now();
+            let node = &self.nodes[nu];
+            if node.fallback.is_none() {
+                if now - node.last_tracker_ok >= self.sc.tracker_grace_s {
+                    self.nodes[nu].fallback = Some(Fallback::Tracker);
+                } else if node.downloads == 0
+                    && node.runs.iter().all(|r| r.flow.is_none())
+                    && now - node.last_progress >= self.sc.stall_s
+                {
+                    self.nodes[nu].fallback = Some(Fallback::Stall);
+                }
+            }
+            self.continue_fallback(n);
+        }
+        self.try_fill(n);
+    }
+
+    /// Keeps one registry fetch going for a chunk no known peer holds.
+    fn continue_fallback(&mut self, n: u32) {
+        let nu = n as usize;
+        if self.nodes[nu].fallback.is_none()
+            || self.nodes[nu].fallback_flow.is_some()
+            || !self.nodes[nu].alive
+        {
+            return;
+        }
+        for b in 0..self.blobs.len() {
+            self.refresh_peers(n, b);
+            let nb = &mut self.nodes[nu].blobs[b];
+            let Some(p) = nb.picker.as_mut() else {
+                continue;
+            };
+            let candidate = p.unavailable().find(|&c| p.is_unclaimed(c));
+            if let Some(c) = candidate {
+                p.claim(c);
+                let id = self.registry_chunk(n, b as u16, c, Purpose::FallbackChunk);
+                self.nodes[nu].fallback_flow = Some(id);
+                return;
+            }
+        }
+        if self.nodes[nu].fallback == Some(Fallback::Stall) {
+            self.nodes[nu].fallback = None;
+            self.nodes[nu].last_progress = self.net.now();
+        }
+    }
+
+    /// Gives the picker the current bitfields of every live known peer.
+    fn refresh_peers(&mut self, n: u32, b: usize) {
+        let nu = n as usize;
+        for slot in 0..self.nodes[nu].blobs[b].peers.len() {
+            let (p, seen) = self.nodes[nu].blobs[b].peers[slot];
+            let peer = &self.nodes[p as usize];
+            if !peer.alive || peer.blobs[b].held.count() == seen {
+                continue;
+            }
+            let bits = peer.blobs[b].held.clone();
+            let nb = &mut self.nodes[nu].blobs[b];
+            nb.peers[slot].1 = bits.count();
+            if let Some(picker) = nb.picker.as_mut() {
+                picker.set_peer(p, bits);
+            }
+        }
+    }
+
+    // ---- disturbances --------------------------------------------------------
+
+    fn leave(&mut self, n: u32) {
+        let nu = n as usize;
+        if !self.nodes[nu].alive {
+            return;
+        }
+        self.nodes[nu].alive = false;
+        if self.nodes[nu].done_at.is_none() {
+            self.pending -= 1;
+        }
+        if self.strategy == Strategy::Dray && self.tracker_up {
+            self.sched.leave(&self.names[nu]);
+        }
+        for id in std::mem::take(&mut self.nodes[nu].in_flows) {
+            let (p, _) = self.net.remove(id);
+            if let Source::Peer(s) = p.from {
+                let sender = &mut self.nodes[s as usize];
+                remove_item(&mut sender.out_flows, id);
+                sender.uploads = sender.uploads.saturating_sub(1);
+                self.wake_waiter(s);
+            }
+        }
+        self.nodes[nu].runs.clear();
+        self.nodes[nu].fallback_flow = None;
+        let mut receivers = Vec::new();
+        for id in std::mem::take(&mut self.nodes[nu].out_flows) {
+            let (p, left) = self.net.remove(id);
+            let r = p.to;
+            remove_item(&mut self.nodes[r as usize].in_flows, id);
+            match p.purpose {
+                Purpose::PeerChunk => {
+                    let rn = &mut self.nodes[r as usize];
+                    rn.downloads = rn.downloads.saturating_sub(1);
+                    if let Some(picker) = rn.blobs[p.blob as usize].picker.as_mut() {
+                        picker.failed(p.chunk);
+                        picker.remove_peer(&n);
+                    }
+                    receivers.push(r);
+                }
+                // A whole-blob download resumes elsewhere for the bytes it lacks.
+                _ => self.fetch_whole(r, p.blob, left),
+            }
+        }
+        for r in receivers {
+            self.try_fill(r);
+        }
+    }
+
+    fn churn(&mut self) {
+        let Some(c) = &self.sc.churn else {
+            return;
+        };
+        let mut order: Vec<u32> = (0..self.pullers).collect();
+        self.rng.shuffle(&mut order);
+        let count = (c.fraction * f64::from(self.pullers)).round() as usize;
+        for n in order.into_iter().take(count) {
+            self.leave(n);
+        }
+    }
+
+    fn sample(&mut self) {
+        let bytes = self.net.registry_bytes_now();
+        let dt = self.samples.push(self.net.now(), bytes);
+        self.net.after(dt, Ev::Sample);
+    }
+
+    fn handle(&mut self, ev: Ev) {
+        match ev {
+            Ev::Flow(id, v) => {
+                if self.net.is_current(id, v) {
+                    self.flow_done(id);
+                }
+            }
+            Ev::Start(n) => self.start_node(n),
+            Ev::Announce(n, generation) => {
+                if self.nodes[n as usize].announce_gen == generation {
+                    self.announce(n);
+                }
+            }
+            Ev::Poll(n) => {
+                if self.nodes[n as usize].poll_at == Some(self.net.now_ns()) {
+                    self.poll(n);
+                }
+            }
+            Ev::Tick => {
+                if self.tracker_up {
+                    let now = self.instant();
+                    self.sched.tick(now);
+                }
+                self.net.after(TICK_S, Ev::Tick);
+            }
+            Ev::Sample => self.sample(),
+            Ev::Churn => self.churn(),
+            Ev::OutageStart => self.tracker_up = false,
+            Ev::OutageEnd => {
+                // Modelled as a restart: the tracker comes back empty and
+                // rebuilds from the full announces its resend_full asks for.
+                self.tracker_up = true;
+                self.sched = Scheduler::new(self.sched_config.clone());
+            }
+        }
+    }
+}
+
+fn remove_item(v: &mut Vec<FlowId>, id: FlowId) {
+    if let Some(k) = v.iter().position(|&x| x == id) {
+        v.swap_remove(k);
+    }
+}
+
+/// Runs one strategy on one scenario; the same seed gives the same report
+/// (except `wall_s`).
+pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimReport {
+    let wall = std::time::Instant::now();
+    let mut rng = Rng::new(seed);
+    let pullers = sc.nodes;
+    let layers = sc.layers as usize;
+    let layer_bytes = sc.layer_bytes();
+    let chunks = layer_bytes.div_ceil(sc.sim_chunk_bytes) as u32;
+    let blobs: Vec<BlobInfo> = (0..layers)
+        .map(|b| BlobInfo {
+            digest: BlobDigest::of(format!("{}/layer{b}", sc.name).as_bytes()),
+            chunks,
+            bytes: layer_bytes,
+        })
+        .collect();
+    let origins = if strategy == Strategy::KrakenLike {
+        layers as u32
+    } else {
+        0
+    };
+    let total = pullers + origins;
+    let racks = sc
+        .racks
+        .as_ref()
+        .map_or(0, |r| pullers.div_ceil(r.nodes_per_rack));
+    let mut caps = Vec::with_capacity(2 * (total + racks) as usize + 1);
+    for _ in 0..total {
+        caps.push(sc.node_up_bps);
+        caps.push(sc.node_down_bps);
+    }
+    if let Some(r) = &sc.racks {
+        let uplink =
+            f64::from(r.nodes_per_rack) * sc.node_up_bps.max(sc.node_down_bps) / r.oversubscription;
+        for _ in 0..2 * racks {
+            caps.push(uplink);
+        }
+    }
+    let registry_link = caps.len() as LinkId;
+    caps.push(sc.registry_bps);
+    let window = if strategy == Strategy::KrakenLike {
+        // Kraken picks rarest-first only, with no in-order window.
+        0
+    } else {
+        DEFAULT_WINDOW
+    };
+    let uses_pickers = matches!(strategy, Strategy::Dray | Strategy::KrakenLike);
+    let nodes: Vec<Node> = (0..total)
+        .map(|_| Node {
+            start: 0.0,
+            started: false,
+            alive: true,
+            done_at: None,
+            blobs: (0..layers)
+                .map(|_| NodeBlob {
+                    held: Bitfield::new(chunks),
+                    picker: uses_pickers.then(|| ChunkPicker::new(Bitfield::new(chunks), window)),
+                    peers: Vec::new(),
+                    added: Vec::new(),
+                    complete: false,
+                })
+                .collect(),
+            downloads: 0,
+            uploads: 0,
+            waiters: Vec::new(),
+            in_flows: Vec::new(),
+            out_flows: Vec::new(),
+            announce_gen: 0,
+            poll_at: None,
+            last_progress: 0.0,
+            last_tracker_ok: 0.0,
+            need_full: true,
+            runs: Vec::new(),
+            fallback: None,
+            fallback_flow: None,
+            rotor: 0,
+        })
+        .collect();
+    let sched_config = SchedulerConfig::default();
+    let lower = sc.lower_bound_s();
+    let mut w = World {
+        sc,
+        strategy,
+        net: Net::new(caps, registry_link),
+        rng: Rng::new(rng.next_u64()),
+        nodes,
+        pullers,
+        digest_index: blobs
+            .iter()
+            .enumerate()
+            .map(|(b, info)| (info.digest, b as u16))
+            .collect(),
+        blobs,
+        sched: Scheduler::new(sched_config.clone()),
+        sched_config,
+        tracker_up: true,
+        base: Instant::now(),
+        names: (0..total).map(|n| format!("n{n}")).collect(),
+        seeds: vec![Vec::new(); layers],
+        pending: pullers,
+        samples: Samples::new(lower / 64.0),
+        registry_link,
+    };
+
+    // Late joiners are a random subset; everyone else starts at 0.
+    let mut order: Vec<u32> = (0..pullers).collect();
+    rng.shuffle(&mut order);
+    let late = sc
+        .late_joiners
+        .as_ref()
+        .map_or(0, |l| (l.fraction * f64::from(pullers)).round() as usize);
+    let mut last_start: f64 = 0.0;
+    for (k, &n) in order.iter().enumerate() {
+        let at = match &sc.late_joiners {
+            Some(l) if k < late => l.at_s,
+            _ => 0.0,
+        };
+        last_start = last_start.max(at);
+        w.nodes[n as usize].start = at;
+        w.net.at_secs(at, Ev::Start(n));
+    }
+    if strategy == Strategy::KrakenLike {
+        build_kraken_graph(&mut w, origins);
+    }
+    if strategy == Strategy::Dray {
+        w.net.at_secs(TICK_S, Ev::Tick);
+        if let Some(o) = &sc.outage {
+            w.net.at_secs(o.at_s, Ev::OutageStart);
+            w.net.at_secs(o.at_s + o.for_s, Ev::OutageEnd);
+        }
+    }
+    if let Some(c) = &sc.churn {
+        w.net.at_secs(c.at_s, Ev::Churn);
+    }
+    w.net.at_secs(0.0, Ev::Sample);
+
+    // Direct and spegel-like can legitimately take N times the bound; the
+    // swarming strategies get a generous multiple before we call them stuck.
+    let limit = match strategy {
+        Strategy::Direct | Strategy::SpegelLike => lower * (2.0 * f64::from(pullers) + 100.0),
+        Strategy::Dray | Strategy::KrakenLike => lower * 100.0 + 600.0,
+    } + last_start;
+    let limit_ns = (limit * 1e9).min(u64::MAX as f64) as u64;
+    while w.pending > 0 {
+        let Some(t) = w.net.next_time() else {
+            break;
+        };
+        if t > limit_ns {
+            break;
+        }
+        while w.net.next_time() == Some(t) {
+            if let Some(ev) = w.net.pop() {
+                w.handle(ev);
+            }
+        }
+        w.net.settle();
+    }
+    let end = w.net.now();
+    let registry_bytes = w.net.registry_bytes_now();
+    w.samples.finish(end, registry_bytes);
+
+    let mut times: Vec<f64> = Vec::new();
+    let mut left = 0;
+    for n in &w.nodes[..pullers as usize] {
+        if !n.alive {
+            left += 1;
+        } else if let Some(d) = n.done_at {
+            times.push(d - n.start);
+        }
+    }
+    SimReport::new(
+        sc,
+        Outcome {
+            strategy,
+            seed,
+            times,
+            left,
+            registry_bytes,
+            end,
+            events: w.net.events,
+            samples: w.samples,
+            wall_s: wall.elapsed().as_secs_f64(),
+        },
+    )
+}
+
+/// Each node links to `degree / 2` random others (undirected, so about
+/// `degree` neighbours each); each blob's origin links to `degree` random
+/// nodes and starts pulling its blob from the registry.
+fn build_kraken_graph(w: &mut World, origins: u32) {
+    let n = w.pullers as usize;
+    let half = (w.sc.kraken_degree / 2).max(1) as usize;
+    for b in 0..w.blobs.len() {
+        if n > 1 {
+            for i in 0..n {
+                for _ in 0..half {
+                    let j = w.rng.below(n);
+                    if j == i
+                        || w.nodes[i].blobs[b]
+                            .peers
+                            .iter()
+                            .any(|&(q, _)| q as usize == j)
+                    {
+                        continue;
+                    }
+                    w.nodes[i].blobs[b].peers.push((j as u32, u32::MAX));
+                    w.nodes[j].blobs[b].peers.push((i as u32, u32::MAX));
+                }
+            }
+        }
+        if (b as u32) < origins {
+            let origin = w.pullers + b as u32;
+            for _ in 0..w.sc.kraken_degree {
+                let j = w.rng.below(n);
+                if !w.nodes[j].blobs[b].peers.iter().any(|&(q, _)| q == origin) {
+                    w.nodes[j].blobs[b].peers.push((origin, u32::MAX));
+                }
+            }
+            // The origin holds only its own blob; the others count as done so it never pulls them.
+            let o = origin as usize;
+            for (k, nb) in w.nodes[o].blobs.iter_mut().enumerate() {
+                nb.picker = None;
+                nb.complete = k != b;
+            }
+            w.nodes[o].started = true;
+            // Not a puller: never polls, never counts as pending.
+            w.nodes[o].done_at = Some(0.0);
+            let bytes = w.blobs[b].bytes as f64;
+            let payload = Payload {
+                to: origin,
+                from: Source::Registry,
+                blob: b as u16,
+                chunk: 0,
+                purpose: Purpose::Whole,
+            };
+            w.start_flow(payload, bytes);
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! End-to-end runs of the small scenario (fast in release) under every strategy
+//! and disturbance.
+
+use super::*;
+
+fn small() -> Scenario {
+    scenario("small").unwrap()
+}
+
+fn check_bound(r: &SimReport) {
+    assert!(
+        r.bound_ratio >= 1.0,
+        "{} beat the lower bound: {r:?}",
+        r.strategy
+    );
+}
+
+#[test]
+fn dray_on_small_pulls_the_image_from_the_registry_about_once() {
+    let r = run(&small(), Strategy::Dray, 1).unwrap();
+    assert_eq!(r.completed, 16, "{r:?}");
+    assert!(r.registry_egress_ratio <= 1.1, "{r:?}");
+    check_bound(&r);
+}
+
+#[test]
+fn direct_pulls_the_image_once_per_node() {
+    let r = run(&small(), Strategy::Direct, 1).unwrap();
+    assert_eq!(r.completed, 16);
+    assert!((r.registry_egress_ratio - 16.0).abs() < 1e-6, "{r:?}");
+    check_bound(&r);
+}
+
+#[test]
+fn every_baseline_completes_above_the_bound() {
+    for strategy in [Strategy::KrakenLike, Strategy::SpegelLike] {
+        let r = run(&small(), strategy, 3).unwrap();
+        assert_eq!(r.completed, 16, "{r:?}");
+        check_bound(&r);
+    }
+}
+
+#[test]
+fn the_same_seed_gives_the_same_numbers() {
+    let mut sc = small();
+    sc.churn = Some(Churn {
+        fraction: 0.25,
+        at_s: 8.0,
+    });
+    let strip = |mut r: SimReport| {
+        r.wall_s = 0.0;
+        serde_json::to_string(&r).unwrap()
+    };
+    for strategy in Strategy::ALL {
+        let a = strip(run(&sc, strategy, 42).unwrap());
+        let b = strip(run(&sc, strategy, 42).unwrap());
+        assert_eq!(a, b, "{}", strategy.name());
+    }
+}
+
+#[test]
+fn every_node_that_stays_completes_despite_churn_and_late_joiners() {
+    let mut sc = small();
+    sc.churn = Some(Churn {
+        fraction: 0.25,
+        at_s: 8.0,
+    });
+    sc.late_joiners = Some(LateJoiners {
+        fraction: 0.25,
+        at_s: 12.0,
+    });
+    for strategy in Strategy::ALL {
+        let r = run(&sc, strategy, 7).unwrap();
+        assert_eq!(r.left, 4, "{r:?}");
+        assert_eq!(r.completed, 12, "{}: {r:?}", strategy.name());
+        assert_eq!(r.incomplete, 0);
+    }
+}
+
+#[test]
+fn a_tracker_outage_and_restart_still_completes() {
+    let mut sc = small();
+    sc.outage = Some(Outage {
+        at_s: 3.0,
+        for_s: 10.0,
+    });
+    let r = run(&sc, Strategy::Dray, 5).unwrap();
+    assert_eq!(r.completed, 16, "{r:?}");
+    check_bound(&r);
+    // Nodes fall back to the registry for what known peers lack, so some
+    // chunks leave it twice, but far from once per node.
+    assert!(r.registry_egress_ratio < 8.0, "{r:?}");
+}
+
+#[test]
+fn racks_and_the_kraken_graph_run_on_a_larger_cluster() {
+    let mut sc = small();
+    sc.nodes = 120;
+    sc.racks = Some(Racks {
+        nodes_per_rack: 40,
+        oversubscription: 4.0,
+    });
+    for strategy in [Strategy::Dray, Strategy::KrakenLike] {
+        let r = run(&sc, strategy, 9).unwrap();
+        assert_eq!(r.completed, 120, "{r:?}");
+        check_bound(&r);
+    }
+}
+
+#[test]
+fn unknown_names_and_bad_scenarios_are_typed_errors() {
+    let err = scenario("nope").unwrap_err();
+    assert!(err.to_string().contains("storm-10k"), "{err}");
+    assert!("bittorrent".parse::<Strategy>().is_err());
+    assert_eq!("kraken-like".parse::<Strategy>(), Ok(Strategy::KrakenLike));
+    let mut sc = small();
+    sc.registry_bps = 0.0;
+    assert!(matches!(
+        run(&sc, Strategy::Dray, 1),
+        Err(SimError::InvalidScenario(_))
+    ));
+    sc = small();
+    sc.nodes = 0;
+    assert!(run(&sc, Strategy::Direct, 1).is_err());
+}
+
+#[test]
+fn every_named_scenario_is_valid() {
+    for name in SCENARIOS {
+        scenario(name).unwrap().validate().unwrap();
+    }
+}
+
+#[test]
+fn the_svg_has_a_line_per_report() {
+    let reports: Vec<SimReport> = [Strategy::Dray, Strategy::Direct]
+        .into_iter()
+        .map(|s| run(&small(), s, 1).unwrap())
+        .collect();
+    let dir = std::env::temp_dir().join(format!("dray-sim-svg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("small.svg");
+    write_svg(&reports, &path).unwrap();
+    let svg = std::fs::read_to_string(&path).unwrap();
+    assert!(svg.starts_with("<svg"));
+    assert_eq!(svg.matches("<polyline").count(), 4);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+#[ignore = "storm-10k takes tens of seconds even in release"]
+fn storm_10k_dray_stays_near_the_bound() {
+    let r = run(&scenario("storm-10k").unwrap(), Strategy::Dray, 1).unwrap();
+    assert_eq!(r.completed, 10_000);
+    assert!(r.registry_egress_ratio < 1.5, "{r:?}");
+}
