@@ -46,6 +46,8 @@ enum Command {
     /// Move single blobs in and out of an agent's chunk store.
     #[command(subcommand)]
     Blob(BlobCommand),
+    /// Simulate a scale-out storm with the real scheduler and chunk picker.
+    Sim(SimArgs),
     /// Measure dray against baselines in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -77,6 +79,25 @@ enum AgentAction {
         #[arg(long, default_value = "http://127.0.0.1:5050")]
         mirror: String,
     },
+}
+
+#[derive(Args)]
+struct SimArgs {
+    /// Scenario name (small, kraken-2600, storm-10k, storm-100k, churn-10k, rack-oversub, outage-1k).
+    #[arg(long, default_value = "small")]
+    scenario: String,
+    /// Also run the reference strategies (direct, kraken-like, spegel-like) on the same scenario.
+    #[arg(long)]
+    compare: bool,
+    /// Random seed; the same seed gives the same results.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Print JSON lines (time series included) instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Write a chart (completion CDF, registry egress over time) as SVG here.
+    #[arg(long)]
+    svg: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -411,8 +432,59 @@ async fn run(command: Command) -> Result<()> {
             swarm.node().close();
             Ok(())
         }
+        Command::Sim(args) => sim(args),
         Command::Bench(cmd) => bench::run(cmd).await,
     }
+}
+
+fn sim(args: SimArgs) -> Result<()> {
+    use dray_simulations::Strategy;
+    let scenario = dray_simulations::scenario(&args.scenario)?;
+    let strategies: &[Strategy] = if args.compare {
+        &Strategy::ALL
+    } else {
+        &[Strategy::Dray]
+    };
+    let mut reports = Vec::new();
+    if !args.json {
+        println!(
+            "{:<12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>7} {:>11} {:>7}",
+            "strategy",
+            "nodes",
+            "p50 s",
+            "p99 s",
+            "max s",
+            "bound s",
+            "p99/T*",
+            "egress/img",
+            "wall s"
+        );
+    }
+    for &strategy in strategies {
+        let r = dray_simulations::run(&scenario, strategy, args.seed)?;
+        if args.json {
+            println!("{}", serde_json::to_string(&r)?);
+        } else {
+            println!(
+                "{:<12} {:>7} {:>9.1} {:>9.1} {:>9.1} {:>9.2} {:>7.2} {:>11.2} {:>7.1}",
+                r.strategy,
+                r.nodes,
+                r.p50_s,
+                r.p99_s,
+                r.max_s,
+                r.lower_bound_s,
+                r.bound_ratio,
+                r.registry_egress_ratio,
+                r.wall_s
+            );
+        }
+        reports.push(r);
+    }
+    if let Some(path) = args.svg {
+        dray_simulations::write_svg(&reports, &path)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
 }
 
 fn parse_peer(s: &str) -> Result<PeerAddr> {
