@@ -4,6 +4,8 @@
 //! the agents' own claims. Used by `dray bench` and by the tests (which include
 //! this file as a module).
 
+#![allow(dead_code)] // shared with the tests (tests/common), which use more of it
+
 use sha2::Digest;
 use std::io::Read;
 use std::path::Path;
@@ -106,6 +108,16 @@ impl Registry {
         self.relay.rate.store(bytes_per_s, Ordering::Relaxed);
     }
 
+    /// Another counting relay to the same registry, for a second kind of client.
+    pub async fn side_door(&self) -> Relay {
+        Relay::start(self.port).await
+    }
+
+    /// The registry's own `host:port`, as image references name it.
+    pub fn host(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
     /// Uploads a file as a blob of `repo`, straight to the registry (not counted).
     pub fn push(&self, repo: &str, file: &Path) -> String {
         let digest = file_digest(file);
@@ -172,7 +184,7 @@ impl Drop for Registry {
 }
 
 /// A TCP relay that counts (and can pace) bytes flowing from upstream to clients.
-struct Relay {
+pub struct Relay {
     port: u16,
     down: Arc<AtomicU64>,
     rate: Arc<AtomicU64>,
@@ -180,7 +192,7 @@ struct Relay {
 }
 
 impl Relay {
-    async fn start(upstream: u16) -> Relay {
+    pub async fn start(upstream: u16) -> Relay {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let down = Arc::new(AtomicU64::new(0));
@@ -236,6 +248,18 @@ impl Relay {
             rate,
             task,
         }
+    }
+}
+
+impl Relay {
+    /// Base URL of the relay.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Bytes sent from upstream through this relay so far.
+    pub fn egress(&self) -> u64 {
+        self.down.load(Ordering::Relaxed)
     }
 }
 

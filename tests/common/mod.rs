@@ -156,3 +156,138 @@ pub fn registry_client(url: &str, creds: Option<(&str, &str)>) -> Arc<RegistryCl
     });
     Arc::new(RegistryClient::new(url, creds).unwrap())
 }
+
+/// A containerd 1.6 daemon with its own root, state and sockets.
+pub struct Containerd {
+    child: std::process::Child,
+    pub dir: tempfile::TempDir,
+    pub address: String,
+}
+
+impl Containerd {
+    pub fn start() -> Containerd {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display();
+        let address = format!("{d}/containerd.sock");
+        let config = format!(
+            "version = 2\nroot = \"{d}/root\"\nstate = \"{d}/state\"\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n\
+             [grpc]\n  address = \"{address}\"\n[ttrpc]\n  address = \"{d}/containerd.sock.ttrpc\"\n[debug]\n  address = \"{d}/debug.sock\"\n\
+             [metrics]\n  address = \"\"\n[plugins.\"io.containerd.internal.v1.opt\"]\n  path = \"{d}/opt\"\n"
+        );
+        std::fs::write(dir.path().join("config.toml"), config).unwrap();
+        let log = std::fs::File::create(dir.path().join("containerd.log")).unwrap();
+        let child = Command::new("containerd")
+            .arg("--config")
+            .arg(dir.path().join("config.toml"))
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("containerd is installed by scripts/test.sh");
+        let c = Containerd {
+            child,
+            dir,
+            address,
+        };
+        for _ in 0..100 {
+            if c.ctr(&["version"]).status.success() {
+                return c;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        panic!("containerd did not start");
+    }
+
+    /// Runs `ctr` against this daemon.
+    pub fn ctr(&self, args: &[&str]) -> std::process::Output {
+        Command::new("ctr")
+            .arg("--address")
+            .arg(&self.address)
+            .args(args)
+            .output()
+            .unwrap()
+    }
+
+    /// `ctr image pull` through the hosts.toml files under `hosts_dir`.
+    pub fn pull(&self, hosts_dir: &Path, image: &str, user: Option<&str>) -> std::process::Output {
+        let mut args = vec!["image", "pull", "--hosts-dir", hosts_dir.to_str().unwrap()];
+        if let Some(u) = user {
+            args.extend(["--user", u]);
+        }
+        args.push(image);
+        self.ctr(&args)
+    }
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Builds the two-layer busybox test image and pushes `REPO:gzip` and `REPO:zstd`.
+pub fn build_image(
+    registry: &Registry,
+    work: &Path,
+    repo: &str,
+    random_bytes: u64,
+    creds: Option<&str>,
+) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/build-image.sh");
+    let mut cmd = Command::new("bash");
+    cmd.arg(script)
+        .arg(work)
+        .arg(registry.host())
+        .arg(repo)
+        .arg(random_bytes.to_string());
+    if let Some(c) = creds {
+        cmd.arg(c);
+    }
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "building the image: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A registry mirror of `agent`, served from this process.
+pub struct MirrorProc {
+    pub url: String,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl MirrorProc {
+    /// `upstreams` maps registry names (containerd's `ns`) to base URLs; the
+    /// first is also the default registry for requests without `ns`.
+    pub async fn start(agent: &Agent, upstreams: &[(String, String)]) -> MirrorProc {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let config = dray_agent::mirror::MirrorConfig {
+            listen: listener.local_addr().unwrap(),
+            upstreams: upstreams.iter().cloned().collect(),
+            default_registry: upstreams.first().map(|(n, _)| n.clone()),
+        };
+        let mirror = dray_agent::mirror::Mirror::new(agent.swarm.clone(), config);
+        let task = tokio::spawn(mirror.serve(listener));
+        MirrorProc { url, task }
+    }
+
+    /// Stops serving, as a stopped agent would.
+    pub fn stop(&self) {
+        self.task.abort();
+    }
+}
+
+impl Drop for MirrorProc {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Writes `<dir>/<registry>/hosts.toml`: the mirror first, `server` second.
+pub fn hosts_dir(dir: &Path, registry: &str, server: &str, mirror: &str) -> PathBuf {
+    let hosts = dir.join("certs.d");
+    dray_agent::containerd::write_hosts(&hosts, registry, server, mirror).unwrap();
+    hosts
+}

@@ -1,0 +1,409 @@
+//! Issue 4 acceptance: the agent as containerd's registry mirror, with real
+//! containerd 1.6, skopeo and the distribution registry.
+
+mod common;
+
+use common::*;
+use dray_agent::identity::ClusterCa;
+use dray_agent::peer::PeerConfig;
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn ok(out: &Output, what: &str) -> String {
+    assert!(
+        out.status.success(),
+        "{what} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn no_tracker() -> dray_agent::swarm::SwarmConfig {
+    quick_swarm(Vec::new())
+}
+
+/// `curl` with headers on stdout; returns (status, headers and body as text).
+fn curl(args: &[&str]) -> (u16, String) {
+    let out = Command::new("curl")
+        .args(["-s", "-i"])
+        .args(args)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn containerd_pulls_gzip_and_zstd_images_through_the_mirror_and_runs_them() {
+    let work = tempfile::tempdir().unwrap();
+    let registry = Registry::start(None).await;
+    build_image(
+        &registry,
+        &work.path().join("img"),
+        "test/img",
+        8 << 20,
+        None,
+    );
+    let side_door = registry.side_door().await;
+    let agent = Agent::start(
+        &ClusterCa::generate().unwrap(),
+        "node-a",
+        work.path(),
+        no_tracker(),
+        PeerConfig::default(),
+    );
+    let mirror = MirrorProc::start(&agent, &[(registry.host(), registry.url())]).await;
+    let hosts = hosts_dir(work.path(), &registry.host(), &side_door.url(), &mirror.url);
+    let ctrd = Containerd::start();
+
+    for tag in ["gzip", "zstd"] {
+        let image = format!("{}/test/img:{tag}", registry.host());
+        ok(&ctrd.pull(&hosts, &image, None), &format!("pull {image}"));
+        let out = ok(
+            &ctrd.ctr(&[
+                "run",
+                "--rm",
+                &image,
+                &format!("t-{tag}"),
+                "cat",
+                "/etc/greeting",
+            ]),
+            "ctr run",
+        );
+        assert_eq!(out.trim(), "hello from dray");
+    }
+    assert_eq!(
+        side_door.egress(),
+        0,
+        "containerd fetched from the registry directly"
+    );
+    assert!(
+        registry.egress() > 16 << 20,
+        "the agent fetched both images' layers through the swarm"
+    );
+
+    // With the agent stopped, containerd falls back to the registry itself.
+    mirror.stop();
+    let ctrd2 = Containerd::start();
+    let image = format!("{}/test/img:gzip", registry.host());
+    ok(
+        &ctrd2.pull(&hosts, &image, None),
+        "pull with the agent stopped",
+    );
+    assert!(
+        side_door.egress() > 8 << 20,
+        "the fallback pull went to the registry"
+    );
+    let out = ok(
+        &ctrd2.ctr(&["run", "--rm", &image, "t-fallback", "cat", "/etc/greeting"]),
+        "ctr run",
+    );
+    assert_eq!(out.trim(), "hello from dray");
+}
+
+/// The manifest digest and blob list of an OCI layout written by skopeo.
+fn layout_digests(dir: &Path) -> (String, Vec<String>) {
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("index.json")).unwrap()).unwrap();
+    let manifest = index["manifests"][0]["digest"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut blobs: Vec<String> = std::fs::read_dir(dir.join("blobs/sha256"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    blobs.sort();
+    (manifest, blobs)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn skopeo_copies_from_the_mirror_give_the_same_digests_as_from_the_registry() {
+    let work = tempfile::tempdir().unwrap();
+    let registry = Registry::start(None).await;
+    build_image(
+        &registry,
+        &work.path().join("img"),
+        "test/sk",
+        4 << 20,
+        None,
+    );
+    let agent = Agent::start(
+        &ClusterCa::generate().unwrap(),
+        "node-a",
+        work.path(),
+        no_tracker(),
+        PeerConfig::default(),
+    );
+    let mirror = MirrorProc::start(&agent, &[(registry.host(), registry.url())]).await;
+    let mirror_host = mirror.url.trim_start_matches("http://").to_string();
+    for (from, to) in [(registry.host(), "direct"), (mirror_host, "mirrored")] {
+        let out = Command::new("skopeo")
+            .args(["copy", "-q", "--src-tls-verify=false"])
+            .arg(format!("docker://{from}/test/sk:zstd"))
+            .arg(format!("oci:{}:zstd", work.path().join(to).display()))
+            .output()
+            .unwrap();
+        ok(&out, &format!("skopeo copy from {from}"));
+    }
+    assert_eq!(
+        layout_digests(&work.path().join("direct")),
+        layout_digests(&work.path().join("mirrored"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_private_image_needs_the_clients_own_credentials_through_the_mirror() {
+    let work = tempfile::tempdir().unwrap();
+    let registry = Registry::start(Some(("alice", "s3cret"))).await;
+    build_image(
+        &registry,
+        &work.path().join("img"),
+        "private/img",
+        4 << 20,
+        Some("alice:s3cret"),
+    );
+    let side_door = registry.side_door().await;
+    let agent = Agent::start(
+        &ClusterCa::generate().unwrap(),
+        "node-a",
+        work.path(),
+        no_tracker(),
+        PeerConfig::default(),
+    );
+    let mirror = MirrorProc::start(&agent, &[(registry.host(), registry.url())]).await;
+    let hosts = hosts_dir(work.path(), &registry.host(), &side_door.url(), &mirror.url);
+    let ctrd = Containerd::start();
+    let image = format!("{}/private/img:gzip", registry.host());
+
+    let anonymous = ctrd.pull(&hosts, &image, None);
+    assert!(
+        !anonymous.status.success(),
+        "an anonymous pull of a private image succeeded"
+    );
+    let err = String::from_utf8_lossy(&anonymous.stderr);
+    assert!(
+        err.contains("401") || err.to_lowercase().contains("unauthorized"),
+        "{err}"
+    );
+    let stored = std::fs::read_dir(agent.dir.join("blobs"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    assert_eq!(stored, 0, "the agent fetched blobs for an anonymous client");
+    let (status, body) = curl(&[&format!("{}/v2/private/img/manifests/gzip", mirror.url)]);
+    assert_eq!(status, 401, "{body}");
+    assert!(
+        body.to_lowercase().contains("www-authenticate: basic"),
+        "the challenge is relayed: {body}"
+    );
+
+    ok(
+        &ctrd.pull(&hosts, &image, Some("alice:s3cret")),
+        "pull with credentials",
+    );
+    let out = ok(
+        &ctrd.ctr(&["run", "--rm", &image, "t-private", "cat", "/etc/greeting"]),
+        "ctr run",
+    );
+    assert_eq!(out.trim(), "hello from dray");
+    // containerd tries the next host after a 401 from the mirror: the registry's
+    // own door may answer with 401 bodies, but must serve no image content.
+    assert!(
+        side_door.egress() < 4096,
+        "containerd fetched {} bytes from the registry directly",
+        side_door.egress()
+    );
+    assert!(
+        registry.egress() > 4 << 20,
+        "the layers came through the agent"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_containerds_pulling_one_image_at_once_take_it_from_the_registry_about_once() {
+    let work = tempfile::tempdir().unwrap();
+    let registry = Registry::start(None).await;
+    build_image(
+        &registry,
+        &work.path().join("img"),
+        "test/big",
+        256 << 20,
+        None,
+    );
+    let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
+    let ca = ClusterCa::generate().unwrap();
+    let side_door = registry.side_door().await;
+    let image = format!("{}/test/big:gzip", registry.host());
+    // The image's compressed size: its blobs as the registry lists them.
+    let (_, manifest) = curl(&[
+        "-H",
+        "Accept: application/vnd.oci.image.manifest.v1+json",
+        &format!("{}/v2/test/big/manifests/gzip", registry.url()),
+    ]);
+    let manifest: serde_json::Value =
+        serde_json::from_str(manifest.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+    let image_bytes: u64 = manifest["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["size"].as_u64().unwrap())
+        .sum::<u64>()
+        + manifest["config"]["size"].as_u64().unwrap();
+    let before = registry.egress();
+
+    let mut nodes = Vec::new();
+    for i in 0..4 {
+        let agent = Agent::start(
+            &ca,
+            &format!("node-{i}"),
+            work.path(),
+            quick_swarm(vec![tracker.url()]),
+            PeerConfig::default(),
+        );
+        let mirror = MirrorProc::start(&agent, &[(registry.host(), registry.url())]).await;
+        let hosts = hosts_dir(
+            &work.path().join(format!("node-{i}")),
+            &registry.host(),
+            &side_door.url(),
+            &mirror.url,
+        );
+        nodes.push((agent, mirror, hosts, Containerd::start()));
+    }
+    let pulls: Vec<_> = nodes
+        .iter()
+        .map(|(_, _, hosts, ctrd)| {
+            let (hosts, address, image) = (hosts.clone(), ctrd.address.clone(), image.clone());
+            std::thread::spawn(move || {
+                Command::new("ctr")
+                    .args([
+                        "--address",
+                        &address,
+                        "image",
+                        "pull",
+                        "--hosts-dir",
+                        hosts.to_str().unwrap(),
+                        &image,
+                    ])
+                    .output()
+                    .unwrap()
+            })
+        })
+        .collect();
+    for p in pulls {
+        ok(&p.join().unwrap(), "concurrent pull");
+    }
+
+    let egress = registry.egress() - before;
+    let ratio = egress as f64 / image_bytes as f64;
+    eprintln!(
+        "4 containerds: registry egress {egress} bytes for a {image_bytes}-byte image ({ratio:.3}x)"
+    );
+    assert_eq!(
+        side_door.egress(),
+        0,
+        "containerd fetched from the registry directly"
+    );
+    assert!(ratio <= 1.10, "registry served {ratio:.3}x the image");
+    for (i, (_, _, _, ctrd)) in nodes.iter().enumerate() {
+        let out = ok(
+            &ctrd.ctr(&[
+                "run",
+                "--rm",
+                &image,
+                &format!("t-{i}"),
+                "cat",
+                "/etc/greeting",
+            ]),
+            "ctr run",
+        );
+        assert_eq!(out.trim(), "hello from dray");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mirror_answers_ranges_heads_and_bad_requests_as_the_distribution_spec_says() {
+    let work = tempfile::tempdir().unwrap();
+    let registry = Registry::start(None).await;
+    let src = work.path().join("blob");
+    random_file(&src, 5 << 20);
+    let digest = registry.push("test/api", &src);
+    let bytes = std::fs::read(&src).unwrap();
+    let agent = Agent::start(
+        &ClusterCa::generate().unwrap(),
+        "node-a",
+        work.path(),
+        no_tracker(),
+        PeerConfig::default(),
+    );
+    let mirror = MirrorProc::start(&agent, &[(registry.host(), registry.url())]).await;
+    let blob_url = format!(
+        "{}/v2/test/api/blobs/{digest}?ns={}",
+        mirror.url,
+        registry.host()
+    );
+
+    let (status, head) = curl(&["-I", &blob_url]);
+    assert_eq!(status, 200, "{head}");
+    assert!(
+        head.to_lowercase()
+            .contains(&format!("content-length: {}", 5 << 20)),
+        "{head}"
+    );
+    assert!(
+        head.to_lowercase()
+            .contains(&format!("docker-content-digest: {digest}")),
+        "{head}"
+    );
+
+    let out = Command::new("curl")
+        .args(["-s", "-H", "Range: bytes=4194300-4194315", &blob_url])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.stdout,
+        &bytes[4194300..4194316],
+        "a range across the chunk boundary"
+    );
+    let (status, head) = curl(&[
+        "-H",
+        "Range: bytes=5242870-",
+        "-o",
+        "/dev/null",
+        "-D",
+        "-",
+        &blob_url,
+    ]);
+    assert_eq!(status, 206, "{head}");
+    assert!(
+        head.to_lowercase()
+            .contains("content-range: bytes 5242870-5242879/5242880"),
+        "{head}"
+    );
+    let whole = Command::new("curl")
+        .args(["-s", &blob_url])
+        .output()
+        .unwrap();
+    assert!(whole.stdout == bytes, "the whole blob");
+
+    let unknown = format!("sha256:{}", "0".repeat(64));
+    let (status, body) = curl(&[&format!("{}/v2/test/api/blobs/{unknown}", mirror.url)]);
+    assert_eq!(status, 404, "{body}");
+    assert!(body.contains("BLOB_UNKNOWN"), "{body}");
+    let (status, body) = curl(&[&format!("{}/v2/test/api/manifests/nope", mirror.url)]);
+    assert_eq!(status, 404, "{body}");
+    assert!(body.contains("MANIFEST_UNKNOWN"), "{body}");
+    let (status, body) = curl(&[&format!("{}/v2/test/api/blobs/sha256:abc", mirror.url)]);
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("DIGEST_INVALID"), "{body}");
+    let (status, body) = curl(&[&format!("{}/v2/Test/API/manifests/latest", mirror.url)]);
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("NAME_INVALID"), "{body}");
+    let (status, body) = curl(&["-H", "Range: bytes=9999999-", &blob_url]);
+    assert_eq!(status, 416, "{body}");
+}
