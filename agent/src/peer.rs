@@ -218,10 +218,11 @@ impl PeerNode {
             Ok(r) => r,
             // TLS 1.3 lets the client finish before the server has checked the
             // client certificate: a refusal shows up as the connection closing.
+            // The stream can fail a moment before the connection records why,
+            // so wait briefly for the reason (the peer's TLS alert).
             Err(e) => {
-                return Err(conn
-                    .close_reason()
-                    .map_or(e, |reason| failed(reason.to_string())));
+                let reason = tokio::time::timeout(Duration::from_secs(1), conn.closed()).await;
+                return Err(reason.map_or(e, |reason| failed(reason.to_string())));
             }
         };
         match reply.body {
