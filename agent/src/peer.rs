@@ -204,22 +204,26 @@ impl PeerNode {
             .map_err(|e| failed(e.to_string()))?
             .await
             .map_err(|e| failed(e.to_string()))?;
-        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| failed(e.to_string()))?;
-        let hello = pb::PeerMessage {
-            body: Some(Body::Hello(pb::Hello {
-                version: PROTOCOL_VERSION,
-                peer_id: self.identity.peer_id.clone(),
-            })),
+        // TLS 1.3 lets the client finish before the server has checked the
+        // client certificate: a refusal shows up as the connection closing,
+        // and a stream may fail a moment before the connection records why.
+        // So the hello exchange reports the connection's close reason (the
+        // peer's TLS alert) when it has one.
+        let exchange = async {
+            let (mut send, mut recv) = conn.open_bi().await.map_err(|e| failed(e.to_string()))?;
+            let hello = pb::PeerMessage {
+                body: Some(Body::Hello(pb::Hello {
+                    version: PROTOCOL_VERSION,
+                    peer_id: self.identity.peer_id.clone(),
+                })),
+            };
+            write_frame(&mut send, &hello)
+                .await
+                .map_err(|e| failed(e.to_string()))?;
+            read_frame::<pb::PeerMessage>(&mut recv, peer_id).await
         };
-        write_frame(&mut send, &hello)
-            .await
-            .map_err(|e| failed(e.to_string()))?;
-        let reply: pb::PeerMessage = match read_frame(&mut recv, peer_id).await {
+        let reply = match exchange.await {
             Ok(r) => r,
-            // TLS 1.3 lets the client finish before the server has checked the
-            // client certificate: a refusal shows up as the connection closing.
-            // The stream can fail a moment before the connection records why,
-            // so wait briefly for the reason (the peer's TLS alert).
             Err(e) => {
                 let reason = tokio::time::timeout(Duration::from_secs(1), conn.closed()).await;
                 return Err(reason.map_or(e, |reason| failed(reason.to_string())));
