@@ -227,18 +227,22 @@ impl Swarm {
                         self.poke.notify_one();
                     } else {
                         lock(&self.sent).insert(replica.clone(), now_sent);
-                        if full {
-                            // A replica that needed a full announce has lost its maps too
-                            // (restart, or it just took these blobs over): give it the
-                            // maps of blobs whose digest we verified.
-                            for b in blobs.iter().filter(|b| b.is_complete()) {
-                                let body = Body::Publish(pb::PublishChunkMap {
-                                    peer_id: self.node.peer_id().to_string(),
-                                    map: Some(b.map().to_pb()),
-                                });
-                                if let Err(e) = self.tracker.send(&replica, body).await {
-                                    tracing::warn!(error = %e, "could not republish a chunk map");
-                                }
+                        // A replica that needed a full announce has lost its maps
+                        // (restart), and one that hears of a blob from us for the
+                        // first time may have just taken it over from a dead
+                        // replica: give it the maps of blobs whose digest we verified.
+                        let new_here = |b: &&Arc<Blob>| {
+                            full || previous
+                                .as_ref()
+                                .is_none_or(|p| !p.contains_key(&b.digest()))
+                        };
+                        for b in blobs.iter().filter(new_here).filter(|b| b.is_complete()) {
+                            let body = Body::Publish(pb::PublishChunkMap {
+                                peer_id: self.node.peer_id().to_string(),
+                                map: Some(b.map().to_pb()),
+                            });
+                            if let Err(e) = self.tracker.send(&replica, body).await {
+                                tracing::warn!(error = %e, "could not republish a chunk map");
                             }
                         }
                     }
