@@ -22,6 +22,21 @@ pub enum BenchCommand {
     /// N agents pulling one blob through the swarm vs N direct pulls, from the
     /// real registry (`docker-registry`) on loopback.
     Swarm(SwarmBench),
+    /// An image's blobs pulled through a warm mirror vs straight from the registry.
+    Mirror(MirrorBench),
+}
+
+#[derive(Args)]
+pub struct MirrorBench {
+    /// Total size of the image's blobs (split over 4 layers), e.g. 256MiB.
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    size: u64,
+    /// Rounds of (direct, mirror) pulls; the median of each is reported.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -82,7 +97,118 @@ pub async fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Peer(b) => peer(b).await,
         BenchCommand::Swarm(b) => swarm(b).await,
+        BenchCommand::Mirror(b) => mirror(b).await,
     }
+}
+
+/// Downloads every blob in turn, as one image pull; returns the seconds taken.
+async fn pull_blobs(
+    client: &dray_agent::registry::RegistryClient,
+    digests: &[dray_protocol::BlobDigest],
+    out: &std::path::Path,
+) -> Result<f64> {
+    let start = Instant::now();
+    for d in digests {
+        client.download("bench/image", d, out).await?;
+    }
+    std::fs::remove_file(out)?;
+    Ok(start.elapsed().as_secs_f64())
+}
+
+#[derive(Serialize)]
+struct MirrorResult {
+    image_bytes: u64,
+    rounds: usize,
+    /// Median time to pull every blob through the warm mirror.
+    mirror_s: f64,
+    /// Median time to pull every blob straight from the registry.
+    direct_s: f64,
+    /// mirror_s / direct_s: at most 1 means the warm mirror is as fast as the registry.
+    ratio: f64,
+}
+
+async fn mirror(b: MirrorBench) -> Result<()> {
+    use dray_agent::mirror::{Mirror, MirrorConfig};
+    use dray_agent::registry::RegistryClient;
+    use dray_agent::swarm::{Swarm, SwarmConfig};
+    if b.size < 4 || b.rounds == 0 {
+        bail!("--size must be at least 4 bytes and --rounds positive");
+    }
+    let dir = tempfile::tempdir().context("creating a temporary directory")?;
+    let registry = crate::testbed::Registry::start(None).await;
+    let mut digests = Vec::new();
+    for i in 0..4 {
+        let src = dir.path().join(format!("layer-{i}"));
+        write_random_seeded(&src, b.size / 4, i)?;
+        digests.push(
+            registry
+                .push("bench/image", &src)
+                .parse::<dray_protocol::BlobDigest>()?,
+        );
+        std::fs::remove_file(&src)?;
+    }
+    let ca = ClusterCa::generate()?;
+    let store = Arc::new(ChunkStore::open(&dir.path().join("agent"))?);
+    let node = PeerNode::bind(
+        ca.issue("bench-mirror")?,
+        store,
+        "127.0.0.1:0".parse()?,
+        PeerConfig::default(),
+    )?;
+    let swarm = Swarm::new(node, SwarmConfig::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let mirror_url = format!("http://{}", listener.local_addr()?);
+    let config = MirrorConfig {
+        listen: listener.local_addr()?,
+        upstreams: [(registry.host(), registry.url())].into_iter().collect(),
+        default_registry: Some(registry.host()),
+    };
+    let server = tokio::spawn(Mirror::new(swarm.clone(), config).serve(listener));
+    let through_mirror = RegistryClient::new(&mirror_url, None)?;
+    let direct = RegistryClient::new(&registry.url(), None)?;
+    let out = dir.path().join("pulled");
+    pull_blobs(&through_mirror, &digests, &out)
+        .await
+        .context("warming the mirror")?;
+    let (mut mirror_times, mut direct_times) = (Vec::new(), Vec::new());
+    for _ in 0..b.rounds {
+        direct_times.push(
+            pull_blobs(&direct, &digests, &out)
+                .await
+                .context("direct pull")?,
+        );
+        mirror_times.push(
+            pull_blobs(&through_mirror, &digests, &out)
+                .await
+                .context("pull through the mirror")?,
+        );
+    }
+    server.abort();
+    swarm.node().close();
+    let median = |t: &mut Vec<f64>| {
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    };
+    let (mirror_s, direct_s) = (median(&mut mirror_times), median(&mut direct_times));
+    let r = MirrorResult {
+        image_bytes: b.size / 4 * 4,
+        rounds: b.rounds,
+        mirror_s,
+        direct_s,
+        ratio: mirror_s / direct_s,
+    };
+    if b.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "image {} bytes in 4 blobs, median of {} rounds",
+            r.image_bytes, r.rounds
+        );
+        println!("warm mirror  {:.3} s", r.mirror_s);
+        println!("registry     {:.3} s", r.direct_s);
+        println!("mirror / registry = {:.2}", r.ratio);
+    }
+    Ok(())
 }
 
 #[derive(Serialize)]
@@ -379,8 +505,13 @@ async fn peer(b: PeerBench) -> Result<()> {
 
 /// Incompressible bytes, cheaply (xorshift), so no layer can shortcut them.
 fn write_random(path: &std::path::Path, size: u64) -> Result<()> {
+    write_random_seeded(path, size, 0)
+}
+
+/// [`write_random`] with a seed, for several distinct files.
+fn write_random_seeded(path: &std::path::Path, size: u64, seed: u64) -> Result<()> {
     let mut f = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(path)?);
-    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15 ^ seed.wrapping_mul(0xA24B_AED4_963E_E407);
     let mut buf = vec![0u8; 1 << 20];
     let mut left = size;
     while left > 0 {
