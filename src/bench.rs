@@ -197,9 +197,7 @@ async fn mirror(b: MirrorBench) -> Result<()> {
         direct_s,
         ratio: mirror_s / direct_s,
     };
-    if b.json {
-        println!("{}", serde_json::to_string(&r)?);
-    } else {
+    emit(b.json, &r, |r| {
         println!(
             "image {} bytes in 4 blobs, median of {} rounds",
             r.image_bytes, r.rounds
@@ -207,8 +205,7 @@ async fn mirror(b: MirrorBench) -> Result<()> {
         println!("warm mirror  {:.3} s", r.mirror_s);
         println!("registry     {:.3} s", r.direct_s);
         println!("mirror / registry = {:.2}", r.ratio);
-    }
-    Ok(())
+    })
 }
 
 #[derive(Serialize)]
@@ -352,9 +349,7 @@ async fn swarm(b: SwarmBench) -> Result<()> {
             .registry_rate
             .map(|rate| last(&times) / (b.size as f64 / rate as f64)),
     };
-    if b.json {
-        println!("{}", serde_json::to_string(&r)?);
-    } else {
+    emit(b.json, &r, |r| {
         println!(
             "nodes {} · blob {} bytes · registry cap {}",
             r.nodes,
@@ -375,8 +370,7 @@ async fn swarm(b: SwarmBench) -> Result<()> {
             "direct_last / swarm_last = {:.2}   agents that fell back: {}",
             r.speedup, r.fell_back
         );
-    }
-    Ok(())
+    })
 }
 
 #[derive(Serialize)]
@@ -393,6 +387,16 @@ struct PeerResult {
     tcp_cpu_s_per_gib: f64,
     /// UDP payload size the agents' path reached through MTU discovery.
     path_mtu: u16,
+}
+
+/// Prints `r` as one JSON line, or as the table `table` draws.
+fn emit<T: Serialize>(json: bool, r: &T, table: impl FnOnce(&T)) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(r)?);
+    } else {
+        table(r);
+    }
+    Ok(())
 }
 
 /// Process CPU time (user + system), seconds.
@@ -480,9 +484,7 @@ async fn peer(b: PeerBench) -> Result<()> {
         tcp_cpu_s_per_gib: tcp.1,
         path_mtu,
     };
-    if b.json {
-        println!("{}", serde_json::to_string(&r)?);
-    } else {
+    emit(b.json, &r, |r| {
         println!("size            {} bytes", r.size_bytes);
         println!(
             "agent (QUIC)    {:8.1} MB/s  {:.2} CPU s/GiB  (verified, on disk)",
@@ -499,8 +501,7 @@ async fn peer(b: PeerBench) -> Result<()> {
         println!("path MTU        {} bytes (agents)", r.path_mtu);
         println!("agent / TCP     {:.2}", r.agent_vs_tcp);
         println!("agent / quinn   {:.2}", r.agent_vs_raw_quic);
-    }
-    Ok(())
+    })
 }
 
 /// Incompressible bytes, cheaply (xorshift), so no layer can shortcut them.

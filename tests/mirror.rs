@@ -23,6 +23,34 @@ fn no_tracker() -> dray_agent::swarm::SwarmConfig {
     quick_swarm(Vec::new())
 }
 
+/// A registry holding the test image as `repo`, and one agent (no tracker)
+/// serving a mirror of it.
+async fn one_node(
+    work: &Path,
+    auth: Option<(&str, &str)>,
+    repo: &str,
+    random_bytes: u64,
+) -> (Registry, Agent, MirrorProc) {
+    let registry = Registry::start(auth).await;
+    let creds = auth.map(|(u, p)| format!("{u}:{p}"));
+    build_image(
+        &registry,
+        &work.join("img"),
+        repo,
+        random_bytes,
+        creds.as_deref(),
+    );
+    let agent = Agent::start(
+        &ClusterCa::generate().unwrap(),
+        "node-a",
+        work,
+        no_tracker(),
+        PeerConfig::default(),
+    );
+    let mirror = MirrorProc::start(&agent, &[(registry.host(), registry.url())]).await;
+    (registry, agent, mirror)
+}
+
 /// `curl` with headers on stdout; returns (status, headers and body as text).
 fn curl(args: &[&str]) -> (u16, String) {
     let out = Command::new("curl")
@@ -42,23 +70,8 @@ fn curl(args: &[&str]) -> (u16, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn containerd_pulls_gzip_and_zstd_images_through_the_mirror_and_runs_them() {
     let work = tempfile::tempdir().unwrap();
-    let registry = Registry::start(None).await;
-    build_image(
-        &registry,
-        &work.path().join("img"),
-        "test/img",
-        8 << 20,
-        None,
-    );
+    let (registry, _agent, mirror) = one_node(work.path(), None, "test/img", 8 << 20).await;
     let side_door = registry.side_door().await;
-    let agent = Agent::start(
-        &ClusterCa::generate().unwrap(),
-        "node-a",
-        work.path(),
-        no_tracker(),
-        PeerConfig::default(),
-    );
-    let mirror = MirrorProc::start(&agent, &[(registry.host(), registry.url())]).await;
     let hosts = hosts_dir(work.path(), &registry.host(), &side_door.url(), &mirror.url);
     let ctrd = Containerd::start();
 
@@ -126,22 +139,7 @@ fn layout_digests(dir: &Path) -> (String, Vec<String>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn skopeo_copies_from_the_mirror_give_the_same_digests_as_from_the_registry() {
     let work = tempfile::tempdir().unwrap();
-    let registry = Registry::start(None).await;
-    build_image(
-        &registry,
-        &work.path().join("img"),
-        "test/sk",
-        4 << 20,
-        None,
-    );
-    let agent = Agent::start(
-        &ClusterCa::generate().unwrap(),
-        "node-a",
-        work.path(),
-        no_tracker(),
-        PeerConfig::default(),
-    );
-    let mirror = MirrorProc::start(&agent, &[(registry.host(), registry.url())]).await;
+    let (registry, _agent, mirror) = one_node(work.path(), None, "test/sk", 4 << 20).await;
     let mirror_host = mirror.url.trim_start_matches("http://").to_string();
     for (from, to) in [(registry.host(), "direct"), (mirror_host, "mirrored")] {
         let out = Command::new("skopeo")
@@ -161,23 +159,14 @@ async fn skopeo_copies_from_the_mirror_give_the_same_digests_as_from_the_registr
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_private_image_needs_the_clients_own_credentials_through_the_mirror() {
     let work = tempfile::tempdir().unwrap();
-    let registry = Registry::start(Some(("alice", "s3cret"))).await;
-    build_image(
-        &registry,
-        &work.path().join("img"),
+    let (registry, agent, mirror) = one_node(
+        work.path(),
+        Some(("alice", "s3cret")),
         "private/img",
         4 << 20,
-        Some("alice:s3cret"),
-    );
+    )
+    .await;
     let side_door = registry.side_door().await;
-    let agent = Agent::start(
-        &ClusterCa::generate().unwrap(),
-        "node-a",
-        work.path(),
-        no_tracker(),
-        PeerConfig::default(),
-    );
-    let mirror = MirrorProc::start(&agent, &[(registry.host(), registry.url())]).await;
     let hosts = hosts_dir(work.path(), &registry.host(), &side_door.url(), &mirror.url);
     let ctrd = Containerd::start();
     let image = format!("{}/private/img:gzip", registry.host());
