@@ -19,22 +19,23 @@
 //! registry, take everything else from at most 4 peers at a time (4 uploads
 //! each), pick chunks with a `ChunkPicker` per blob fed the true bitfields of
 //! the peers the tracker named, poll idle peers every 250 ms, and fall back to
-//! the registry for chunks no known peer holds after a 5 s stall or 3 s of
-//! tracker silence. Churn (nodes leave, `Scheduler::leave`, their transfers
+//! the registry for chunks no known peer holds after a stall (`stall_s`) or 3 s
+//! of tracker silence. Churn (nodes leave, `Scheduler::leave`, their transfers
 //! abort), late joiners and a tracker outage (modelled as a restart: the
 //! tracker comes back empty and rebuilds from full announces) can be injected.
 //!
-//! # A finding: the agent's 5 s stall rule collapses registry-bound storms
+//! # A finding: a 5 s stall rule collapses registry-bound storms
 //!
 //! In a storm the registry needs F/u_s (10 s for `kraken-2600`) to emit the
-//! image once, and the first chunks take seconds to appear anywhere. With the
-//! agent's `stall_ms` = 5 s, about 10% of the nodes in `kraken-2600` have
+//! image once, and the first chunks take seconds to appear anywhere. With a
+//! 5 s stall rule (the agent's default before this finding; it is now 30 s),
+//! about 10% of the nodes in `kraken-2600` have
 //! received nothing after 5 s and start registry fallbacks; their fetches
 //! share the registry with the assigned runs, slow them, make more nodes
 //! stall, and the storm degrades towards every node pulling from the
 //! registry (measured: nobody done after 1,600 simulated s, registry egress
 //! 159x the image). The named storms therefore use `stall_s` = 30 s (with it
-//! egress is 1.0x); `small` keeps the agent's 5 s. The tracker-silence
+//! egress is 1.0x); `small` keeps 5 s. The tracker-silence
 //! fallback (3 s) is modelled as the agent has it.
 //!
 //! # What it is not
