@@ -36,7 +36,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run the node agent: serve verified chunks to authenticated peers.
+    /// Run the node agent: the registry mirror for containerd, announces to the
+    /// tracker, and the authenticated peer endpoint serving verified chunks.
     Agent(AgentArgs),
     /// Run the tracker: announces, peer selection, registry-fetch scheduling.
     Tracker(TrackerArgs),
