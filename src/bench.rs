@@ -24,6 +24,9 @@ pub enum BenchCommand {
     Swarm(SwarmBench),
     /// An image's blobs pulled through a warm mirror vs straight from the registry.
     Mirror(MirrorBench),
+    /// N agents in network namespaces with capped links pulling one blob through
+    /// the swarm vs straight from the real registry (needs root).
+    Storm(crate::storm::StormBench),
 }
 
 #[derive(Args)]
@@ -98,6 +101,7 @@ pub async fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Peer(b) => peer(b).await,
         BenchCommand::Swarm(b) => swarm(b).await,
         BenchCommand::Mirror(b) => mirror(b).await,
+        BenchCommand::Storm(b) => crate::storm::run(b).await,
     }
 }
 
@@ -390,7 +394,7 @@ struct PeerResult {
 }
 
 /// Prints `r` as one JSON line, or as the table `table` draws.
-fn emit<T: Serialize>(json: bool, r: &T, table: impl FnOnce(&T)) -> Result<()> {
+pub(crate) fn emit<T: Serialize>(json: bool, r: &T, table: impl FnOnce(&T)) -> Result<()> {
     if json {
         println!("{}", serde_json::to_string(r)?);
     } else {
@@ -505,7 +509,7 @@ async fn peer(b: PeerBench) -> Result<()> {
 }
 
 /// Incompressible bytes, cheaply (xorshift), so no layer can shortcut them.
-fn write_random(path: &std::path::Path, size: u64) -> Result<()> {
+pub(crate) fn write_random(path: &std::path::Path, size: u64) -> Result<()> {
     write_random_seeded(path, size, 0)
 }
 

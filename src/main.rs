@@ -1,6 +1,7 @@
 //! `dray`: the one binary. Each subcommand is a thin layer over the crates.
 
 mod bench;
+mod storm;
 mod testbed;
 
 use anyhow::{Context, Result, bail};

@@ -1,0 +1,842 @@
+//! `dray bench storm`: a scale-out storm on an emulated cluster on this machine.
+//!
+//! The registry (`docker-registry`), the tracker and N agents (this very `dray`
+//! binary) each run in their own network namespace, joined by one bridge, with
+//! every link capped by `tbf`, so the swarm is measured against links rather than
+//! against loopback and the CPU. Every node pulls one blob through the swarm at
+//! once; then, in the same run, every node downloads it straight from the
+//! registry (the baseline). Registry egress is read from the kernel's counters
+//! on the registry's link, never from the agents' own reports. Needs root.
+//!
+//! Everything it creates is named `dray-…` on 10.77.0.0/24 and is removed when
+//! the run ends, fails or is interrupted (and at the start of the next run, if a
+//! previous one was killed outright).
+
+use crate::bench::{emit, parse_size, write_random};
+use anyhow::{Context, Result, anyhow, bail};
+use clap::Args;
+use serde::Serialize;
+use std::ffi::OsStr;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+use tokio::io::AsyncBufReadExt;
+use tokio::process::{Child, Command};
+use tokio::task::JoinSet;
+
+const PREFIX: &str = "dray-";
+const BRIDGE: &str = "dray-br0";
+const REGISTRY_NS: &str = "dray-reg";
+const TRACKER_NS: &str = "dray-trk";
+/// The host side of the registry's link: what it receives, the registry sent.
+const REGISTRY_VETH: &str = "dray-v-reg";
+const REGISTRY_ADDR: &str = "10.77.0.2:5000";
+const TRACKER_ADDR: &str = "10.77.0.3:7880";
+const REPO: &str = "bench/blob";
+/// Node i is 10.77.0.(10 + i); the last host address is .254.
+const MAX_NODES: usize = 244;
+/// Longest one phase (swarm or direct) may take before the bench gives up.
+const PHASE_TIMEOUT: Duration = Duration::from_secs(600);
+const SAMPLE_EVERY: Duration = Duration::from_millis(250);
+
+#[derive(Args)]
+pub struct StormBench {
+    /// Node namespaces, one agent each (at most 244).
+    #[arg(long, default_value_t = 16)]
+    nodes: usize,
+    /// Blob size, e.g. 256MiB.
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    size: u64,
+    /// Each node's link rate, each direction, Mbit/s.
+    #[arg(long, default_value_t = 100)]
+    node_mbit: u64,
+    /// The registry's link rate, each direction, Mbit/s.
+    #[arg(long, default_value_t = 200)]
+    registry_mbit: u64,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Write a chart (completion CDF, registry egress over time) as SVG here.
+    #[arg(long)]
+    svg: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct StormResult {
+    nodes: usize,
+    image_bytes: u64,
+    node_mbit: u64,
+    registry_mbit: u64,
+    /// T* = max(F/u_s, F/d_min, N·F/(u_s + Σu_i)) at the configured link rates.
+    lower_bound_s: f64,
+    swarm_p50_s: f64,
+    swarm_last_s: f64,
+    direct_p50_s: f64,
+    direct_last_s: f64,
+    /// Registry egress during the swarm run (wire bytes: frames with their
+    /// headers) over the image size.
+    egress_ratio: f64,
+    direct_egress_ratio: f64,
+    /// Swarm egress over one direct download's share of the direct egress:
+    /// copies of the blob the registry sent, with header overhead cancelled.
+    registry_copies: f64,
+    /// swarm_last_s / lower_bound_s.
+    bound_ratio: f64,
+    /// direct_last_s / lower_bound_s.
+    direct_bound_ratio: f64,
+    /// Agents whose pull fell back to the registry for unclaimed chunks.
+    fell_back: usize,
+    /// Each node's completion time, seconds from the launch, sorted.
+    swarm_times_s: Vec<f64>,
+    direct_times_s: Vec<f64>,
+}
+
+/// One phase's outcome: sorted completion times and the registry's egress.
+struct Phase {
+    times: Vec<f64>,
+    egress_bytes: u64,
+    /// (seconds from the launch, registry egress bytes so far), every 250 ms.
+    egress_series: Vec<(f64, u64)>,
+}
+
+pub async fn run(b: StormBench) -> Result<()> {
+    if b.nodes == 0 || b.nodes > MAX_NODES || b.size == 0 {
+        bail!("--nodes must be 1 to {MAX_NODES} and --size positive");
+    }
+    if b.node_mbit == 0 || b.registry_mbit == 0 {
+        bail!("--node-mbit and --registry-mbit must be positive");
+    }
+    let exe = std::env::current_exe().context("finding the dray binary")?;
+    let mut cluster = Cluster {
+        dir: tempfile::tempdir().context("creating a temporary directory")?,
+        services: Vec::new(),
+        agents: Vec::new(),
+    };
+    let outcome = tokio::select! {
+        r = storm(&b, &exe, &mut cluster) => r,
+        _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted")),
+    };
+    drop(cluster);
+    let (r, swarm, direct) = outcome?;
+    if let Some(path) = &b.svg {
+        std::fs::write(path, svg(&r, &swarm, &direct))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    emit(b.json, &r, |r| {
+        println!(
+            "{} nodes at {} Mbit/s · registry at {} Mbit/s · blob {} bytes · lower bound {:.2} s",
+            r.nodes, r.node_mbit, r.registry_mbit, r.image_bytes, r.lower_bound_s
+        );
+        println!("          p50 s   last s   last/bound   egress/blob");
+        println!(
+            "swarm  {:8.2} {:8.2} {:12.2} {:13.3}",
+            r.swarm_p50_s, r.swarm_last_s, r.bound_ratio, r.egress_ratio
+        );
+        println!(
+            "direct {:8.2} {:8.2} {:12.2} {:13.3}",
+            r.direct_p50_s, r.direct_last_s, r.direct_bound_ratio, r.direct_egress_ratio
+        );
+        println!(
+            "registry copies in the swarm (headers cancelled): {:.3} · agents that fell back: {}",
+            r.registry_copies, r.fell_back
+        );
+    })
+}
+
+async fn storm(
+    b: &StormBench,
+    exe: &Path,
+    cluster: &mut Cluster,
+) -> Result<(StormResult, Phase, Phase)> {
+    cluster.build(b.nodes, b.node_mbit, b.registry_mbit).await?;
+    let dir = cluster.dir.path().to_path_buf();
+
+    // The registry, holding one random blob, pushed over its own namespace's
+    // loopback path so the capped link is untouched.
+    let data = dir.join("registry");
+    let cfg = dir.join("registry.yml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "version: 0.1\nlog: {{level: warn}}\nstorage: {{filesystem: {{rootdirectory: {}}}, delete: {{enabled: true}}}}\nhttp: {{addr: \"{REGISTRY_ADDR}\", secret: test}}\n",
+            data.display()
+        ),
+    )
+    .with_context(|| format!("writing {}", cfg.display()))?;
+    let registry = spawn_in(
+        REGISTRY_NS,
+        "docker-registry".as_ref(),
+        &["serve".as_ref(), cfg.as_os_str()],
+        &dir.join("registry.log"),
+    )?;
+    cluster.services.push(registry);
+    wait_listening(REGISTRY_ADDR, "docker-registry").await?;
+    let blob = dir.join("blob");
+    write_random(&blob, b.size).context("writing the random blob")?;
+    let digest = crate::testbed::file_digest(&blob);
+    push(&blob, &digest).await?;
+    std::fs::remove_file(&blob)?;
+
+    let tracker = spawn_in(
+        TRACKER_NS,
+        exe.as_os_str(),
+        &[
+            "tracker".as_ref(),
+            "--listen".as_ref(),
+            TRACKER_ADDR.as_ref(),
+        ],
+        &dir.join("tracker.log"),
+    )?;
+    cluster.services.push(tracker);
+    wait_listening(TRACKER_ADDR, "dray tracker").await?;
+
+    // The cluster CA, and a certificate and config per node.
+    let ca = dir.join("ca");
+    run_cmd(
+        exe.as_os_str(),
+        &[
+            "ca".as_ref(),
+            "init".as_ref(),
+            "--dir".as_ref(),
+            ca.as_os_str(),
+        ],
+    )
+    .await?;
+    for i in 0..b.nodes {
+        let node = dir.join(format!("node-{i}"));
+        run_cmd(
+            exe.as_os_str(),
+            &[
+                "ca".as_ref(),
+                "issue".as_ref(),
+                "--ca-dir".as_ref(),
+                ca.as_os_str(),
+                "--peer-id".as_ref(),
+                format!("node-{i}").as_ref(),
+                "--out".as_ref(),
+                node.as_os_str(),
+            ],
+        )
+        .await?;
+        let path = |f: &str| format!("{:?}", node.join(f).display().to_string());
+        std::fs::write(
+            node.join("node.toml"),
+            format!(
+                "state_dir = {}\npeer_listen = \"{}:7881\"\ncert = {}\nkey = {}\nca = {}\n\n[mirror]\nlisten = \"127.0.0.1:0\"\n\n[swarm]\ntrackers = [\"http://{TRACKER_ADDR}\"]\n",
+                path("state"),
+                node_ip(i),
+                path("agent.crt"),
+                path("agent.key"),
+                path("ca.crt"),
+            ),
+        )
+        .with_context(|| format!("writing {}/node.toml", node.display()))?;
+    }
+
+    let (swarm, fell_back) = swarm_phase(b.nodes, exe, &dir, &digest, cluster).await?;
+    let direct = direct_phase(b.nodes, b.size, &digest).await?;
+
+    let bits = b.size as f64 * 8.0;
+    let (u_s, u) = (b.registry_mbit as f64 * 1e6, b.node_mbit as f64 * 1e6);
+    let n = b.nodes as f64;
+    let lower_bound_s = (bits / u_s).max(bits / u).max(n * bits / (u_s + n * u));
+    let median = |t: &[f64]| t[t.len() / 2];
+    let last = |t: &[f64]| t[t.len() - 1];
+    let r = StormResult {
+        nodes: b.nodes,
+        image_bytes: b.size,
+        node_mbit: b.node_mbit,
+        registry_mbit: b.registry_mbit,
+        lower_bound_s,
+        swarm_p50_s: median(&swarm.times),
+        swarm_last_s: last(&swarm.times),
+        direct_p50_s: median(&direct.times),
+        direct_last_s: last(&direct.times),
+        egress_ratio: swarm.egress_bytes as f64 / b.size as f64,
+        direct_egress_ratio: direct.egress_bytes as f64 / b.size as f64,
+        registry_copies: swarm.egress_bytes as f64 / (direct.egress_bytes as f64 / n),
+        bound_ratio: last(&swarm.times) / lower_bound_s,
+        direct_bound_ratio: last(&direct.times) / lower_bound_s,
+        fell_back,
+        swarm_times_s: swarm.times.clone(),
+        direct_times_s: direct.times.clone(),
+    };
+    Ok((r, swarm, direct))
+}
+
+/// Every node pulls the blob through the swarm at once; returns the phase and
+/// how many agents fell back to the registry. The agents keep serving until
+/// the last one is done, then they are stopped.
+async fn swarm_phase(
+    nodes: usize,
+    exe: &Path,
+    dir: &Path,
+    digest: &str,
+    cluster: &mut Cluster,
+) -> Result<(Phase, usize)> {
+    let fell_back = Arc::new(AtomicUsize::new(0));
+    let registry_url = format!("http://{REGISTRY_ADDR}");
+    let mut tasks = JoinSet::new();
+    let start = Instant::now();
+    let egress0 = registry_egress()?;
+    for i in 0..nodes {
+        let node = dir.join(format!("node-{i}"));
+        let config = node.join("node.toml");
+        let log = node.join("agent.log");
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &node_ns(i)])
+            .arg(exe)
+            .args(["blob", "pull", "-c"])
+            .arg(&config)
+            .args([
+                "--registry",
+                &registry_url,
+                "--repo",
+                REPO,
+                "--digest",
+                digest,
+                "--serve",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log_file(&log)?)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting `dray blob pull` in {}", node_ns(i)))?;
+        let stdout = child.stdout.take().context("agent stdout")?;
+        cluster.agents.push(child);
+        let fell_back = fell_back.clone();
+        tasks.spawn(async move {
+            let mut lines = tokio::io::BufReader::new(stdout).lines();
+            while let Some(line) = lines.next_line().await? {
+                let Ok(report) = serde_json::from_str::<serde_json::Value>(&line) else {
+                    continue;
+                };
+                if report.get("seconds").is_some() {
+                    if report["fell_back"].as_bool() == Some(true) {
+                        fell_back.fetch_add(1, Ordering::Relaxed);
+                    }
+                    return Ok(start.elapsed().as_secs_f64());
+                }
+            }
+            bail!(
+                "`dray blob pull` in {} ended without a pull report: {}",
+                node_ns(i),
+                log_tail(&log)
+            )
+        });
+    }
+    let phase = await_phase(tasks, start, egress0)
+        .await
+        .context("swarm run")?;
+    cluster.stop_agents().await;
+    Ok((phase, fell_back.load(Ordering::Relaxed)))
+}
+
+/// The baseline: every node downloads the blob straight from the registry at once.
+async fn direct_phase(nodes: usize, size: u64, digest: &str) -> Result<Phase> {
+    let url = format!("http://{REGISTRY_ADDR}/v2/{REPO}/blobs/{digest}");
+    let mut tasks = JoinSet::new();
+    let start = Instant::now();
+    let egress0 = registry_egress()?;
+    for i in 0..nodes {
+        let child = Command::new("ip")
+            .args(["netns", "exec", &node_ns(i)])
+            .args([
+                "curl",
+                "-sfS",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{size_download}",
+                &url,
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting curl in {}", node_ns(i)))?;
+        tasks.spawn(async move {
+            let out = child.wait_with_output().await?;
+            let got = String::from_utf8_lossy(&out.stdout);
+            if !out.status.success() || got.trim() != size.to_string() {
+                bail!(
+                    "curl in {} failed ({}, {} bytes): {}",
+                    node_ns(i),
+                    out.status,
+                    got.trim(),
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+            }
+            Ok(start.elapsed().as_secs_f64())
+        });
+    }
+    await_phase(tasks, start, egress0)
+        .await
+        .context("direct run")
+}
+
+/// Waits for every node's task (each returns its completion time), sampling
+/// the registry's egress every 250 ms, for at most [`PHASE_TIMEOUT`].
+async fn await_phase(
+    mut tasks: JoinSet<Result<f64>>,
+    start: Instant,
+    egress0: u64,
+) -> Result<Phase> {
+    let deadline = tokio::time::Instant::from_std(start + PHASE_TIMEOUT);
+    let mut tick = tokio::time::interval(SAMPLE_EVERY);
+    let mut times = Vec::new();
+    let mut egress_series = Vec::new();
+    loop {
+        tokio::select! {
+            done = tasks.join_next() => match done {
+                Some(t) => times.push(t??),
+                None => break,
+            },
+            _ = tick.tick() => {
+                egress_series.push((start.elapsed().as_secs_f64(), registry_egress()? - egress0));
+            }
+            _ = tokio::time::sleep_until(deadline) => {
+                bail!("{} of {} nodes unfinished after {PHASE_TIMEOUT:?}", tasks.len(), tasks.len() + times.len());
+            }
+        }
+    }
+    let egress_bytes = registry_egress()? - egress0;
+    egress_series.push((start.elapsed().as_secs_f64(), egress_bytes));
+    times.sort_by(f64::total_cmp);
+    Ok(Phase {
+        times,
+        egress_bytes,
+        egress_series,
+    })
+}
+
+/// Bytes the registry has sent over its link (received by the host side).
+fn registry_egress() -> Result<u64> {
+    let path = format!("/sys/class/net/{REGISTRY_VETH}/statistics/rx_bytes");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+    text.trim()
+        .parse()
+        .with_context(|| format!("parsing {path}: {text:?}"))
+}
+
+fn node_ns(i: usize) -> String {
+    format!("dray-n{i}")
+}
+
+fn node_ip(i: usize) -> String {
+    format!("10.77.0.{}", 10 + i)
+}
+
+/// The namespaces, links and processes of one run. Dropping it removes them
+/// all, however the run ends.
+struct Cluster {
+    dir: tempfile::TempDir,
+    /// The registry and the tracker.
+    services: Vec<Child>,
+    agents: Vec<Child>,
+}
+
+impl Cluster {
+    /// Removes what an interrupted run left, then creates the bridge and one
+    /// namespace per registry, tracker and node, with capped links.
+    async fn build(&mut self, nodes: usize, node_mbit: u64, registry_mbit: u64) -> Result<()> {
+        remove_leftovers();
+        // Bridged frames skip iptables (br_netfilter would otherwise run every
+        // frame through it: CPU this 2-core machine needs for the agents).
+        run_ip(&[
+            "link",
+            "add",
+            BRIDGE,
+            "type",
+            "bridge",
+            "nf_call_iptables",
+            "0",
+        ])
+        .await?;
+        run_ip(&["addr", "add", "10.77.0.1/24", "dev", BRIDGE]).await?;
+        run_ip(&["link", "set", BRIDGE, "up"]).await?;
+        let mut hosts = vec![
+            (
+                REGISTRY_NS.to_string(),
+                REGISTRY_VETH.to_string(),
+                "10.77.0.2".to_string(),
+                Some(registry_mbit),
+            ),
+            (
+                TRACKER_NS.to_string(),
+                "dray-v-trk".to_string(),
+                "10.77.0.3".to_string(),
+                None,
+            ),
+        ];
+        hosts.extend((0..nodes).map(|i| {
+            (
+                node_ns(i),
+                format!("dray-v-n{i}"),
+                node_ip(i),
+                Some(node_mbit),
+            )
+        }));
+        for (ns, veth, ip, mbit) in &hosts {
+            run_ip(&["netns", "add", ns]).await?;
+            run_ip(&[
+                "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns,
+            ])
+            .await?;
+            run_ip(&["link", "set", veth, "master", BRIDGE, "up"]).await?;
+            run_ip(&["-n", ns, "addr", "add", &format!("{ip}/24"), "dev", "eth0"]).await?;
+            run_ip(&["-n", ns, "link", "set", "eth0", "up"]).await?;
+            run_ip(&["-n", ns, "link", "set", "lo", "up"]).await?;
+            if let Some(mbit) = mbit {
+                let rate = format!("{mbit}mbit");
+                let tbf = [
+                    "root", "tbf", "rate", &rate, "burst", "32kbit", "latency", "50ms",
+                ];
+                // Egress from the namespace, and into it (the host side's egress).
+                let mut out = vec!["-n", ns, "qdisc", "add", "dev", "eth0"];
+                out.extend(tbf);
+                run_cmd("tc".as_ref(), &os(&out)).await?;
+                let mut into = vec!["qdisc", "add", "dev", veth];
+                into.extend(tbf);
+                run_cmd("tc".as_ref(), &os(&into)).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Kills every agent and waits for it to exit.
+    async fn stop_agents(&mut self) {
+        for mut a in self.agents.drain(..) {
+            let _ = a.kill().await;
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let children = self.agents.iter_mut().chain(self.services.iter_mut());
+        for c in children {
+            let _ = c.start_kill();
+            for _ in 0..200 {
+                if !matches!(c.try_wait(), Ok(None)) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        remove_leftovers();
+    }
+}
+
+/// Kills the processes left in `dray-` namespaces, deletes those namespaces and
+/// every `dray-` link (the bridge; deleting a veth end deletes its pair).
+fn remove_leftovers() {
+    let output = |args: &[&str]| {
+        std::process::Command::new(args[0])
+            .args(&args[1..])
+            .stderr(Stdio::null())
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+    };
+    let namespaces = output(&["ip", "netns", "list"]);
+    for ns in namespaces
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with(PREFIX))
+    {
+        let pids = output(&["ip", "netns", "pids", ns]);
+        let pids: Vec<&str> = pids.split_whitespace().collect();
+        if !pids.is_empty() {
+            let mut kill = vec!["kill", "-9"];
+            kill.extend(pids);
+            output(&kill);
+        }
+        output(&["ip", "netns", "del", ns]);
+    }
+    let links = output(&["ip", "-o", "link", "show"]);
+    for link in links
+        .lines()
+        .filter_map(|l| l.split(": ").nth(1))
+        .map(|n| n.split('@').next().unwrap_or(n))
+        .filter(|n| n.starts_with(PREFIX))
+    {
+        output(&["ip", "link", "del", link]);
+    }
+}
+
+async fn run_ip(args: &[&str]) -> Result<String> {
+    run_cmd("ip".as_ref(), &os(args)).await
+}
+
+fn os<'a>(args: &[&'a str]) -> Vec<&'a OsStr> {
+    args.iter().map(|a| OsStr::new(*a)).collect()
+}
+
+/// Runs a command to completion and returns its stdout; the error names the command.
+async fn run_cmd(program: &OsStr, args: &[&OsStr]) -> Result<String> {
+    let shown = || {
+        std::iter::once(program)
+            .chain(args.iter().copied())
+            .map(|a| a.to_string_lossy())
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let out = Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output()
+        .await
+        .with_context(|| format!("running `{}`", shown()))?;
+    if !out.status.success() {
+        bail!(
+            "`{}` failed ({}): {}",
+            shown(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Starts a long-running process inside a namespace, its output going to `log`.
+fn spawn_in(ns: &str, program: &OsStr, args: &[&OsStr], log: &Path) -> Result<Child> {
+    Command::new("ip")
+        .args(["netns", "exec", ns])
+        .arg(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(log_file(log)?)
+        .stderr(log_file(log)?)
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting `{}` in {ns}", program.to_string_lossy()))
+}
+
+fn log_file(path: &Path) -> Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))
+}
+
+/// The last lines of a log, for an error message.
+fn log_tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(5)..].join(" | ")
+}
+
+/// Waits up to 5 s for something to accept TCP connections at `addr`.
+async fn wait_listening(addr: &str, what: &str) -> Result<()> {
+    let addr: SocketAddr = addr.parse()?;
+    for _ in 0..100 {
+        let attempt = tokio::time::timeout(
+            Duration::from_millis(200),
+            tokio::net::TcpStream::connect(addr),
+        )
+        .await;
+        if matches!(attempt, Ok(Ok(_))) {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("{what} is not listening on {addr} after 5 s")
+}
+
+/// Uploads the blob with curl from inside the registry's namespace.
+async fn push(blob: &Path, digest: &str) -> Result<()> {
+    let base = format!("http://{REGISTRY_ADDR}");
+    let in_registry = |curl: &[&str]| {
+        let mut args = vec!["netns", "exec", REGISTRY_NS, "curl"];
+        args.extend(curl);
+        args.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let start = in_registry(&[
+        "-sfS",
+        "-X",
+        "POST",
+        "-D",
+        "-",
+        "-o",
+        "/dev/null",
+        &format!("{base}/v2/{REPO}/blobs/uploads/"),
+    ]);
+    let headers = run_ip(&start.iter().map(String::as_str).collect::<Vec<_>>()).await?;
+    let location = headers
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("Location: ")
+                .or_else(|| l.strip_prefix("location: "))
+        })
+        .context("the registry's upload answer has no Location header")?
+        .trim();
+    let location = if location.starts_with("http") {
+        location.to_string()
+    } else {
+        format!("{base}{location}")
+    };
+    let sep = if location.contains('?') { '&' } else { '?' };
+    let put = in_registry(&[
+        "-sfS",
+        "-X",
+        "PUT",
+        "-H",
+        "Content-Type: application/octet-stream",
+        "--data-binary",
+        &format!("@{}", blob.display()),
+        &format!("{location}{sep}digest={digest}"),
+    ]);
+    run_ip(&put.iter().map(String::as_str).collect::<Vec<_>>()).await?;
+    Ok(())
+}
+
+/// Two panels: nodes done over time (swarm vs direct, with the lower bound)
+/// and the registry's egress rate over time (with its link rate).
+fn svg(r: &StormResult, swarm: &Phase, direct: &Phase) -> String {
+    const SWARM: &str = "#1f77b4";
+    const DIRECT: &str = "#d62728";
+    let t_max = r.direct_last_s.max(r.swarm_last_s) * 1.05;
+    let cdf = |times: &[f64]| {
+        let n = times.len() as f64;
+        let mut pts = vec![(0.0, 0.0)];
+        for (k, &t) in times.iter().enumerate() {
+            pts.push((t, k as f64 / n));
+            pts.push((t, (k + 1) as f64 / n));
+        }
+        pts
+    };
+    let rate = |p: &Phase| {
+        p.egress_series
+            .windows(2)
+            .filter(|w| w[1].0 > w[0].0)
+            .map(|w| {
+                (
+                    w[1].0,
+                    (w[1].1 - w[0].1) as f64 * 8.0 / (w[1].0 - w[0].0) / 1e6,
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut out = format!(
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{H}" font-family="sans-serif" font-size="12">"#,
+        2.0 * W
+    );
+    panel(
+        &mut out,
+        &Panel {
+            x0: 0.0,
+            title: &format!("{} nodes: nodes done (CDF)", r.nodes),
+            y_label: "fraction of nodes",
+            x_max: t_max,
+            y_max: 1.0,
+            guide: [(r.lower_bound_s, 0.0), (r.lower_bound_s, 1.0)],
+        },
+        &[
+            (SWARM, "swarm", cdf(&swarm.times)),
+            (DIRECT, "direct", cdf(&direct.times)),
+        ],
+    );
+    let cap = r.registry_mbit as f64;
+    panel(
+        &mut out,
+        &Panel {
+            x0: W,
+            title: "registry egress",
+            y_label: "Mbit/s",
+            x_max: t_max,
+            y_max: cap * 1.25,
+            guide: [(0.0, cap), (t_max, cap)],
+        },
+        &[
+            (SWARM, "swarm", rate(swarm)),
+            (DIRECT, "direct", rate(direct)),
+        ],
+    );
+    out.push_str("</svg>\n");
+    out
+}
+
+const W: f64 = 480.0;
+const H: f64 = 320.0;
+
+struct Panel<'a> {
+    x0: f64,
+    title: &'a str,
+    y_label: &'a str,
+    x_max: f64,
+    y_max: f64,
+    /// A dashed reference line, in data coordinates.
+    guide: [(f64, f64); 2],
+}
+
+/// A series to draw: colour, legend, points in data coordinates.
+type Line<'a> = (&'a str, &'a str, Vec<(f64, f64)>);
+
+fn panel(out: &mut String, p: &Panel, lines: &[Line]) {
+    let (left, right, top, bottom) = (p.x0 + 60.0, p.x0 + W - 15.0, 30.0, H - 45.0);
+    let sx = |x: f64| left + x / p.x_max * (right - left);
+    let sy = |y: f64| bottom - y.min(p.y_max) / p.y_max * (bottom - top);
+    let _ = write!(
+        out,
+        r#"<text x="{left}" y="18" font-weight="bold">{}</text><rect x="{left}" y="{top}" width="{}" height="{}" fill="none" stroke="black"/>"#,
+        p.title,
+        right - left,
+        bottom - top
+    );
+    for k in 0..=4 {
+        let (x, y) = (p.x_max * k as f64 / 4.0, p.y_max * k as f64 / 4.0);
+        let _ = write!(
+            out,
+            r#"<text x="{:.1}" y="{}" text-anchor="middle">{x:.0}</text><text x="{}" y="{:.1}" text-anchor="end">{}</text>"#,
+            sx(x),
+            bottom + 15.0,
+            left - 4.0,
+            sy(y) + 4.0,
+            if p.y_max <= 1.0 {
+                format!("{y:.2}")
+            } else {
+                format!("{y:.0}")
+            }
+        );
+    }
+    let _ = write!(
+        out,
+        r#"<text x="{:.1}" y="{}" text-anchor="middle">seconds from launch</text><text transform="translate({},{:.1}) rotate(-90)" text-anchor="middle">{}</text>"#,
+        (left + right) / 2.0,
+        bottom + 32.0,
+        p.x0 + 14.0,
+        (top + bottom) / 2.0,
+        p.y_label
+    );
+    let [(gx0, gy0), (gx1, gy1)] = p.guide;
+    let _ = write!(
+        out,
+        r#"<line x1="{:.1}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="gray" stroke-dasharray="4 3"/>"#,
+        sx(gx0),
+        sy(gy0),
+        sx(gx1),
+        sy(gy1)
+    );
+    for (k, (color, name, pts)) in lines.iter().enumerate() {
+        let points: Vec<String> = pts
+            .iter()
+            .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
+            .collect();
+        let _ = write!(
+            out,
+            r#"<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{}"/><text x="{}" y="{}" fill="{color}">{name}</text>"#,
+            points.join(" "),
+            right - 60.0,
+            top + 18.0 + 15.0 * k as f64
+        );
+    }
+}
