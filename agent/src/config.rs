@@ -83,6 +83,6 @@ mod tests {
         .unwrap();
         let cfg = AgentConfig::load(&p).unwrap();
         assert_eq!(cfg.peer.upload_bytes_per_s, Some(1000));
-        assert_eq!(cfg.peer.max_uploads, 64);
+        assert_eq!(cfg.peer.max_uploads, PeerConfig::default().max_uploads);
     }
 }

@@ -78,6 +78,8 @@ pub struct Transfer {
     /// rather than ending once no peer holds what is missing.
     swarm: bool,
     tasks: Mutex<tokio::task::JoinSet<()>>,
+    /// Caps peer requests in flight, whatever the number of peers.
+    downloads: tokio::sync::Semaphore,
 }
 
 impl Transfer {
@@ -105,6 +107,7 @@ impl Transfer {
             released: Notify::new(),
             swarm,
             tasks: Mutex::new(tokio::task::JoinSet::new()),
+            downloads: tokio::sync::Semaphore::new(node.config.max_downloads.max(1)),
         });
         t.spawn(persist_loop(t.clone()));
         Ok(t)
@@ -321,9 +324,13 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
     let peer = link.peer_id.clone();
     let mut last_poll = tokio::time::Instant::now();
     loop {
+        let Ok(_slot) = t.downloads.acquire().await else {
+            return;
+        };
         let index = match t.next_for(&peer) {
             Next::Fetch(i) => i,
             Next::Wait => {
+                drop(_slot);
                 // The timeout covers a release that happened before we started waiting.
                 let _ =
                     tokio::time::timeout(Duration::from_millis(200), t.released.notified()).await;
@@ -347,6 +354,10 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
                 if link.is_closed() {
                     t.lock().picker.remove_peer(&peer);
                     return;
+                }
+                if matches!(e, Error::Rejected { .. }) {
+                    // BUSY or not held: give the peer (and the others) a moment.
+                    tokio::time::sleep(Duration::from_millis(200)).await;
                 }
                 continue;
             }

@@ -83,9 +83,13 @@ pub struct PeerConfig {
     pub upload_bytes_per_s: Option<u64>,
     /// Download limit in bytes per second; unset means unlimited.
     pub download_bytes_per_s: Option<u64>,
-    /// Chunk requests served at once; more are answered `BUSY`.
+    /// Chunk requests served at once; more are answered `BUSY`. Few uploads
+    /// at full speed beat many sharing a link until each one times out.
     pub max_uploads: usize,
-    /// A request that delivers no chunk within this time is abandoned.
+    /// Chunk requests in flight at once per blob transfer, over all peers.
+    pub max_downloads: usize,
+    /// A request unanswered, or a chunk transfer that moves no byte, for this
+    /// long is abandoned.
     #[serde(with = "crate::config::millis")]
     pub request_timeout: Duration,
     pub transport: TransportTuning,
@@ -96,7 +100,8 @@ impl Default for PeerConfig {
         Self {
             upload_bytes_per_s: None,
             download_bytes_per_s: None,
-            max_uploads: 64,
+            max_uploads: 16,
+            max_downloads: 8,
             request_timeout: Duration::from_secs(20),
             transport: TransportTuning::default(),
         }
@@ -290,7 +295,9 @@ impl PeerNode {
         index: u32,
     ) -> Result<Vec<u8>> {
         let peer = &link.peer_id;
-        let fetch = async {
+        let idle = self.config.request_timeout;
+        let want = map.chunk_len(index);
+        let request = async {
             let (mut send, mut recv) = link.open().await?;
             let req = PeerRequest::Chunks {
                 digest: map.digest(),
@@ -302,49 +309,59 @@ impl PeerNode {
                 .await
                 .map_err(|e| peer_err(peer, e))?;
             let header: pb::PeerMessage = read_frame(&mut recv, peer).await?;
-            let want = map.chunk_len(index);
             match header.body {
-                Some(Body::Piece(p)) if p.index == index && p.length as usize == want => {}
-                Some(Body::Piece(p)) => {
-                    return Err(peer_violation(
-                        peer,
-                        &format!(
-                            "sent piece {} of {} bytes for chunk {index} of {want} bytes",
-                            p.index, p.length
-                        ),
-                    ));
-                }
-                Some(Body::Reject(r)) => {
-                    return Err(Error::Rejected {
-                        peer: peer.clone(),
-                        reason: reject_text(&r),
-                    });
-                }
-                _ => {
-                    return Err(peer_violation(
-                        peer,
-                        "answered a chunk request with something else",
-                    ));
-                }
+                Some(Body::Piece(p)) if p.index == index && p.length as usize == want => Ok(recv),
+                Some(Body::Piece(p)) => Err(peer_violation(
+                    peer,
+                    &format!(
+                        "sent piece {} of {} bytes for chunk {index} of {want} bytes",
+                        p.index, p.length
+                    ),
+                )),
+                Some(Body::Reject(r)) => Err(Error::Rejected {
+                    peer: peer.clone(),
+                    reason: reject_text(&r),
+                }),
+                _ => Err(peer_violation(
+                    peer,
+                    "answered a chunk request with something else",
+                )),
             }
-            self.download.take(want).await;
-            let mut buf = vec![0u8; want];
-            recv.read_exact(&mut buf)
-                .await
-                .map_err(|e| peer_err(peer, e))?;
-            Ok(buf)
         };
-        tokio::time::timeout(self.config.request_timeout, fetch)
+        let mut recv = tokio::time::timeout(idle, request)
             .await
             .unwrap_or_else(|_| {
                 Err(peer_err(
                     peer,
-                    format!(
-                        "chunk {index} not delivered within {:?}",
-                        self.config.request_timeout
-                    ),
+                    format!("chunk {index}: no answer within {idle:?}"),
                 ))
-            })
+            })?;
+        self.download.take(want).await;
+        // On a slow or shared link a chunk may take long; only a transfer that
+        // stops moving is abandoned.
+        let mut buf = vec![0u8; want];
+        let mut got = 0;
+        while got < want {
+            match tokio::time::timeout(idle, recv.read(&mut buf[got..])).await {
+                Err(_) => {
+                    return Err(peer_err(
+                        peer,
+                        format!(
+                            "chunk {index} stalled: no bytes for {idle:?} after {got} of {want}"
+                        ),
+                    ));
+                }
+                Ok(Err(e)) => return Err(peer_err(peer, e)),
+                Ok(Ok(None)) => {
+                    return Err(peer_err(
+                        peer,
+                        format!("chunk {index} ended after {got} of {want} bytes"),
+                    ));
+                }
+                Ok(Ok(Some(n))) => got += n,
+            }
+        }
+        Ok(buf)
     }
 }
 
