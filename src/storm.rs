@@ -671,20 +671,8 @@ async fn push(blob: &Path, digest: &str) -> Result<()> {
         &format!("{base}/v2/{REPO}/blobs/uploads/"),
     ]);
     let headers = run_ip(&start.iter().map(String::as_str).collect::<Vec<_>>()).await?;
-    let location = headers
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("Location: ")
-                .or_else(|| l.strip_prefix("location: "))
-        })
-        .context("the registry's upload answer has no Location header")?
-        .trim();
-    let location = if location.starts_with("http") {
-        location.to_string()
-    } else {
-        format!("{base}{location}")
-    };
-    let sep = if location.contains('?') { '&' } else { '?' };
+    let put_url = crate::testbed::upload_url(&base, &headers, digest)
+        .context("the registry's upload answer has no Location header")?;
     let put = in_registry(&[
         "-sfS",
         "-X",
@@ -693,7 +681,7 @@ async fn push(blob: &Path, digest: &str) -> Result<()> {
         "Content-Type: application/octet-stream",
         "--data-binary",
         &format!("@{}", blob.display()),
-        &format!("{location}{sep}digest={digest}"),
+        &put_url,
     ]);
     run_ip(&put.iter().map(String::as_str).collect::<Vec<_>>()).await?;
     Ok(())

@@ -138,21 +138,7 @@ impl Registry {
             String::from_utf8_lossy(&out.stderr)
         );
         let headers = String::from_utf8(out.stdout).unwrap();
-        let location = headers
-            .lines()
-            .find_map(|l| {
-                l.strip_prefix("Location: ")
-                    .or_else(|| l.strip_prefix("location: "))
-            })
-            .expect("Location header")
-            .trim()
-            .to_string();
-        let location = if location.starts_with("http") {
-            location
-        } else {
-            format!("{base}{location}")
-        };
-        let sep = if location.contains('?') { '&' } else { '?' };
+        let put_url = upload_url(&base, &headers, &digest).expect("Location header");
         let out = Command::new("curl")
             .args([
                 "-sfS",
@@ -164,7 +150,7 @@ impl Registry {
             ])
             .arg(format!("@{}", file.display()))
             .args(&auth)
-            .arg(format!("{location}{sep}digest={digest}"))
+            .arg(put_url)
             .output()
             .unwrap();
         assert!(
@@ -181,6 +167,26 @@ impl Drop for Registry {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The URL that completes a monolithic upload: the `Location` of the
+/// registry's answer to `POST .../blobs/uploads/` (made absolute against
+/// `base`) with the blob's digest added; `None` without a `Location`.
+pub fn upload_url(base: &str, upload_headers: &str, digest: &str) -> Option<String> {
+    let location = upload_headers
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("Location: ")
+                .or_else(|| l.strip_prefix("location: "))
+        })?
+        .trim();
+    let location = if location.starts_with("http") {
+        location.to_string()
+    } else {
+        format!("{base}{location}")
+    };
+    let sep = if location.contains('?') { '&' } else { '?' };
+    Some(format!("{location}{sep}digest={digest}"))
 }
 
 /// A TCP relay that counts (and can pace) bytes flowing from upstream to clients.

@@ -228,11 +228,7 @@ impl Blob {
             let m = self.read_map();
             (m.chunk_len(index), m.offset(index))
         };
-        let mut buf = vec![0u8; len];
-        self.file
-            .read_exact_at(&mut buf, offset)
-            .map_err(|e| Error::io(format!("reading chunk {index} of {}", self.digest()), e))?;
-        Ok(buf)
+        self.read_range(offset, len)
     }
 
     /// A held chunk's bytes, read from disk; `None` if the chunk is not held.
