@@ -5,11 +5,12 @@ mod storm;
 mod testbed;
 
 use anyhow::{Context, Result, bail};
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use dray_agent::config::AgentConfig;
 use dray_agent::containerd;
 use dray_agent::fetch::{PeerAddr, fetch_from_peers};
 use dray_agent::identity::{ClusterCa, Identity};
+use dray_agent::metrics::{AdminEndpoint, AgentMetrics};
 use dray_agent::mirror::Mirror;
 use dray_agent::peer::PeerNode;
 use dray_agent::registry::{Credentials, RegistryClient};
@@ -28,11 +29,29 @@ use std::sync::Arc;
     about = "Peer-to-peer container image layer distribution"
 )]
 struct Cli {
-    /// Log as JSON lines instead of text.
-    #[arg(long, global = true)]
-    log_json: bool,
+    /// Log line format on stderr.
+    #[arg(long, global = true, env = "DRAY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    /// Which logs to keep, as RUST_LOG filter directives, e.g. `info` or
+    /// `warn,dray_agent::swarm=debug`.
+    #[arg(long = "log", value_name = "FILTER", global = true, env = "DRAY_LOG", default_value = "warn", value_parser = log_filter)]
+    log_filter: String,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Checks a `--log` filter so that a typo is a clap error, not silence.
+fn log_filter(s: &str) -> Result<String, String> {
+    tracing_subscriber::EnvFilter::try_new(s)
+        .map(|_| s.to_string())
+        .map_err(|e| e.to_string())
 }
 
 #[derive(Subcommand)]
@@ -108,7 +127,7 @@ struct TrackerArgs {
     #[arg(long, short, env = "DRAY_TRACKER_CONFIG")]
     config: Option<PathBuf>,
     /// Overrides `listen`.
-    #[arg(long)]
+    #[arg(long, env = "DRAY_TRACKER_LISTEN")]
     listen: Option<std::net::SocketAddr>,
 }
 
@@ -119,25 +138,33 @@ struct ConfigArgs {
     #[arg(long, short, env = "DRAY_AGENT_CONFIG")]
     config: Option<PathBuf>,
     /// Overrides `state_dir`.
-    #[arg(long)]
+    #[arg(long, env = "DRAY_STATE_DIR")]
     state_dir: Option<PathBuf>,
     /// Overrides `peer_listen`.
-    #[arg(long)]
+    #[arg(long, env = "DRAY_PEER_LISTEN")]
     peer_listen: Option<std::net::SocketAddr>,
+    /// Overrides `admin_listen` (metrics and health checks).
+    #[arg(long, env = "DRAY_ADMIN_LISTEN")]
+    admin_listen: Option<std::net::SocketAddr>,
+    /// Overrides `swarm.advertise`: the peer address other agents dial.
+    #[arg(long, env = "DRAY_ADVERTISE")]
+    advertise: Option<std::net::SocketAddr>,
     /// Overrides `peer.download_bytes_per_s`.
-    #[arg(long)]
+    #[arg(long, env = "DRAY_DOWNLOAD_BYTES_PER_S")]
     download_bytes_per_s: Option<u64>,
     /// Overrides `peer.upload_bytes_per_s`.
-    #[arg(long)]
+    #[arg(long, env = "DRAY_UPLOAD_BYTES_PER_S")]
     upload_bytes_per_s: Option<u64>,
-    /// Overrides `swarm.trackers`: a tracker replica URL; repeat for several.
-    #[arg(long = "tracker")]
+    /// Overrides `swarm.trackers`: a tracker replica URL; repeat for several
+    /// (DRAY_TRACKERS: comma-separated).
+    #[arg(long = "tracker", env = "DRAY_TRACKERS", value_delimiter = ',')]
     trackers: Vec<String>,
     /// Overrides `mirror.listen`.
-    #[arg(long)]
+    #[arg(long, env = "DRAY_MIRROR_LISTEN")]
     mirror_listen: Option<std::net::SocketAddr>,
-    /// Adds to `mirror.upstreams`: REGISTRY=URL (e.g. 127.0.0.1:5000=http://127.0.0.1:5000); repeat.
-    #[arg(long = "upstream")]
+    /// Adds to `mirror.upstreams`: REGISTRY=URL (e.g. 127.0.0.1:5000=http://127.0.0.1:5000);
+    /// repeat (DRAY_UPSTREAMS: comma-separated).
+    #[arg(long = "upstream", env = "DRAY_UPSTREAMS", value_delimiter = ',')]
     upstreams: Vec<String>,
 }
 
@@ -152,6 +179,12 @@ impl ConfigArgs {
         }
         if let Some(a) = self.peer_listen {
             cfg.peer_listen = a;
+        }
+        if let Some(a) = self.admin_listen {
+            cfg.admin_listen = a;
+        }
+        if self.advertise.is_some() {
+            cfg.swarm.advertise = self.advertise;
         }
         if self.download_bytes_per_s.is_some() {
             cfg.peer.download_bytes_per_s = self.download_bytes_per_s;
@@ -183,12 +216,16 @@ impl ConfigArgs {
 
     /// Opens the store, binds the peer endpoint and joins the swarm.
     fn start_swarm(&self) -> Result<Arc<Swarm>> {
-        let cfg = self.load()?;
-        let identity = Identity::load(&cfg.cert, &cfg.key, &cfg.ca)?;
-        let store = Arc::new(ChunkStore::open(&cfg.state_dir)?);
-        let node = PeerNode::bind(identity, store, cfg.peer_listen, cfg.peer)?;
-        Ok(Swarm::new(node, cfg.swarm))
+        join_swarm(self.load()?, Arc::default())
     }
+}
+
+/// Opens the store, binds the peer endpoint counting into `metrics`, and joins the swarm.
+fn join_swarm(cfg: AgentConfig, metrics: Arc<AgentMetrics>) -> Result<Arc<Swarm>> {
+    let identity = Identity::load(&cfg.cert, &cfg.key, &cfg.ca)?;
+    let store = Arc::new(ChunkStore::open(&cfg.state_dir)?);
+    let node = PeerNode::bind_with_metrics(identity, store, cfg.peer_listen, cfg.peer, metrics)?;
+    Ok(Swarm::new(node, cfg.swarm))
 }
 
 #[derive(Subcommand)]
@@ -260,7 +297,7 @@ enum BlobCommand {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_json);
+    init_logging(cli.log_format, &cli.log_filter);
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
     match runtime.block_on(run(cli.command)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -271,16 +308,13 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-fn init_logging(json: bool) {
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_env("DRAY_LOG").unwrap_or_else(|_| "warn".into());
+fn init_logging(format: LogFormat, filter: &str) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
-    if json {
-        builder.json().init();
-    } else {
-        builder.init();
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
     }
 }
 
@@ -313,14 +347,23 @@ async fn run(command: Command) -> Result<()> {
             config,
         }) => {
             let cfg = config.load()?;
-            let swarm = config.start_swarm()?;
+            // Health checks answer while the store opens (which re-verifies partial blobs).
+            let metrics = Arc::new(AgentMetrics::new());
+            let admin = AdminEndpoint::new(metrics.clone());
+            let admin_listener = tokio::net::TcpListener::bind(cfg.admin_listen)
+                .await
+                .with_context(|| format!("binding the admin endpoint to {}", cfg.admin_listen))?;
+            let admin_addr = admin_listener.local_addr()?;
+            let admin_task = tokio::spawn(admin.clone().serve(admin_listener));
+            let swarm = join_swarm(cfg.clone(), metrics)?;
             let node = swarm.node().clone();
+            admin.set_ready(node.clone());
             let announcer = swarm.spawn_announcer();
             let listener = tokio::net::TcpListener::bind(cfg.mirror.listen)
                 .await
                 .with_context(|| format!("binding the mirror to {}", cfg.mirror.listen))?;
             eprintln!(
-                "dray agent {} serving peers on {} and the registry mirror on http://{}",
+                "dray agent {} serving peers on {} and the registry mirror on http://{} (metrics on http://{admin_addr}/metrics)",
                 node.peer_id(),
                 node.local_addr()?,
                 listener.local_addr()?
@@ -328,6 +371,8 @@ async fn run(command: Command) -> Result<()> {
             let mirror = Mirror::new(swarm.clone(), cfg.mirror);
             tokio::select! {
                 served = mirror.serve(listener) => served?,
+                served = admin_task => served.context("admin endpoint task")?
+                    .with_context(|| format!("serving the admin endpoint on {admin_addr}"))?,
                 _ = tokio::signal::ctrl_c() => {}
             }
             announcer.abort();

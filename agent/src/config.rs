@@ -17,6 +17,9 @@ pub struct AgentConfig {
     /// UDP address of the QUIC peer endpoint. Peers on other nodes must reach
     /// it, so a DaemonSet sets the node address; the default stays on loopback.
     pub peer_listen: SocketAddr,
+    /// TCP address of the admin endpoint: `/metrics`, `/healthz`, `/readyz`.
+    /// Loopback by default; a DaemonSet sets the node address for scraping.
+    pub admin_listen: SocketAddr,
     /// PEM files: this agent's certificate and key, and the cluster CA.
     pub cert: PathBuf,
     pub key: PathBuf,
@@ -31,6 +34,7 @@ impl Default for AgentConfig {
         Self {
             state_dir: PathBuf::from("/var/lib/dray"),
             peer_listen: "127.0.0.1:7881".parse().expect("valid address"),
+            admin_listen: "127.0.0.1:9464".parse().expect("valid address"),
             cert: PathBuf::from("/etc/dray/tls/agent.crt"),
             key: PathBuf::from("/etc/dray/tls/agent.key"),
             ca: PathBuf::from("/etc/dray/tls/ca.crt"),
@@ -43,31 +47,105 @@ impl Default for AgentConfig {
 
 impl AgentConfig {
     /// Reads a TOML file; unknown keys are errors, missing keys take defaults.
+    /// A mistake is one line naming the file, line, column and key.
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
-        toml::from_str(&text)
-            .map_err(|e| Error::Config(format!("{}: {}", path.display(), e.message())))
+            .map_err(|e| Error::Config(format!("cannot read {}: {e}", path.display())))?;
+        dray_protocol::settings::from_toml(&text)
+            .map_err(|e| Error::Config(format!("{}: {e}", path.display())))
     }
 }
 
-/// Serde for durations written as whole milliseconds.
+/// Serde for durations: whole milliseconds (`20000`) or a string with units
+/// (`"20s"`, `"1m 30s"`, `"500ms"`); written back as milliseconds.
 pub mod millis {
-    use serde::{Deserialize, Deserializer, Serializer};
+    use serde::{Deserialize, Deserializer, Serializer, de::Error};
     use std::time::Duration;
 
     pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_u64(d.as_millis() as u64)
     }
 
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Written {
+        Millis(u64),
+        Text(String),
+    }
+
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        Ok(Duration::from_millis(u64::deserialize(d)?))
+        match Written::deserialize(d).map_err(|_| {
+            D::Error::custom("expected a duration: milliseconds, or a string such as \"20s\"")
+        })? {
+            Written::Millis(ms) => Ok(Duration::from_millis(ms)),
+            Written::Text(t) => humantime::parse_duration(&t).map_err(|_| {
+                D::Error::custom(format!(
+                    "{t:?} is not a duration; write milliseconds, or a string such as \"20s\" or \"500ms\""
+                ))
+            }),
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn error_of(text: &str) -> String {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("agent.toml");
+        std::fs::write(&p, text).unwrap();
+        let e = AgentConfig::load(&p).unwrap_err().to_string();
+        assert!(e.contains(&p.display().to_string()), "{e}");
+        assert!(!e.contains('\n'), "{e}");
+        e
+    }
+
+    #[test]
+    fn a_mistake_is_one_line_naming_the_file_position_key_and_problem() {
+        let e = error_of("state_dir = \"/x\"\n[swarm]\nstall_ms = \"soon\"\n");
+        assert!(e.contains("line 3, column 12: key `swarm.stall_ms`: invalid type: string \"soon\", expected u64"), "{e}");
+        let e = error_of("[peer]\nrequest_timeout = \"twenty seconds\"\n");
+        assert!(
+            e.contains("key `peer.request_timeout`: \"twenty seconds\" is not a duration"),
+            "{e}"
+        );
+        let e = error_of("admin_listen = \"localhost\"\n");
+        assert!(
+            e.contains("key `admin_listen`: invalid socket address syntax"),
+            "{e}"
+        );
+        let e = error_of("[mirror]\nlisten = \"127.0.0.1:5050\"\nupstream = {}\n");
+        assert!(
+            e.contains("line 3, column 1: key `mirror.upstream`: unknown field `upstream`"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_missing_file_is_named() {
+        let e = AgentConfig::load(Path::new("/nonexistent/agent.toml"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "configuration: cannot read /nonexistent/agent.toml: No such file or directory (os error 2)"
+        );
+    }
+
+    #[test]
+    fn durations_take_milliseconds_or_units() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("agent.toml");
+        for (written, want) in [("1500", 1500), ("\"1s 500ms\"", 1500), ("\"2m\"", 120_000)] {
+            std::fs::write(&p, format!("[peer]\nrequest_timeout = {written}\n")).unwrap();
+            let cfg = AgentConfig::load(&p).unwrap();
+            assert_eq!(
+                cfg.peer.request_timeout,
+                std::time::Duration::from_millis(want)
+            );
+        }
+    }
 
     #[test]
     fn unknown_keys_are_refused_with_their_name() {

@@ -9,6 +9,7 @@
 //! is the plain case of a known map and a fixed list of peers.
 
 use crate::error::{Error, Result};
+use crate::metrics::Source;
 use crate::peer::{PeerLink, PeerNode};
 use crate::store::{Blob, PutOutcome};
 use dray_protocol::picker::{ChunkPicker, DEFAULT_WINDOW};
@@ -370,6 +371,7 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
         match put.and_then(|r| r) {
             Ok(PutOutcome::Stored | PutOutcome::Completed) => {
                 tracing::debug!(index, %peer, "chunk stored");
+                t.node.metrics().received(Source::Peer, len);
                 let mut sh = t.lock();
                 *sh.report.chunks_by_peer.entry(peer.clone()).or_default() += 1;
                 sh.report.bytes_received += len;
@@ -378,6 +380,7 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
             Ok(PutOutcome::Duplicate) => t.settle(index, true),
             Err(Error::Verify(VerifyError::ChunkHash { .. } | VerifyError::ChunkLength { .. })) => {
                 tracing::warn!(%peer, index, digest = %map.digest(), "peer sent a chunk that fails its hash; banning it");
+                t.node.metrics().verify_failed(Source::Peer);
                 {
                     let mut sh = t.lock();
                     sh.picker.ban(&peer);

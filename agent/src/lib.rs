@@ -6,13 +6,15 @@
 //! through [`swarm`]: announces to the tracker ([`tracker_client`]), registry
 //! range fetches ([`registry`]) and the fallbacks that make a pull never worse
 //! than a direct one. [`mirror`] puts the OCI pull API on localhost for
-//! containerd.
+//! containerd. [`metrics`] counts what the agent does for Prometheus and
+//! serves it with the health checks on the admin listener.
 
 pub mod config;
 pub mod containerd;
 pub mod error;
 pub mod fetch;
 pub mod identity;
+pub mod metrics;
 pub mod mirror;
 pub mod peer;
 pub mod rate;

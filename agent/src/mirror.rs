@@ -17,6 +17,7 @@
 //! it answers 502 before sending any byte, so containerd moves on to the next
 //! host in `hosts.toml`, the real registry.
 
+use crate::metrics::MirrorRequest;
 use crate::registry::{RegistryClient, RegistryError};
 use crate::store::{Blob, Progress};
 use crate::swarm::Swarm;
@@ -287,6 +288,13 @@ impl Mirror {
             .route("/v2/", axum::routing::get(ping))
             .route("/v2/{*rest}", axum::routing::get(get_or_head))
             .with_state(self.clone())
+    }
+
+    fn count(&self, kind: MirrorRequest, resp: &Response) {
+        self.swarm
+            .node()
+            .metrics()
+            .mirror_request(kind, resp.status());
     }
 
     /// Serves on `listener` until the task is dropped.
@@ -610,14 +618,15 @@ async fn ping(
     Query(q): Query<NsQuery>,
     headers: HeaderMap,
 ) -> Response {
-    let client = match mirror.upstream(q.ns.as_deref(), &headers) {
-        Ok(c) => c,
-        Err(e) => return e.into_response(),
+    let resp = match mirror.upstream(q.ns.as_deref(), &headers) {
+        Ok(client) => match client.ping().await {
+            Ok(()) => ([("docker-distribution-api-version", "registry/2.0")], "{}").into_response(),
+            Err(e) => ApiError::from(e).into_response(),
+        },
+        Err(e) => e.into_response(),
     };
-    match client.ping().await {
-        Ok(()) => ([("docker-distribution-api-version", "registry/2.0")], "{}").into_response(),
-        Err(e) => ApiError::from(e).into_response(),
-    }
+    mirror.count(MirrorRequest::Ping, &resp);
+    resp
 }
 
 async fn get_or_head(
@@ -627,20 +636,23 @@ async fn get_or_head(
     Query(q): Query<NsQuery>,
     headers: HeaderMap,
 ) -> Response {
-    let result = match parse_target(&rest) {
-        Ok(Target::Manifest { name, reference }) => {
+    let (kind, result) = match parse_target(&rest) {
+        Ok(Target::Manifest { name, reference }) => (
+            MirrorRequest::Manifest,
             mirror
                 .manifest(method, q.ns.as_deref(), &headers, name, reference)
-                .await
-        }
-        Ok(Target::Blob { name, digest }) => {
+                .await,
+        ),
+        Ok(Target::Blob { name, digest }) => (
+            MirrorRequest::Blob,
             mirror
                 .blob(method, q.ns.as_deref(), &headers, name, digest)
-                .await
-        }
-        Err(e) => Err(e),
+                .await,
+        ),
+        Err(e) => (MirrorRequest::Invalid, Err(e)),
     };
     let mut resp = result.unwrap_or_else(IntoResponse::into_response);
+    mirror.count(kind, &resp);
     resp.headers_mut().insert(
         "docker-distribution-api-version",
         HeaderValue::from_static("registry/2.0"),

@@ -11,6 +11,7 @@
 
 use crate::error::{Error, Result};
 use crate::identity::{Identity, connection_peer_id};
+use crate::metrics::AgentMetrics;
 use crate::rate::ByteRate;
 use crate::store::ChunkStore;
 use bytes::Bytes;
@@ -116,6 +117,7 @@ pub struct PeerNode {
     upload: ByteRate,
     download: ByteRate,
     upload_slots: Semaphore,
+    metrics: Arc<AgentMetrics>,
     pub config: PeerConfig,
 }
 
@@ -127,12 +129,24 @@ pub struct PeerLink {
 }
 
 impl PeerNode {
-    /// Binds the endpoint and starts serving.
+    /// Binds the endpoint and starts serving, with metrics of its own.
     pub fn bind(
         identity: Identity,
         store: Arc<ChunkStore>,
         addr: SocketAddr,
         config: PeerConfig,
+    ) -> Result<Arc<Self>> {
+        Self::bind_with_metrics(identity, store, addr, config, Arc::default())
+    }
+
+    /// Binds the endpoint and starts serving; this agent's transfers, pulls,
+    /// uploads and mirror count into `metrics`.
+    pub fn bind_with_metrics(
+        identity: Identity,
+        store: Arc<ChunkStore>,
+        addr: SocketAddr,
+        config: PeerConfig,
+        metrics: Arc<AgentMetrics>,
     ) -> Result<Arc<Self>> {
         let transport = config.transport.transport();
         let server_crypto =
@@ -164,6 +178,7 @@ impl PeerNode {
             upload: ByteRate::new(config.upload_bytes_per_s),
             download: ByteRate::new(config.download_bytes_per_s),
             upload_slots: Semaphore::new(config.max_uploads),
+            metrics,
             config,
         });
         tokio::spawn(accept_loop(node.clone()));
@@ -187,6 +202,15 @@ impl PeerNode {
 
     pub fn store(&self) -> &Arc<ChunkStore> {
         &self.store
+    }
+
+    pub fn metrics(&self) -> &Arc<AgentMetrics> {
+        &self.metrics
+    }
+
+    /// Open connections with other agents, dialled or accepted.
+    pub fn connected_peers(&self) -> usize {
+        self.endpoint.open_connections()
     }
 
     /// Stops serving and closes every connection.
@@ -582,6 +606,7 @@ async fn serve_request(
             count,
         } => {
             let Ok(_slot) = node.upload_slots.try_acquire() else {
+                node.metrics.upload_refused();
                 write_frame(&mut send, &reject(Reason::Busy, "all upload slots in use"))
                     .await
                     .map_err(io)?;
@@ -617,9 +642,11 @@ async fn serve_request(
                     })),
                 };
                 write_frame(&mut send, &header).await.map_err(io)?;
+                let len = chunk.len() as u64;
                 send.write_chunk(Bytes::from(chunk))
                     .await
                     .map_err(|e| peer_err(peer, e))?;
+                node.metrics.uploaded(len);
             }
         }
     }

@@ -15,6 +15,7 @@
 
 use crate::error::{Error, Result};
 use crate::fetch::{PeerAddr, Transfer};
+use crate::metrics::{FallbackReason, Source};
 use crate::peer::PeerNode;
 use crate::registry::RegistryClient;
 use crate::store::{Blob, PutOutcome};
@@ -318,6 +319,7 @@ impl Swarm {
         digest: BlobDigest,
     ) -> Result<PullReport> {
         let started = Instant::now();
+        let timer = self.node.metrics().pull_started();
         let size = registry.blob_size(repo, &digest).await?;
         let mut report = PullReport {
             digest: digest.to_string(),
@@ -351,11 +353,13 @@ impl Swarm {
                     self.publish(transfer.blob()).await;
                     self.poke.notify_one();
                     report.seconds = started.elapsed().as_secs_f64();
+                    timer.completed();
                     return Ok(report);
                 }
                 Err(e) if is_map_failure(&e) && !alone => {
                     tracing::warn!(error = %e, %digest, "the published chunk map was wrong; pulling from the registry alone");
                     report.map_failures += 1;
+                    self.node.metrics().fell_back(FallbackReason::MapFailure);
                     let failed = Body::DigestFailed(pb::BlobDigestFailed {
                         reporter: self.node.peer_id().to_string(),
                         digest: digest.to_string(),
@@ -449,9 +453,14 @@ impl Swarm {
             if held != progress.1 || t.in_flight() > 0 {
                 progress = (Instant::now(), held);
             }
-            if !fallback && (last_tracker.elapsed() > tracker_grace || progress.0.elapsed() > stall)
-            {
-                tracing::warn!(%digest, tracker_silent_s = last_tracker.elapsed().as_secs_f64(), "falling back to the registry for unclaimed chunks");
+            let reason = if last_tracker.elapsed() > tracker_grace {
+                Some(FallbackReason::TrackerSilent)
+            } else {
+                (progress.0.elapsed() > stall).then_some(FallbackReason::Stall)
+            };
+            if let Some(reason) = reason.filter(|_| !fallback) {
+                tracing::warn!(%digest, ?reason, tracker_silent_s = last_tracker.elapsed().as_secs_f64(), "falling back to the registry for unclaimed chunks");
+                self.node.metrics().fell_back(reason);
                 fallback = true;
                 report.fell_back = true;
             }
@@ -576,6 +585,7 @@ async fn fetch_run(
         match put {
             Ok(PutOutcome::Stored | PutOutcome::Completed) => {
                 t.settle(index, true);
+                swarm.node.metrics().received(Source::Registry, len);
                 chunks += 1;
                 bytes += len;
                 if publish {
@@ -586,6 +596,14 @@ async fn fetch_run(
             }
             Ok(PutOutcome::Duplicate) => t.settle(index, true),
             Err(e) => {
+                if matches!(
+                    e,
+                    Error::Verify(
+                        VerifyError::ChunkLength { .. } | VerifyError::HashConflict { .. }
+                    )
+                ) {
+                    swarm.node.metrics().verify_failed(Source::Registry);
+                }
                 t.settle(index, false);
                 return Err(e);
             }

@@ -4,7 +4,8 @@
 //! This crate does no I/O and reads no clock: it is the pure core that the agent,
 //! the tracker and the simulator share, as `quinn-proto` is to `quinn`. Decoders
 //! take untrusted bytes and either return a value within hard limits or a typed
-//! error; they never panic.
+//! error; they never panic. [`settings`] turns the agent's and the tracker's
+//! TOML settings into typed structs with one-line errors.
 
 pub mod bitfield;
 pub mod chunkmap;
@@ -12,6 +13,7 @@ pub mod digest;
 pub mod framing;
 pub mod picker;
 pub mod scheduler;
+pub mod settings;
 
 /// Messages generated from `proto/dray.proto`.
 pub mod pb {

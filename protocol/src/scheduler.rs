@@ -438,6 +438,8 @@ pub struct Scheduler {
     swarms: HashMap<BlobDigest, Swarm>,
     /// Outlives the peer itself, so leaving and rejoining clears nothing.
     records: HashMap<String, Record>,
+    /// Registry runs handed out since start (a monotonic count for metrics).
+    runs_assigned: u64,
 }
 
 fn peer_mut(slots: &mut [Option<Peer>], key: PeerKey) -> Option<&mut Peer> {
@@ -458,6 +460,7 @@ impl Scheduler {
             index: HashMap::new(),
             swarms: HashMap::new(),
             records: HashMap::new(),
+            runs_assigned: 0,
         }
     }
 
@@ -468,6 +471,16 @@ impl Scheduler {
     /// Peers currently known.
     pub fn peer_count(&self) -> usize {
         self.index.len()
+    }
+
+    /// Blobs with at least one member now.
+    pub fn blob_count(&self) -> usize {
+        self.swarms.len()
+    }
+
+    /// Registry runs handed out since start, reclaimed ones included.
+    pub fn runs_assigned(&self) -> u64 {
+        self.runs_assigned
     }
 
     /// Usable peers holding chunk `index` of `digest` (0 if unknown).
@@ -783,6 +796,7 @@ impl Scheduler {
                     },
                 );
                 peer.runs.insert((digest, first));
+                self.runs_assigned += 1;
             }
         }
     }

@@ -291,3 +291,106 @@ pub fn hosts_dir(dir: &Path, registry: &str, server: &str, mirror: &str) -> Path
     dray_agent::containerd::write_hosts(&hosts, registry, server, mirror).unwrap();
     hosts
 }
+
+/// A `dray` process started by a test; killed when dropped.
+pub struct DrayProc {
+    child: std::process::Child,
+    /// The first line the process wrote to stderr (its start-up banner).
+    pub banner: String,
+}
+
+impl DrayProc {
+    /// Starts `dray ARGS`, waits for its banner, and keeps draining its stderr
+    /// into `log` so that the process never blocks on a full pipe.
+    pub fn start(args: &[&str], log: &Path) -> DrayProc {
+        use std::io::{BufRead, Write};
+        let mut child = Command::new(env!("CARGO_BIN_EXE_dray"))
+            .args(args)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+        let mut banner = String::new();
+        stderr.read_line(&mut banner).unwrap();
+        let mut file = std::fs::File::create(log).unwrap();
+        file.write_all(banner.as_bytes()).unwrap();
+        std::thread::spawn(move || std::io::copy(&mut stderr, &mut file));
+        DrayProc { child, banner }
+    }
+
+    /// The text after `marker` in the banner, up to the next space or `)`.
+    pub fn banner_field(&self, marker: &str) -> String {
+        self.banner
+            .split(marker)
+            .nth(1)
+            .and_then(|rest| rest.split([' ', ')', '\n']).next())
+            .unwrap_or_else(|| panic!("no {marker:?} in banner {:?}", self.banner))
+            .to_string()
+    }
+}
+
+impl Drop for DrayProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs `dray ARGS` to completion; panics with its stderr if it fails.
+pub fn dray_ok(args: &[&str]) {
+    let out = Command::new(env!("CARGO_BIN_EXE_dray"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "dray {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A cluster CA in `dir/ca` and an agent certificate in `dir/<id>` per id.
+pub fn issue_certificates(dir: &Path, ids: &[&str]) {
+    let ca = dir.join("ca");
+    dray_ok(&["ca", "init", "--dir", ca.to_str().unwrap()]);
+    for id in ids {
+        dray_ok(&[
+            "ca",
+            "issue",
+            "--ca-dir",
+            ca.to_str().unwrap(),
+            "--peer-id",
+            id,
+            "--out",
+            dir.join(id).to_str().unwrap(),
+        ]);
+    }
+}
+
+/// A plain HTTP/1.1 GET of a small response on loopback: (status, body).
+pub fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").expect("an HTTP response");
+    assert!(
+        !head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked"),
+        "{head}"
+    );
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .expect("a status code");
+    (status, body.to_string())
+}

@@ -8,6 +8,11 @@
 //! to disk: a restarted tracker asks each agent for a full announce and is whole
 //! again within one announce interval. Replicas share nothing; agents pick the
 //! replica that owns a blob by rendezvous hashing of its digest.
+//!
+//! Next to `POST /v1/tracker` the same listener serves `/metrics` (see
+//! [`metrics`]), `/healthz` and `/readyz`.
+
+pub mod metrics;
 
 use axum::Router;
 use axum::body::Bytes;
@@ -19,6 +24,7 @@ use dray_protocol::framing::MAX_TRACKER_FRAME;
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::scheduler::{self, Scheduler, SchedulerConfig};
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap};
+use metrics::{AnnounceKind, OPENMETRICS_CONTENT_TYPE, TrackerMetrics};
 use prost::Message;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -67,12 +73,13 @@ impl Default for TrackerConfig {
 }
 
 impl TrackerConfig {
-    /// Reads a TOML file; unknown keys are errors.
+    /// Reads a TOML file; unknown keys are errors. A mistake is one line
+    /// naming the file, line, column and key.
     pub fn load(path: &Path) -> Result<Self, TrackerError> {
         let text = std::fs::read_to_string(path)
-            .map_err(|e| TrackerError::Config(format!("reading {}: {e}", path.display())))?;
-        toml::from_str(&text)
-            .map_err(|e| TrackerError::Config(format!("{}: {}", path.display(), e.message())))
+            .map_err(|e| TrackerError::Config(format!("cannot read {}: {e}", path.display())))?;
+        dray_protocol::settings::from_toml(&text)
+            .map_err(|e| TrackerError::Config(format!("{}: {e}", path.display())))
     }
 
     fn scheduler(&self) -> SchedulerConfig {
@@ -104,6 +111,7 @@ pub enum TrackerError {
 /// The tracker's soft state.
 pub struct Tracker {
     state: Mutex<TrackerState>,
+    metrics: TrackerMetrics,
 }
 
 struct TrackerState {
@@ -124,7 +132,24 @@ impl Tracker {
                 scheduler: Scheduler::new(config.scheduler()),
                 maps: HashMap::new(),
             }),
+            metrics: TrackerMetrics::new(),
         })
+    }
+
+    pub fn metrics(&self) -> &TrackerMetrics {
+        &self.metrics
+    }
+
+    /// The metrics exposition, gauges read from the state now.
+    pub fn encode_metrics(&self) -> String {
+        {
+            let st = self.lock();
+            let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+            self.metrics.nodes.set(gauge(st.scheduler.peer_count()));
+            self.metrics.blobs.set(gauge(st.scheduler.blob_count()));
+            self.metrics.chunk_maps.set(gauge(st.maps.len()));
+        }
+        self.metrics.encode()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, TrackerState> {
@@ -137,9 +162,33 @@ impl Tracker {
         req: pb::TrackerRequest,
         now: Instant,
     ) -> Result<Option<pb::AnnounceResponse>, TrackerError> {
+        let handled = self.handle_counted(req, now);
+        if handled.is_err() {
+            self.metrics.rejected();
+        }
+        handled
+    }
+
+    fn handle_counted(
+        &self,
+        req: pb::TrackerRequest,
+        now: Instant,
+    ) -> Result<Option<pb::AnnounceResponse>, TrackerError> {
         let mut st = self.lock();
         match req.body {
-            Some(Body::Announce(a)) => st.announce(a, now).map(Some),
+            Some(Body::Announce(a)) => {
+                let started = Instant::now();
+                let kind = if a.full {
+                    AnnounceKind::Full
+                } else {
+                    AnnounceKind::Delta
+                };
+                let runs_before = st.scheduler.runs_assigned();
+                let resp = st.announce(a, now)?;
+                let new_runs = st.scheduler.runs_assigned() - runs_before;
+                self.metrics.announced(kind, started.elapsed(), new_runs);
+                Ok(Some(resp))
+            }
             Some(Body::Publish(p)) => {
                 let map = p.map.ok_or_else(|| {
                     TrackerError::BadRequest("publication without a chunk map".into())
@@ -163,7 +212,10 @@ impl Tracker {
                     index: r.index,
                     confirmed: false,
                 };
+                let was_banned = st.scheduler.standing(&report.offender).banned;
                 let standing = st.scheduler.report_bad_chunk(&report)?;
+                self.metrics
+                    .bad_chunk_reported(standing.banned && !was_banned);
                 tracing::warn!(offender = %report.offender, reporter = %report.reporter, digest = %report.digest,
                     index = report.index, banned = standing.banned, "bad chunk reported");
                 Ok(None)
@@ -172,6 +224,7 @@ impl Tracker {
                 let d = digest(&f.digest)?;
                 st.scheduler.blob_failed(&f.reporter, &d)?;
                 st.maps.remove(&d);
+                self.metrics.digest_failed();
                 tracing::warn!(digest = %d, reporter = %f.reporter, "blob failed its digest; chunk map withdrawn");
                 Ok(None)
             }
@@ -197,6 +250,8 @@ impl Tracker {
     /// Expires silent agents and takes back stalled assignments.
     pub fn tick(&self, now: Instant) {
         let report = self.lock().scheduler.tick(now);
+        self.metrics
+            .ticked(report.reclaimed.len(), report.expired.len());
         for (peer, a) in &report.reclaimed {
             tracing::info!(%peer, digest = %a.digest, first = a.first, count = a.count, "assignment taken back");
         }
@@ -301,12 +356,22 @@ pub async fn serve(
     });
     let app = Router::new()
         .route(TRACKER_PATH, post(handle_http))
-        .route("/healthz", get(|| async { "ok" }))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(|| async { "ready\n" }))
+        .route("/metrics", get(metrics_http))
         .layer(DefaultBodyLimit::max(MAX_TRACKER_FRAME))
         .with_state(tracker);
     let served = axum::serve(listener, app).await;
     tick.abort();
     served
+}
+
+async fn metrics_http(State(tracker): State<Arc<Tracker>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE)],
+        tracker.encode_metrics(),
+    )
+        .into_response()
 }
 
 async fn handle_http(State(tracker): State<Arc<Tracker>>, body: Bytes) -> Response {
@@ -423,6 +488,45 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(resp.withdrawn, vec![d.to_string()]);
+    }
+
+    #[test]
+    fn metrics_count_announces_runs_reports_and_one_ban() {
+        let t = Tracker::new(&TrackerConfig::default());
+        let d = BlobDigest::of(b"blob");
+        let size = 64u64 << 22;
+        let now = Instant::now();
+        for p in ["a", "bb", "ccc", "dddd"] {
+            t.handle(announce(p, d, size, Some(&Bitfield::new(64)), true), now)
+                .unwrap();
+        }
+        t.handle(announce("a", d, size, None, false), now).unwrap();
+        for reporter in ["a", "bb", "ccc"] {
+            let report = pb::TrackerRequest {
+                body: Some(Body::BadChunk(pb::BadChunkReport {
+                    reporter: reporter.into(),
+                    offender: "dddd".into(),
+                    digest: d.to_string(),
+                    index: 0,
+                })),
+            };
+            t.handle(report, now).unwrap();
+        }
+        assert!(t.handle(pb::TrackerRequest { body: None }, now).is_err());
+        let text = t.encode_metrics();
+        for line in [
+            "dray_tracker_announces_total{kind=\"full\"} 4",
+            "dray_tracker_announces_total{kind=\"delta\"} 1",
+            "dray_tracker_announce_duration_seconds_count 5",
+            "dray_tracker_registry_runs_assigned_total 8",
+            "dray_tracker_bad_chunk_reports_total 3",
+            "dray_tracker_bans_total 1",
+            "dray_tracker_rejected_requests_total 1",
+            "dray_tracker_nodes 4",
+            "dray_tracker_blobs 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
+        }
     }
 
     #[test]
