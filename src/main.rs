@@ -1,6 +1,8 @@
 //! `dray`: the one binary. Each subcommand is a thin layer over the crates.
 
 mod bench;
+mod cluster;
+mod demo;
 mod storm;
 mod testbed;
 
@@ -37,6 +39,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// See it work, nothing to install: an embedded registry with a capped
+    /// uplink, a tracker and N agents in this process pull one image at once.
+    Demo(demo::DemoArgs),
     /// Run the node agent: the registry mirror for containerd, announces to the
     /// tracker, and the authenticated peer endpoint serving verified chunks.
     Agent(AgentArgs),
@@ -260,7 +265,9 @@ enum BlobCommand {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_json);
+    // The demo's display is its output: agents' warnings would scroll it away.
+    let quiet = matches!(cli.command, Command::Demo(_));
+    init_logging(cli.log_json, if quiet { "error" } else { "warn" });
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
     match runtime.block_on(run(cli.command)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -271,9 +278,10 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-fn init_logging(json: bool) {
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_env("DRAY_LOG").unwrap_or_else(|_| "warn".into());
+/// Logs to stderr at `default_level` unless `DRAY_LOG` says otherwise.
+fn init_logging(json: bool, default_level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("DRAY_LOG")
+        .unwrap_or_else(|_| default_level.into());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -436,6 +444,7 @@ async fn run(command: Command) -> Result<()> {
         }
         Command::Sim(args) => sim(args),
         Command::Bench(cmd) => bench::run(cmd).await,
+        Command::Demo(args) => demo::run(args).await,
     }
 }
 
