@@ -10,7 +10,7 @@ use dray_agent::peer::{PeerConfig, PeerNode};
 use dray_agent::store::ChunkStore;
 use dray_protocol::DEFAULT_CHUNK_SIZE;
 use serde::Serialize;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -251,7 +251,7 @@ async fn finish_times(
 
 async fn swarm(b: SwarmBench) -> Result<()> {
     use dray_agent::registry::RegistryClient;
-    use dray_agent::swarm::{Swarm, SwarmConfig};
+    use dray_agent::swarm::SwarmConfig;
     if b.nodes == 0 || b.size == 0 {
         bail!("--nodes and --size must be positive");
     }
@@ -283,39 +283,15 @@ async fn swarm(b: SwarmBench) -> Result<()> {
     let direct_egress = registry.egress() - before;
 
     // The swarm: a tracker and N agents in this process.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let tracker_url = format!("http://{}", listener.local_addr()?);
-    let tracker = tokio::spawn(dray_tracker::serve(
-        listener,
-        dray_tracker::Tracker::new(&Default::default()),
-    ));
-    let ca = ClusterCa::generate()?;
-    let mut agents = Vec::new();
-    for i in 0..b.nodes {
-        let store = Arc::new(ChunkStore::open(&dir.path().join(format!("node-{i}")))?);
-        let id = format!("node-{i}");
-        let node = PeerNode::bind(
-            ca.issue(&id)?,
-            store,
-            "127.0.0.1:0".parse()?,
-            PeerConfig::default(),
-        )?;
-        let swarm = Swarm::new(
-            node,
-            SwarmConfig {
-                trackers: vec![tracker_url.clone()],
-                ..SwarmConfig::default()
-            },
-        );
-        let announcer = swarm.spawn_announcer();
-        agents.push((swarm, announcer));
-    }
+    let cluster =
+        crate::cluster::LocalCluster::start(dir.path(), b.nodes, SwarmConfig::default()).await?;
     let before = registry.egress();
     let start = Instant::now();
     let fell_back = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let pulls: Vec<_> = agents
+    let pulls: Vec<_> = cluster
+        .agents
         .iter()
-        .map(|(swarm, _)| {
+        .map(|swarm| {
             let (swarm, client, fell_back) = (swarm.clone(), client.clone(), fell_back.clone());
             tokio::spawn(async move {
                 let report = swarm.pull(&client, "bench/blob", digest).await?;
@@ -328,11 +304,7 @@ async fn swarm(b: SwarmBench) -> Result<()> {
         .collect();
     let times = finish_times(pulls, start).await.context("swarm pulls")?;
     let egress = registry.egress() - before;
-    for (swarm, announcer) in &agents {
-        announcer.abort();
-        swarm.node().close();
-    }
-    tracker.abort();
+    drop(cluster);
 
     let median = |t: &[f64]| t[t.len() / 2];
     let last = |t: &[f64]| t[t.len() - 1];
@@ -516,22 +488,31 @@ pub(crate) fn write_random(path: &std::path::Path, size: u64) -> Result<()> {
 /// [`write_random`] with a seed, for several distinct files.
 fn write_random_seeded(path: &std::path::Path, size: u64, seed: u64) -> Result<()> {
     let mut f = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(path)?);
-    let mut x: u64 = 0x9E37_79B9_7F4A_7C15 ^ seed.wrapping_mul(0xA24B_AED4_963E_E407);
-    let mut buf = vec![0u8; 1 << 20];
-    let mut left = size;
-    while left > 0 {
-        for w in buf.chunks_exact_mut(8) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            w.copy_from_slice(&x.to_le_bytes());
-        }
-        let n = left.min(buf.len() as u64) as usize;
-        f.write_all(&buf[..n])?;
-        left -= n as u64;
-    }
+    std::io::copy(&mut RandomBytes::new(seed).take(size), &mut f)?;
     f.flush()?;
     Ok(())
+}
+
+/// An endless stream of incompressible bytes (xorshift64), distinct per seed.
+pub(crate) struct RandomBytes(u64);
+
+impl RandomBytes {
+    pub(crate) fn new(seed: u64) -> Self {
+        Self(0x9E37_79B9_7F4A_7C15 ^ seed.wrapping_mul(0xA24B_AED4_963E_E407))
+    }
+}
+
+impl std::io::Read for RandomBytes {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        for w in buf.chunks_mut(8) {
+            let x = &mut self.0;
+            *x ^= *x << 13;
+            *x ^= *x >> 7;
+            *x ^= *x << 17;
+            w.copy_from_slice(&x.to_le_bytes()[..w.len()]);
+        }
+        Ok(buf.len())
+    }
 }
 
 const BLOCK: usize = 1 << 20;

@@ -1,6 +1,8 @@
 //! `dray`: the one binary. Each subcommand is a thin layer over the crates.
 
 mod bench;
+mod cluster;
+mod demo;
 mod storm;
 mod testbed;
 
@@ -33,9 +35,9 @@ struct Cli {
     #[arg(long, global = true, env = "DRAY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
     /// Which logs to keep, as RUST_LOG filter directives, e.g. `info` or
-    /// `warn,dray_agent::swarm=debug`.
-    #[arg(long = "log", value_name = "FILTER", global = true, env = "DRAY_LOG", default_value = "warn", value_parser = log_filter)]
-    log_filter: String,
+    /// `warn,dray_agent::swarm=debug` (default: warn; error for the demo).
+    #[arg(long = "log", value_name = "FILTER", global = true, env = "DRAY_LOG", value_parser = log_filter)]
+    log_filter: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -56,6 +58,9 @@ fn log_filter(s: &str) -> Result<String, String> {
 
 #[derive(Subcommand)]
 enum Command {
+    /// See it work, nothing to install: an embedded registry with a capped
+    /// uplink, a tracker and N agents in this process pull one image at once.
+    Demo(demo::DemoArgs),
     /// Run the node agent: the registry mirror for containerd, announces to the
     /// tracker, and the authenticated peer endpoint serving verified chunks.
     Agent(AgentArgs),
@@ -297,7 +302,13 @@ enum BlobCommand {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_format, &cli.log_filter);
+    // The demo's display is its output: agents' warnings would scroll it away.
+    let quiet = matches!(cli.command, Command::Demo(_));
+    let filter = cli
+        .log_filter
+        .as_deref()
+        .unwrap_or(if quiet { "error" } else { "warn" });
+    init_logging(cli.log_format, filter);
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
     match runtime.block_on(run(cli.command)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -308,6 +319,7 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+/// Logs to stderr, keeping what `filter` selects.
 fn init_logging(format: LogFormat, filter: &str) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -481,6 +493,7 @@ async fn run(command: Command) -> Result<()> {
         }
         Command::Sim(args) => sim(args),
         Command::Bench(cmd) => bench::run(cmd).await,
+        Command::Demo(args) => demo::run(args).await,
     }
 }
 

@@ -1,0 +1,296 @@
+//! Images as the agent resolves them for the local API: a reference, its
+//! manifest (OCI or Docker; an index or manifest list resolved to this node's
+//! platform) checked against its digest, and the config's diffIDs matched to
+//! the layers, so every layer can be pulled through the swarm and unpacked
+//! with its uncompressed digest known.
+
+use crate::registry::{RegistryClient, RegistryError};
+use dray_protocol::BlobDigest;
+use oci_spec::distribution::Reference;
+use oci_spec::image::{ImageConfiguration, ImageIndex, ImageManifest, MediaType};
+use reqwest::header::{ACCEPT, CONTENT_TYPE, HeaderMap, HeaderValue};
+
+/// Largest manifest or config read (the distribution spec's manifest limit).
+pub const MAX_MANIFEST: usize = 4 << 20;
+
+const ACCEPTED: &str = "application/vnd.oci.image.manifest.v1+json, \
+    application/vnd.oci.image.index.v1+json, \
+    application/vnd.docker.distribution.manifest.v2+json, \
+    application/vnd.docker.distribution.manifest.list.v2+json";
+
+/// Why an image could not be resolved.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error("image reference {reference:?}: {detail}")]
+    Reference { reference: String, detail: String },
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    #[error("{what} of {repo}: {detail}")]
+    Invalid {
+        what: String,
+        repo: String,
+        detail: String,
+    },
+}
+
+/// A parsed image reference.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ImageRef {
+    /// The registry name as containerd knows it (`docker.io`, `host:port`).
+    pub registry: String,
+    pub repo: String,
+    /// Tag or digest to resolve.
+    pub reference: String,
+}
+
+impl std::str::FromStr for ImageRef {
+    type Err = ImageError;
+
+    fn from_str(s: &str) -> Result<Self, ImageError> {
+        let r: Reference = s.parse().map_err(|e| ImageError::Reference {
+            reference: s.into(),
+            detail: format!("{e}"),
+        })?;
+        let reference = r
+            .digest()
+            .or(r.tag())
+            .unwrap_or("latest")
+            .to_string();
+        Ok(ImageRef {
+            registry: r.registry().to_string(),
+            repo: r.repository().to_string(),
+            reference,
+        })
+    }
+}
+
+/// One layer of a resolved image.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Layer {
+    #[serde(serialize_with = "display")]
+    pub digest: BlobDigest,
+    pub size: u64,
+    pub media_type: String,
+    /// `sha256:<hex>` of the uncompressed tar, from the image config.
+    pub diff_id: String,
+}
+
+/// A manifest resolved to its layers.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Image {
+    #[serde(serialize_with = "display")]
+    pub manifest_digest: BlobDigest,
+    #[serde(serialize_with = "display")]
+    pub config: BlobDigest,
+    pub layers: Vec<Layer>,
+}
+
+impl Image {
+    /// The layer with `digest`, if the image has it.
+    pub fn layer(&self, digest: &BlobDigest) -> Option<&Layer> {
+        self.layers.iter().find(|l| &l.digest == digest)
+    }
+}
+
+fn display<S: serde::Serializer>(d: &BlobDigest, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(d)
+}
+
+/// The OCI platform architecture of this build.
+fn this_arch() -> &'static str {
+    match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        "powerpc64" => "ppc64le",
+        other => other,
+    }
+}
+
+/// Fetches and checks a manifest or config body; `reference` a tag or digest.
+async fn fetch(
+    client: &RegistryClient,
+    repo: &str,
+    path: &str,
+    expect: Option<&BlobDigest>,
+) -> Result<(Vec<u8>, String, BlobDigest), ImageError> {
+    let invalid = |detail: String| ImageError::Invalid {
+        what: path.to_string(),
+        repo: repo.to_string(),
+        detail,
+    };
+    let mut headers = HeaderMap::new();
+    headers.insert(ACCEPT, HeaderValue::from_static(ACCEPTED));
+    let resp = client
+        .request(repo, path, reqwest::Method::GET, headers)
+        .await?;
+    let status = resp.status();
+    if !status.is_success() {
+        return Err(invalid(format!("the registry answered {status}")));
+    }
+    let content_type = resp
+        .headers()
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    if resp
+        .content_length()
+        .is_some_and(|l| l > MAX_MANIFEST as u64)
+    {
+        return Err(invalid(format!("larger than {MAX_MANIFEST} bytes")));
+    }
+    let body = resp
+        .bytes()
+        .await
+        .map_err(|e| invalid(format!("reading the body: {e}")))?;
+    if body.len() > MAX_MANIFEST {
+        return Err(invalid(format!("larger than {MAX_MANIFEST} bytes")));
+    }
+    let digest = BlobDigest::of(&body);
+    if let Some(want) = expect
+        && &digest != want
+    {
+        return Err(invalid(format!("content hashes to {digest}, not {want}")));
+    }
+    Ok((body.to_vec(), content_type, digest))
+}
+
+fn is_index(media_type: &str) -> bool {
+    media_type.contains("image.index") || media_type.contains("manifest.list")
+}
+
+/// Resolves `reference` (a tag or a digest) in `repo` to its layers: an index
+/// is resolved to this node's platform (linux and this architecture).
+pub async fn resolve(
+    client: &RegistryClient,
+    repo: &str,
+    reference: &str,
+) -> Result<Image, ImageError> {
+    let pinned: Option<BlobDigest> = reference.parse().ok();
+    let (mut body, mut media_type, mut digest) = fetch(
+        client,
+        repo,
+        &format!("manifests/{reference}"),
+        pinned.as_ref(),
+    )
+    .await?;
+    let invalid = |what: &str, detail: String| ImageError::Invalid {
+        what: what.to_string(),
+        repo: repo.to_string(),
+        detail,
+    };
+    if is_index(&media_type) || body_is_index(&body) {
+        let index = ImageIndex::from_reader(body.as_slice())
+            .map_err(|e| invalid(&format!("index {digest}"), e.to_string()))?;
+        let entry = index
+            .manifests()
+            .iter()
+            .find(|m| {
+                m.platform().as_ref().is_some_and(|p| {
+                    p.os().to_string() == "linux" && p.architecture().to_string() == this_arch()
+                })
+            })
+            .ok_or_else(|| {
+                invalid(
+                    &format!("index {digest}"),
+                    format!("no manifest for linux/{}", this_arch()),
+                )
+            })?;
+        let want: BlobDigest = entry
+            .digest()
+            .to_string()
+            .parse()
+            .map_err(|e| invalid(&format!("index {digest}"), format!("{e}")))?;
+        (body, media_type, digest) =
+            fetch(client, repo, &format!("manifests/{want}"), Some(&want)).await?;
+        if is_index(&media_type) {
+            return Err(invalid(
+                &format!("manifest {digest}"),
+                "an index inside an index".into(),
+            ));
+        }
+    }
+    let manifest = ImageManifest::from_reader(body.as_slice())
+        .map_err(|e| invalid(&format!("manifest {digest}"), e.to_string()))?;
+    let config: BlobDigest = manifest
+        .config()
+        .digest()
+        .to_string()
+        .parse()
+        .map_err(|e| invalid(&format!("manifest {digest}"), format!("config digest: {e}")))?;
+    let (config_body, _, _) = fetch(client, repo, &format!("blobs/{config}"), Some(&config)).await?;
+    let image_config = ImageConfiguration::from_reader(config_body.as_slice())
+        .map_err(|e| invalid(&format!("config {config}"), e.to_string()))?;
+    let diff_ids = image_config.rootfs().diff_ids();
+    if diff_ids.len() != manifest.layers().len() {
+        return Err(invalid(
+            &format!("config {config}"),
+            format!(
+                "{} diffIDs for the manifest's {} layers",
+                diff_ids.len(),
+                manifest.layers().len()
+            ),
+        ));
+    }
+    let layers = manifest
+        .layers()
+        .iter()
+        .zip(diff_ids)
+        .map(|(l, diff_id)| {
+            let digest = l.digest().to_string().parse().map_err(|e| {
+                invalid(&format!("manifest {digest}"), format!("layer digest: {e}"))
+            })?;
+            let media_type = match l.media_type() {
+                MediaType::Other(s) => s.clone(),
+                m => m.to_string(),
+            };
+            Ok(Layer {
+                digest,
+                size: l.size(),
+                media_type,
+                diff_id: diff_id.clone(),
+            })
+        })
+        .collect::<Result<Vec<_>, ImageError>>()?;
+    Ok(Image {
+        manifest_digest: digest,
+        config,
+        layers,
+    })
+}
+
+/// Whether a manifest body without a telling content type is an index.
+fn body_is_index(body: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Probe {
+        manifests: Option<serde_json::Value>,
+        layers: Option<serde_json::Value>,
+    }
+    serde_json::from_slice::<Probe>(body)
+        .is_ok_and(|p| p.manifests.is_some() && p.layers.is_none())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_references_as_containerd_names_them() {
+        let r: ImageRef = "127.0.0.1:5000/team/app:1.0".parse().unwrap();
+        assert_eq!(
+            (r.registry.as_str(), r.repo.as_str(), r.reference.as_str()),
+            ("127.0.0.1:5000", "team/app", "1.0")
+        );
+        let r: ImageRef = "busybox".parse().unwrap();
+        assert_eq!(
+            (r.registry.as_str(), r.repo.as_str(), r.reference.as_str()),
+            ("docker.io", "library/busybox", "latest")
+        );
+        let d = format!("sha256:{}", "a".repeat(64));
+        let r: ImageRef = format!("example.com/x@{d}").parse().unwrap();
+        assert_eq!(r.reference, d);
+        let e = "UPPER/Case::".parse::<ImageRef>().unwrap_err().to_string();
+        assert!(e.starts_with("image reference \"UPPER/Case::\""), "{e}");
+        assert!(body_is_index(br#"{"manifests":[]}"#) && !body_is_index(br#"{"layers":[]}"#));
+    }
+}

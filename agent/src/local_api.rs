@@ -1,0 +1,414 @@
+//! The agent's local API: HTTP on a unix socket that only root (and the
+//! socket's group) can open, for the processes on this node that need more
+//! than the registry API:
+//!
+//! - `POST /v1/layers/unpack`: the snapshotter shim asks for one layer of an
+//!   image to be pulled through the swarm and unpacked into a directory. The
+//!   unpacker reads the blob's verified prefix as it grows, so unpacking
+//!   overlaps the download; the answer comes once the blob matched its digest
+//!   and the tar its diffID. On failure the directory is removed.
+//! - `POST /v1/images/pull`: pulls every layer of an image into the store,
+//!   answering with one JSON progress line per tick (`dray pull`).
+//! - `GET /v1/status`: what the node holds and where it listens (`dray status`).
+//!
+//! A unix socket rather than TCP because the unpack call writes where it is
+//! told as root: only local, privileged clients may make it.
+
+use crate::image::{self, Image, ImageError, ImageRef};
+use crate::mirror::MirrorConfig;
+use crate::pulls::{PullState, Pulls};
+use crate::registry::RegistryClient;
+use crate::unpack::{Compression, Unpacked, unpack_layer};
+use axum::Json;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use dray_protocol::BlobDigest;
+use futures_util::StreamExt;
+use serde::{Deserialize, Serialize};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::Semaphore;
+
+/// How often `POST /v1/images/pull` reports progress.
+const TICK: Duration = Duration::from_millis(250);
+
+/// Local API settings; every key optional.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LocalApiConfig {
+    /// The unix socket (created with mode 0660; a stale file is replaced).
+    pub socket: PathBuf,
+    /// Layers unpacked at once; 0 means one per core.
+    pub unpack_concurrency: usize,
+}
+
+impl Default for LocalApiConfig {
+    fn default() -> Self {
+        Self {
+            socket: PathBuf::from("/run/dray/agent.sock"),
+            unpack_concurrency: 0,
+        }
+    }
+}
+
+/// `POST /v1/layers/unpack` request.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct UnpackRequest {
+    /// `registry/repo[:tag]`, as in the CRI `cri.image-ref` label.
+    pub image_ref: String,
+    /// The platform manifest holding the layer.
+    pub manifest_digest: String,
+    pub layer_digest: String,
+    /// Absolute directory to create; must not exist.
+    pub target: PathBuf,
+}
+
+/// `POST /v1/layers/unpack` answer.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct UnpackResponse {
+    pub layer_digest: String,
+    pub diff_id: String,
+    pub compressed_bytes: u64,
+    pub uncompressed_bytes: u64,
+    /// Seconds from the request to the verified tree.
+    pub seconds: f64,
+}
+
+/// `POST /v1/images/pull` request.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PullRequest {
+    pub image: String,
+}
+
+/// One line of the `POST /v1/images/pull` answer.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct PullProgress {
+    pub image: String,
+    pub layers: Vec<LayerProgress>,
+    /// Every layer is complete and verified.
+    pub done: bool,
+    /// Why the pull stopped, on the last line.
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct LayerProgress {
+    pub digest: String,
+    pub size: u64,
+    /// Verified bytes on disk.
+    pub have: u64,
+    pub complete: bool,
+    pub bytes_from_peers: u64,
+    pub bytes_from_registry: u64,
+}
+
+/// `GET /v1/status` answer.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Status {
+    pub peer_id: String,
+    pub peer_addr: String,
+    pub trackers: Vec<String>,
+    pub uptime_s: f64,
+    pub uploads_in_progress: u32,
+    pub blobs: Vec<BlobStatus>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct BlobStatus {
+    pub digest: String,
+    pub size: u64,
+    pub have: u64,
+    pub complete: bool,
+}
+
+/// An error answered as `{"error": "..."}`.
+struct ApiError(StatusCode, String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(serde_json::json!({ "error": self.1 }))).into_response()
+    }
+}
+
+impl From<ImageError> for ApiError {
+    fn from(e: ImageError) -> Self {
+        let status = match &e {
+            ImageError::Reference { .. } => StatusCode::BAD_REQUEST,
+            _ => StatusCode::BAD_GATEWAY,
+        };
+        ApiError(status, e.to_string())
+    }
+}
+
+/// The local API's state.
+pub struct LocalApi {
+    pulls: Arc<Pulls>,
+    mirror: MirrorConfig,
+    unpacks: Semaphore,
+    started: Instant,
+}
+
+impl LocalApi {
+    pub fn new(pulls: Arc<Pulls>, mirror: MirrorConfig, config: &LocalApiConfig) -> Arc<Self> {
+        let slots = match config.unpack_concurrency {
+            0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
+            n => n,
+        };
+        Arc::new(Self {
+            pulls,
+            mirror,
+            unpacks: Semaphore::new(slots),
+            started: Instant::now(),
+        })
+    }
+
+    pub fn router(self: &Arc<Self>) -> axum::Router {
+        axum::Router::new()
+            .route("/v1/layers/unpack", axum::routing::post(unpack))
+            .route("/v1/images/pull", axum::routing::post(pull))
+            .route("/v1/status", axum::routing::get(status))
+            .with_state(self.clone())
+    }
+
+    /// Serves on `listener` until the task is dropped.
+    pub async fn serve(self: Arc<Self>, listener: tokio::net::UnixListener) -> std::io::Result<()> {
+        axum::serve(listener, self.router()).await
+    }
+
+    /// The registry client and repository of an image reference.
+    fn client(&self, image: &ImageRef) -> Result<Arc<RegistryClient>, ApiError> {
+        self.pulls
+            .upstream(&self.mirror.upstream(&image.registry))
+            .map_err(|e| ApiError(StatusCode::BAD_GATEWAY, e.to_string()))
+    }
+
+    async fn resolve(
+        &self,
+        image_ref: &str,
+        reference: Option<&str>,
+    ) -> Result<(ImageRef, Arc<RegistryClient>, Image), ApiError> {
+        let image: ImageRef = image_ref.parse()?;
+        let client = self.client(&image)?;
+        let resolved = image::resolve(
+            &client,
+            &image.repo,
+            reference.unwrap_or(&image.reference),
+        )
+        .await?;
+        Ok((image, client, resolved))
+    }
+
+    async fn unpack(&self, req: UnpackRequest) -> Result<UnpackResponse, ApiError> {
+        let started = Instant::now();
+        let bad = |m: String| ApiError(StatusCode::BAD_REQUEST, m);
+        let digest: BlobDigest = req
+            .layer_digest
+            .parse()
+            .map_err(|e| bad(format!("layer_digest: {e}")))?;
+        check_target(&req.target).map_err(bad)?;
+        let (image, client, resolved) = self
+            .resolve(&req.image_ref, Some(&req.manifest_digest))
+            .await?;
+        let layer = resolved.layer(&digest).cloned().ok_or_else(|| {
+            bad(format!(
+                "layer {digest} is not in manifest {} of {}",
+                req.manifest_digest, req.image_ref
+            ))
+        })?;
+        let compression = Compression::from_media_type(&layer.media_type)
+            .map_err(|e| bad(format!("layer {digest}: {e}")))?;
+        // The download starts now; the unpack waits for a slot (it catches up
+        // with what has arrived meanwhile).
+        let pull = self.pulls.ensure(client, &image.repo, digest);
+        let _slot = self.unpacks.acquire().await.expect("never closed");
+        let reader = self
+            .pulls
+            .open(digest, layer.size, 0, layer.size, pull.clone())
+            .await
+            .map_err(|e| ApiError(StatusCode::BAD_GATEWAY, e.to_string()))?;
+        let stream = tokio_util::io::StreamReader::new(reader.into_stream());
+        let bridge = tokio_util::io::SyncIoBridge::new(stream);
+        let (target, diff_id) = (req.target.clone(), layer.diff_id.clone());
+        let unpacked: Unpacked = tokio::task::spawn_blocking(move || {
+            unpack_layer(bridge, compression, &target, Some(&diff_id))
+        })
+        .await
+        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map_err(|e| ApiError(StatusCode::UNPROCESSABLE_ENTITY, format!("layer {digest}: {e}")))?;
+        // The tar ended; the blob's last chunk and its digest must still hold.
+        let verified = match self.pulls.open(digest, layer.size, layer.size, layer.size, pull).await {
+            Ok(r) => r.verified().await,
+            Err(e) => Err(std::io::Error::other(e.to_string())),
+        };
+        if let Err(e) = verified {
+            let _ = std::fs::remove_dir_all(&req.target);
+            return Err(ApiError(
+                StatusCode::BAD_GATEWAY,
+                format!("layer {digest}: {e}"),
+            ));
+        }
+        tracing::info!(%digest, target = %req.target.display(), seconds = started.elapsed().as_secs_f64(), "layer unpacked");
+        Ok(UnpackResponse {
+            layer_digest: digest.to_string(),
+            diff_id: unpacked.diff_id,
+            compressed_bytes: layer.size,
+            uncompressed_bytes: unpacked.uncompressed_bytes,
+            seconds: started.elapsed().as_secs_f64(),
+        })
+    }
+
+    fn status(&self) -> Status {
+        let node = self.pulls.swarm().node();
+        let blobs = node
+            .store()
+            .open_blobs()
+            .iter()
+            .map(|b| BlobStatus {
+                digest: b.digest().to_string(),
+                size: b.map().size(),
+                have: b.held_bytes(),
+                complete: b.is_complete(),
+            })
+            .collect();
+        Status {
+            peer_id: node.peer_id().to_string(),
+            peer_addr: node.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+            trackers: self.pulls.swarm().config().trackers.clone(),
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            uploads_in_progress: node.active_uploads(),
+            blobs,
+        }
+    }
+}
+
+/// The target must be absolute, free of `..`, and not exist yet; its parent must.
+fn check_target(target: &Path) -> Result<(), String> {
+    if !target.is_absolute()
+        || target
+            .components()
+            .any(|c| matches!(c, std::path::Component::ParentDir))
+    {
+        return Err(format!(
+            "target {} must be an absolute path without ..",
+            target.display()
+        ));
+    }
+    if target.symlink_metadata().is_ok() {
+        return Err(format!("target {} already exists", target.display()));
+    }
+    match target.parent() {
+        Some(p) if p.is_dir() => Ok(()),
+        _ => Err(format!(
+            "the parent directory of target {} does not exist",
+            target.display()
+        )),
+    }
+}
+
+async fn unpack(
+    State(api): State<Arc<LocalApi>>,
+    Json(req): Json<UnpackRequest>,
+) -> Result<Json<UnpackResponse>, ApiError> {
+    match api.unpack(req.clone()).await {
+        Ok(r) => Ok(Json(r)),
+        Err(e) => {
+            tracing::warn!(layer = %req.layer_digest, image = %req.image_ref, error = %e.1, "unpack failed");
+            Err(e)
+        }
+    }
+}
+
+async fn status(State(api): State<Arc<LocalApi>>) -> Json<Status> {
+    Json(api.status())
+}
+
+async fn pull(
+    State(api): State<Arc<LocalApi>>,
+    Json(req): Json<PullRequest>,
+) -> Result<Response, ApiError> {
+    let (image, client, resolved) = api.resolve(&req.image, None).await?;
+    let store = api.pulls.swarm().node().store().clone();
+    let layers: Vec<_> = resolved
+        .layers
+        .iter()
+        .map(|l| {
+            (
+                l.clone(),
+                api.pulls.ensure(client.clone(), &image.repo, l.digest),
+            )
+        })
+        .collect();
+    let name = req.image.clone();
+    // One line per tick until every pull has ended.
+    let lines = futures_util::stream::unfold(Some(()), move |state| {
+        let (layers, store, name) = (layers.clone(), store.clone(), name.clone());
+        async move {
+            state?;
+            tokio::time::sleep(TICK).await;
+            let mut line = PullProgress {
+                image: name,
+                ..Default::default()
+            };
+            let mut ended = true;
+            for (l, rx) in &layers {
+                let mut p = LayerProgress {
+                    digest: l.digest.to_string(),
+                    size: l.size,
+                    ..Default::default()
+                };
+                if let Ok(Some(blob)) = store.get(&l.digest) {
+                    p.have = blob.held_bytes();
+                    p.complete = blob.is_complete();
+                }
+                match &*rx.borrow() {
+                    PullState::Running => ended = false,
+                    PullState::Done(r) => {
+                        p.bytes_from_peers = r.bytes_from_peers;
+                        p.bytes_from_registry = r.bytes_from_registry;
+                        p.complete = true;
+                        p.have = l.size;
+                    }
+                    PullState::Failed(e) => {
+                        line.error.get_or_insert_with(|| format!("{}: {e}", l.digest));
+                    }
+                }
+                line.layers.push(p);
+            }
+            line.done = ended && line.error.is_none();
+            let mut text = serde_json::to_string(&line).expect("serializable");
+            text.push('\n');
+            Some((Ok::<_, std::io::Error>(Bytes::from(text)), (!ended).then_some(())))
+        }
+    });
+    Ok(Response::builder()
+        .header("content-type", "application/x-ndjson")
+        .body(Body::from_stream(lines.boxed()))
+        .expect("valid response"))
+}
+
+/// Binds the socket: creates its directory, replaces a stale socket file and
+/// restricts it to owner and group.
+pub fn bind(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+            std::fs::remove_file(path)?
+        }
+        Ok(_) => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                format!("{} exists and is not a socket", path.display()),
+            ));
+        }
+        Err(_) => {}
+    }
+    let listener = tokio::net::UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
+    Ok(listener)
+}

@@ -1,0 +1,121 @@
+//! `dray pull` and `dray status`: clients of a running agent's local API on
+//! its unix socket (see `dray_agent::local_api`).
+
+use anyhow::{Context, Result, bail};
+use dray_agent::local_api::{PullProgress, PullRequest, Status};
+use futures_util::StreamExt;
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use std::collections::HashMap;
+use std::path::Path;
+
+fn client(socket: &Path) -> Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .unix_socket(socket)
+        .build()
+        .context("building the local API client")
+}
+
+/// Turns a failed call into one line naming the socket.
+async fn checked(socket: &Path, resp: reqwest::Result<reqwest::Response>) -> Result<reqwest::Response> {
+    let resp = resp.with_context(|| {
+        format!(
+            "no agent answers on {} (is `dray agent` running, and are you root?)",
+            socket.display()
+        )
+    })?;
+    if !resp.status().is_success() {
+        let status = resp.status();
+        let body: serde_json::Value = resp.json().await.unwrap_or_default();
+        bail!(
+            "agent answered {status}: {}",
+            body["error"].as_str().unwrap_or("no detail")
+        );
+    }
+    Ok(resp)
+}
+
+/// Pulls every layer of `image` into the agent's store, with progress bars
+/// (or, with `json`, the final progress line as JSON).
+pub async fn pull(socket: &Path, image: &str, json: bool) -> Result<()> {
+    let resp = client(socket)?
+        .post("http://agent/v1/images/pull")
+        .json(&PullRequest {
+            image: image.to_string(),
+        })
+        .send()
+        .await;
+    let resp = checked(socket, resp).await?;
+    let bars = MultiProgress::new();
+    if json {
+        bars.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let style = ProgressStyle::with_template(
+        "{prefix:>19} [{bar:30}] {bytes:>10}/{total_bytes:<10} {msg}",
+    )
+    .expect("valid template")
+    .progress_chars("=> ");
+    let mut by_layer: HashMap<String, ProgressBar> = HashMap::new();
+    let mut last = PullProgress::default();
+    let mut pending = Vec::new();
+    let mut body = resp.bytes_stream();
+    while let Some(piece) = body.next().await {
+        pending.extend_from_slice(&piece.context("reading the agent's progress")?);
+        while let Some(end) = pending.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = pending.drain(..=end).collect();
+            last = serde_json::from_slice(&line).context("parsing the agent's progress")?;
+            for l in &last.layers {
+                let bar = by_layer.entry(l.digest.clone()).or_insert_with(|| {
+                    let b = bars.add(ProgressBar::new(l.size).with_style(style.clone()));
+                    b.set_prefix(l.digest.chars().take(19).collect::<String>());
+                    b
+                });
+                bar.set_position(l.have);
+                if l.complete {
+                    bar.finish_with_message(format!(
+                        "peers {} registry {}",
+                        indicatif::HumanBytes(l.bytes_from_peers),
+                        indicatif::HumanBytes(l.bytes_from_registry)
+                    ));
+                }
+            }
+        }
+    }
+    if json {
+        println!("{}", serde_json::to_string(&last)?);
+    }
+    match (&last.error, last.done) {
+        (Some(e), _) => bail!("pulling {image}: {e}"),
+        (None, true) => Ok(()),
+        (None, false) => bail!("pulling {image}: the agent stopped answering before the end"),
+    }
+}
+
+/// Prints what the agent holds and where it listens.
+pub async fn status(socket: &Path, json: bool) -> Result<()> {
+    let resp = client(socket)?.get("http://agent/v1/status").send().await;
+    let status: Status = checked(socket, resp)
+        .await?
+        .json()
+        .await
+        .context("parsing the agent's status")?;
+    if json {
+        println!("{}", serde_json::to_string(&status)?);
+        return Ok(());
+    }
+    println!("peer id      {}", status.peer_id);
+    println!("peer address {}", status.peer_addr);
+    println!("trackers     {}", status.trackers.join(", "));
+    println!("uptime       {:.0} s", status.uptime_s);
+    println!("uploads      {} in progress", status.uploads_in_progress);
+    println!("blobs        {}", status.blobs.len());
+    for b in &status.blobs {
+        println!(
+            "  {}  {:>10} / {:<10} {}",
+            b.digest,
+            indicatif::HumanBytes(b.have).to_string(),
+            indicatif::HumanBytes(b.size).to_string(),
+            if b.complete { "complete" } else { "partial" }
+        );
+    }
+    Ok(())
+}
