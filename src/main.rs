@@ -19,6 +19,7 @@ use dray_agent::registry::{Credentials, RegistryClient};
 use dray_agent::store::ChunkStore;
 use dray_agent::swarm::Swarm;
 use dray_protocol::{ChunkMap, DEFAULT_CHUNK_SIZE, pb};
+use dray_snapshotter_shim::SnapshotterConfig;
 use dray_tracker::{Tracker, TrackerConfig};
 use prost::Message;
 use std::path::{Path, PathBuf};
@@ -77,6 +78,25 @@ enum Command {
     /// Measure dray against baselines in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Run the containerd proxy snapshotter (`[proxy_plugins.dray]`), which
+    /// asks the local agent to unpack the layers of CRI pulls.
+    Snapshotter(SnapshotterArgs),
+}
+
+#[derive(Args)]
+struct SnapshotterArgs {
+    /// Snapshotter configuration file (TOML); defaults apply without one.
+    #[arg(long, short, env = "DRAY_SNAPSHOTTER_CONFIG")]
+    config: Option<PathBuf>,
+    /// Overrides `socket`.
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Overrides `root`.
+    #[arg(long)]
+    root: Option<PathBuf>,
+    /// Overrides `agent_socket`.
+    #[arg(long)]
+    agent_socket: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -491,10 +511,43 @@ async fn run(command: Command) -> Result<()> {
             swarm.node().close();
             Ok(())
         }
+        Command::Snapshotter(args) => snapshotter(args).await,
         Command::Sim(args) => sim(args),
         Command::Bench(cmd) => bench::run(cmd).await,
         Command::Demo(args) => demo::run(args).await,
     }
+}
+
+async fn snapshotter(args: SnapshotterArgs) -> Result<()> {
+    let mut cfg = match &args.config {
+        Some(p) => SnapshotterConfig::load(p)?,
+        None => SnapshotterConfig::default(),
+    };
+    if let Some(s) = args.socket {
+        cfg.socket = s;
+    }
+    if let Some(r) = args.root {
+        cfg.root = r;
+    }
+    if let Some(a) = args.agent_socket {
+        cfg.agent_socket = a;
+    }
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let shutdown = async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    };
+    eprintln!(
+        "dray snapshotter serving {} (root {}, agent {})",
+        cfg.socket.display(),
+        cfg.root.display(),
+        cfg.agent_socket.display()
+    );
+    let agent = dray_snapshotter_shim::agent::AgentClient::new(&cfg.agent_socket);
+    dray_snapshotter_shim::serve(&cfg, agent, shutdown).await?;
+    Ok(())
 }
 
 fn sim(args: SimArgs) -> Result<()> {

@@ -166,13 +166,19 @@ pub struct Containerd {
 
 impl Containerd {
     pub fn start() -> Containerd {
+        Containerd::start_with("")
+    }
+
+    /// Starts containerd with `extra` appended to its config, e.g.
+    /// [`dray_proxy_plugin`]'s section.
+    pub fn start_with(extra: &str) -> Containerd {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path().display();
         let address = format!("{d}/containerd.sock");
         let config = format!(
             "version = 2\nroot = \"{d}/root\"\nstate = \"{d}/state\"\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n\
              [grpc]\n  address = \"{address}\"\n[ttrpc]\n  address = \"{d}/containerd.sock.ttrpc\"\n[debug]\n  address = \"{d}/debug.sock\"\n\
-             [metrics]\n  address = \"\"\n[plugins.\"io.containerd.internal.v1.opt\"]\n  path = \"{d}/opt\"\n"
+             [metrics]\n  address = \"\"\n[plugins.\"io.containerd.internal.v1.opt\"]\n  path = \"{d}/opt\"\n{extra}\n"
         );
         std::fs::write(dir.path().join("config.toml"), config).unwrap();
         let log = std::fs::File::create(dir.path().join("containerd.log")).unwrap();
@@ -219,6 +225,118 @@ impl Containerd {
 }
 
 impl Drop for Containerd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// containerd config: the proxy snapshotter `dray` served on `socket`.
+pub fn dray_proxy_plugin(socket: &Path) -> String {
+    format!(
+        "[proxy_plugins.dray]\n  type = \"snapshot\"\n  address = \"{}\"\n",
+        socket.display()
+    )
+}
+
+/// A `dray snapshotter` process with its root and socket under `dir`.
+pub struct SnapshotterProc {
+    child: std::process::Child,
+    pub socket: PathBuf,
+    pub root: PathBuf,
+    agent_socket: PathBuf,
+    log: PathBuf,
+}
+
+impl SnapshotterProc {
+    /// Starts the shim and waits (up to 10 s) for its socket.
+    pub fn start(dir: &Path, agent_socket: &Path) -> SnapshotterProc {
+        let socket = dir.join("snapshotter.sock");
+        let root = dir.join("snapshotter");
+        let log = dir.join("snapshotter.log");
+        let child = SnapshotterProc::spawn(&socket, &root, agent_socket, &log);
+        let mut shim = SnapshotterProc {
+            child,
+            socket,
+            root,
+            agent_socket: agent_socket.to_path_buf(),
+            log,
+        };
+        shim.wait_for_socket();
+        shim
+    }
+
+    fn spawn(socket: &Path, root: &Path, agent_socket: &Path, log: &Path) -> std::process::Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .unwrap();
+        Command::new(env!("CARGO_BIN_EXE_dray"))
+            .arg("snapshotter")
+            .arg("--socket")
+            .arg(socket)
+            .arg("--root")
+            .arg(root)
+            .arg("--agent-socket")
+            .arg(agent_socket)
+            .env("DRAY_LOG", "dray_snapshotter_shim=debug")
+            .stderr(log)
+            .spawn()
+            .unwrap()
+    }
+
+    fn wait_for_socket(&mut self) {
+        for _ in 0..100 {
+            if std::os::unix::net::UnixStream::connect(&self.socket).is_ok() {
+                return;
+            }
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!(
+                    "dray snapshotter exited with {status}:\n{}",
+                    self.log_text()
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        panic!(
+            "dray snapshotter did not listen on {}",
+            self.socket.display()
+        );
+    }
+
+    /// What the shim logged so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM, as a graceful stop; returns whether it exited successfully.
+    pub fn stop(&mut self) -> bool {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        self.child.wait().unwrap().success()
+    }
+
+    /// Stops it (SIGTERM, or SIGKILL as a crash) and starts it again on the
+    /// same socket and root.
+    pub fn restart(&mut self, crash: bool) {
+        if crash {
+            self.child.kill().unwrap();
+            self.child.wait().unwrap();
+        } else {
+            assert!(
+                self.stop(),
+                "dray snapshotter failed on SIGTERM:\n{}",
+                self.log_text()
+            );
+        }
+        self.child =
+            SnapshotterProc::spawn(&self.socket, &self.root, &self.agent_socket, &self.log);
+        self.wait_for_socket();
+    }
+}
+
+impl Drop for SnapshotterProc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();

@@ -1,0 +1,74 @@
+//! `dray snapshotter`'s configuration: one TOML file, every key optional,
+//! flags override it.
+
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+/// The snapshotter's settings; the defaults suit a production node.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SnapshotterConfig {
+    /// The gRPC socket containerd's `[proxy_plugins.dray] address` names
+    /// (created with mode 0660). Default `/run/dray/snapshotter.sock`.
+    pub socket: PathBuf,
+    /// Snapshot directories and metadata. Default `/var/lib/dray/snapshotter`.
+    pub root: PathBuf,
+    /// The agent's local API socket. Default `/run/dray/agent.sock`.
+    pub agent_socket: PathBuf,
+    /// Layers of an image unpacked ahead of their `Prepare` at once
+    /// (0 disables prefetch). Default 4.
+    pub prefetch_limit: usize,
+    /// Seconds a prefetched layer nobody claims is kept. Default 600.
+    pub staged_ttl_s: u64,
+}
+
+impl Default for SnapshotterConfig {
+    fn default() -> Self {
+        SnapshotterConfig {
+            socket: "/run/dray/snapshotter.sock".into(),
+            root: "/var/lib/dray/snapshotter".into(),
+            agent_socket: "/run/dray/agent.sock".into(),
+            prefetch_limit: 4,
+            staged_ttl_s: 600,
+        }
+    }
+}
+
+/// A configuration file that cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("snapshotter config {}: {reason}", path.display())]
+pub struct ConfigError {
+    path: PathBuf,
+    reason: String,
+}
+
+impl SnapshotterConfig {
+    /// Reads a TOML file; unknown keys are errors.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let error = |reason: String| ConfigError {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| error(e.to_string()))?;
+        toml::from_str(&text).map_err(|e| error(e.message().to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_config_file_overrides_defaults_and_rejects_unknown_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.toml");
+        std::fs::write(&path, "root = \"/tmp/r\"\nprefetch_limit = 8\n").unwrap();
+        let cfg = SnapshotterConfig::load(&path).unwrap();
+        assert_eq!(cfg.root, PathBuf::from("/tmp/r"));
+        assert_eq!(cfg.prefetch_limit, 8);
+        assert_eq!(cfg.socket, PathBuf::from("/run/dray/snapshotter.sock"));
+        std::fs::write(&path, "sokcet = \"/x\"\n").unwrap();
+        let e = SnapshotterConfig::load(&path).unwrap_err().to_string();
+        assert!(e.contains("s.toml") && e.contains("sokcet"), "{e}");
+    }
+}
