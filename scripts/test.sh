@@ -31,3 +31,5 @@ echo "== cargo clippy"
 cargo clippy --workspace --all-targets --release -- -D warnings
 echo "== cargo test"
 cargo test --workspace --release -- --test-threads 1
+echo "== deploy/ (offline manifest and chart checks)"
+DRAY_BIN="$CARGO_TARGET_DIR/release/dray" ./scripts/validate-deploy.sh
