@@ -7,6 +7,7 @@ use clap::{Args, Subcommand};
 use dray_agent::fetch::{PeerAddr, fetch_from_peers};
 use dray_agent::identity::ClusterCa;
 use dray_agent::peer::{PeerConfig, PeerNode};
+use dray_agent::pulls::Pulls;
 use dray_agent::store::ChunkStore;
 use dray_protocol::DEFAULT_CHUNK_SIZE;
 use serde::Serialize;
@@ -167,7 +168,7 @@ async fn mirror(b: MirrorBench) -> Result<()> {
         upstreams: [(registry.host(), registry.url())].into_iter().collect(),
         default_registry: Some(registry.host()),
     };
-    let server = tokio::spawn(Mirror::new(swarm.clone(), config).serve(listener));
+    let server = tokio::spawn(Mirror::new(Pulls::new(swarm.clone()), config).serve(listener));
     let through_mirror = RegistryClient::new(&mirror_url, None)?;
     let direct = RegistryClient::new(&registry.url(), None)?;
     let out = dir.path().join("pulled");

@@ -16,7 +16,10 @@ fn client(socket: &Path) -> Result<reqwest::Client> {
 }
 
 /// Turns a failed call into one line naming the socket.
-async fn checked(socket: &Path, resp: reqwest::Result<reqwest::Response>) -> Result<reqwest::Response> {
+async fn checked(
+    socket: &Path,
+    resp: reqwest::Result<reqwest::Response>,
+) -> Result<reqwest::Response> {
     let resp = resp.with_context(|| {
         format!(
             "no agent answers on {} (is `dray agent` running, and are you root?)",
@@ -49,11 +52,10 @@ pub async fn pull(socket: &Path, image: &str, json: bool) -> Result<()> {
     if json {
         bars.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    let style = ProgressStyle::with_template(
-        "{prefix:>19} [{bar:30}] {bytes:>10}/{total_bytes:<10} {msg}",
-    )
-    .expect("valid template")
-    .progress_chars("=> ");
+    let style =
+        ProgressStyle::with_template("{prefix:>19} [{bar:30}] {bytes:>10}/{total_bytes:<10} {msg}")
+            .expect("valid template")
+            .progress_chars("=> ");
     let mut by_layer: HashMap<String, ProgressBar> = HashMap::new();
     let mut last = PullProgress::default();
     let mut pending = Vec::new();

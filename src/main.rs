@@ -1,6 +1,7 @@
 //! `dray`: the one binary. Each subcommand is a thin layer over the crates.
 
 mod bench;
+mod client;
 mod cluster;
 mod demo;
 mod storm;
@@ -12,9 +13,11 @@ use dray_agent::config::AgentConfig;
 use dray_agent::containerd;
 use dray_agent::fetch::{PeerAddr, fetch_from_peers};
 use dray_agent::identity::{ClusterCa, Identity};
+use dray_agent::local_api::{self, LocalApi};
 use dray_agent::metrics::{AdminEndpoint, AgentMetrics};
 use dray_agent::mirror::Mirror;
 use dray_agent::peer::PeerNode;
+use dray_agent::pulls::Pulls;
 use dray_agent::registry::{Credentials, RegistryClient};
 use dray_agent::store::ChunkStore;
 use dray_agent::swarm::Swarm;
@@ -75,6 +78,24 @@ enum Command {
     Blob(BlobCommand),
     /// Simulate a scale-out storm with the real scheduler and chunk picker.
     Sim(SimArgs),
+    /// Pull an image's layers into the running agent's store, with progress.
+    Pull {
+        /// Image reference, e.g. registry.example:5000/team/app:1.0.
+        image: String,
+        #[command(flatten)]
+        socket: SocketArg,
+        /// Print the final progress as one JSON object instead of bars.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show what the running agent holds and where it listens.
+    Status {
+        #[command(flatten)]
+        socket: SocketArg,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Measure dray against baselines in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -125,6 +146,18 @@ enum AgentAction {
         #[arg(long, default_value = "http://127.0.0.1:5050")]
         mirror: String,
     },
+}
+
+/// Where a running agent's local API listens.
+#[derive(Args)]
+struct SocketArg {
+    /// The agent's local API socket (`local_api.socket` in its config).
+    #[arg(
+        long = "socket",
+        env = "DRAY_AGENT_SOCKET",
+        default_value = "/run/dray/agent.sock"
+    )]
+    path: PathBuf,
 }
 
 #[derive(Args)]
@@ -187,6 +220,9 @@ struct ConfigArgs {
     /// Overrides `mirror.listen`.
     #[arg(long, env = "DRAY_MIRROR_LISTEN")]
     mirror_listen: Option<std::net::SocketAddr>,
+    /// Overrides `local_api.socket`.
+    #[arg(long, env = "DRAY_LOCAL_SOCKET")]
+    local_socket: Option<PathBuf>,
     /// Adds to `mirror.upstreams`: REGISTRY=URL (e.g. 127.0.0.1:5000=http://127.0.0.1:5000);
     /// repeat (DRAY_UPSTREAMS: comma-separated).
     #[arg(long = "upstream", env = "DRAY_UPSTREAMS", value_delimiter = ',')]
@@ -222,6 +258,9 @@ impl ConfigArgs {
         }
         if let Some(l) = self.mirror_listen {
             cfg.mirror.listen = l;
+        }
+        if let Some(s) = &self.local_socket {
+            cfg.local_api.socket = s.clone();
         }
         for u in &self.upstreams {
             let (name, url) = u
@@ -394,23 +433,40 @@ async fn run(command: Command) -> Result<()> {
             let listener = tokio::net::TcpListener::bind(cfg.mirror.listen)
                 .await
                 .with_context(|| format!("binding the mirror to {}", cfg.mirror.listen))?;
+            let local = local_api::bind(&cfg.local_api.socket).with_context(|| {
+                format!(
+                    "binding the local API to {}",
+                    cfg.local_api.socket.display()
+                )
+            })?;
             eprintln!(
-                "dray agent {} serving peers on {} and the registry mirror on http://{} (metrics on http://{admin_addr}/metrics)",
+                "dray agent {} serving peers on {}, the registry mirror on http://{}, the local API on {} (metrics on http://{admin_addr}/metrics)",
                 node.peer_id(),
                 node.local_addr()?,
-                listener.local_addr()?
+                listener.local_addr()?,
+                cfg.local_api.socket.display()
             );
-            let mirror = Mirror::new(swarm.clone(), cfg.mirror);
+            let pulls = Pulls::new(swarm.clone());
+            let api = LocalApi::new(pulls.clone(), cfg.mirror.clone(), &cfg.local_api);
+            let mirror = Mirror::new(pulls, cfg.mirror);
             tokio::select! {
                 served = mirror.serve(listener) => served?,
                 served = admin_task => served.context("admin endpoint task")?
                     .with_context(|| format!("serving the admin endpoint on {admin_addr}"))?,
+                served = api.serve(local) => served?,
                 _ = tokio::signal::ctrl_c() => {}
             }
+            let _ = std::fs::remove_file(&cfg.local_api.socket);
             announcer.abort();
             node.close();
             Ok(())
         }
+        Command::Pull {
+            image,
+            socket,
+            json,
+        } => client::pull(&socket.path, &image, json).await,
+        Command::Status { socket, json } => client::status(&socket.path, json).await,
         Command::Tracker(args) => {
             let mut cfg = match &args.config {
                 Some(p) => TrackerConfig::load(p)?,

@@ -118,6 +118,42 @@ impl Registry {
         format!("127.0.0.1:{}", self.port)
     }
 
+    /// Where the registry keeps a blob's bytes (for tests that damage it).
+    pub fn blob_file(&self, digest: &str) -> std::path::PathBuf {
+        let hex = digest.trim_start_matches("sha256:");
+        self._dir
+            .path()
+            .join("data/docker/registry/v2/blobs/sha256")
+            .join(&hex[..2])
+            .join(hex)
+            .join("data")
+    }
+
+    /// Puts an image manifest as `repo:tag`, straight to the registry.
+    pub fn push_manifest(&self, repo: &str, tag: &str, manifest: &str) {
+        let out = Command::new("curl")
+            .args([
+                "-sfS",
+                "-X",
+                "PUT",
+                "-H",
+                "Content-Type: application/vnd.oci.image.manifest.v1+json",
+                "--data-binary",
+                manifest,
+            ])
+            .arg(format!(
+                "http://127.0.0.1:{}/v2/{repo}/manifests/{tag}",
+                self.port
+            ))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "manifest upload: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// Uploads a file as a blob of `repo`, straight to the registry (not counted).
     pub fn push(&self, repo: &str, file: &Path) -> String {
         let digest = file_digest(file);

@@ -2,6 +2,7 @@
 //! defaulted to what a large cluster should run with.
 
 use crate::error::{Error, Result};
+use crate::local_api::LocalApiConfig;
 use crate::mirror::MirrorConfig;
 use crate::peer::PeerConfig;
 use crate::swarm::SwarmConfig;
@@ -27,6 +28,7 @@ pub struct AgentConfig {
     pub peer: PeerConfig,
     pub swarm: SwarmConfig,
     pub mirror: MirrorConfig,
+    pub local_api: LocalApiConfig,
 }
 
 impl Default for AgentConfig {
@@ -41,6 +43,7 @@ impl Default for AgentConfig {
             peer: PeerConfig::default(),
             swarm: SwarmConfig::default(),
             mirror: MirrorConfig::default(),
+            local_api: LocalApiConfig::default(),
         }
     }
 }

@@ -51,11 +51,7 @@ impl std::str::FromStr for ImageRef {
             reference: s.into(),
             detail: format!("{e}"),
         })?;
-        let reference = r
-            .digest()
-            .or(r.tag())
-            .unwrap_or("latest")
-            .to_string();
+        let reference = r.digest().or(r.tag()).unwrap_or("latest").to_string();
         Ok(ImageRef {
             registry: r.registry().to_string(),
             repo: r.repository().to_string(),
@@ -218,7 +214,8 @@ pub async fn resolve(
         .to_string()
         .parse()
         .map_err(|e| invalid(&format!("manifest {digest}"), format!("config digest: {e}")))?;
-    let (config_body, _, _) = fetch(client, repo, &format!("blobs/{config}"), Some(&config)).await?;
+    let (config_body, _, _) =
+        fetch(client, repo, &format!("blobs/{config}"), Some(&config)).await?;
     let image_config = ImageConfiguration::from_reader(config_body.as_slice())
         .map_err(|e| invalid(&format!("config {config}"), e.to_string()))?;
     let diff_ids = image_config.rootfs().diff_ids();
@@ -266,8 +263,7 @@ fn body_is_index(body: &[u8]) -> bool {
         manifests: Option<serde_json::Value>,
         layers: Option<serde_json::Value>,
     }
-    serde_json::from_slice::<Probe>(body)
-        .is_ok_and(|p| p.manifests.is_some() && p.layers.is_none())
+    serde_json::from_slice::<Probe>(body).is_ok_and(|p| p.manifests.is_some() && p.layers.is_none())
 }
 
 #[cfg(test)]

@@ -14,13 +14,17 @@ pub mod containerd;
 pub mod error;
 pub mod fetch;
 pub mod identity;
+pub mod image;
+pub mod local_api;
 pub mod metrics;
 pub mod mirror;
 pub mod peer;
+pub mod pulls;
 pub mod rate;
 pub mod registry;
 pub mod store;
 pub mod swarm;
 pub mod tracker_client;
+pub mod unpack;
 
 pub use error::{Error, Result};

@@ -193,12 +193,8 @@ impl LocalApi {
     ) -> Result<(ImageRef, Arc<RegistryClient>, Image), ApiError> {
         let image: ImageRef = image_ref.parse()?;
         let client = self.client(&image)?;
-        let resolved = image::resolve(
-            &client,
-            &image.repo,
-            reference.unwrap_or(&image.reference),
-        )
-        .await?;
+        let resolved =
+            image::resolve(&client, &image.repo, reference.unwrap_or(&image.reference)).await?;
         Ok((image, client, resolved))
     }
 
@@ -221,6 +217,19 @@ impl LocalApi {
         })?;
         let compression = Compression::from_media_type(&layer.media_type)
             .map_err(|e| bad(format!("layer {digest}: {e}")))?;
+        let stored = client
+            .blob_size(&image.repo, &digest)
+            .await
+            .map_err(|e| ApiError(StatusCode::BAD_GATEWAY, format!("layer {digest}: {e}")))?;
+        if stored != layer.size {
+            return Err(ApiError(
+                StatusCode::BAD_GATEWAY,
+                format!(
+                    "layer {digest}: the registry holds {stored} bytes, the manifest says {}",
+                    layer.size
+                ),
+            ));
+        }
         // The download starts now; the unpack waits for a slot (it catches up
         // with what has arrived meanwhile).
         let pull = self.pulls.ensure(client, &image.repo, digest);
@@ -238,9 +247,18 @@ impl LocalApi {
         })
         .await
         .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
-        .map_err(|e| ApiError(StatusCode::UNPROCESSABLE_ENTITY, format!("layer {digest}: {e}")))?;
+        .map_err(|e| {
+            ApiError(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                format!("layer {digest}: {e}"),
+            )
+        })?;
         // The tar ended; the blob's last chunk and its digest must still hold.
-        let verified = match self.pulls.open(digest, layer.size, layer.size, layer.size, pull).await {
+        let verified = match self
+            .pulls
+            .open(digest, layer.size, layer.size, layer.size, pull)
+            .await
+        {
             Ok(r) => r.verified().await,
             Err(e) => Err(std::io::Error::other(e.to_string())),
         };
@@ -373,7 +391,8 @@ async fn pull(
                         p.have = l.size;
                     }
                     PullState::Failed(e) => {
-                        line.error.get_or_insert_with(|| format!("{}: {e}", l.digest));
+                        line.error
+                            .get_or_insert_with(|| format!("{}: {e}", l.digest));
                     }
                 }
                 line.layers.push(p);
@@ -381,7 +400,10 @@ async fn pull(
             line.done = ended && line.error.is_none();
             let mut text = serde_json::to_string(&line).expect("serializable");
             text.push('\n');
-            Some((Ok::<_, std::io::Error>(Bytes::from(text)), (!ended).then_some(())))
+            Some((
+                Ok::<_, std::io::Error>(Bytes::from(text)),
+                (!ended).then_some(()),
+            ))
         }
     });
     Ok(Response::builder()

@@ -17,28 +17,19 @@
 //! it answers 502 before sending any byte, so containerd moves on to the next
 //! host in `hosts.toml`, the real registry.
 
+use crate::image::MAX_MANIFEST;
 use crate::metrics::MirrorRequest;
+use crate::pulls::{OpenError, Pulls};
 use crate::registry::{RegistryClient, RegistryError};
-use crate::store::{Blob, Progress};
-use crate::swarm::Swarm;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use dray_protocol::{BlobDigest, ChunkMap};
+use dray_protocol::BlobDigest;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
-use tokio::sync::watch;
-
-/// Largest manifest passed through (the distribution spec's own limit).
-const MAX_MANIFEST: usize = 4 << 20;
-/// Bytes read from disk per body frame of a streamed blob.
-const FRAME: u64 = 1 << 20;
-/// A stream waiting this long for the next verified chunk gives up.
-const STALL: Duration = Duration::from_secs(60);
+use std::sync::Arc;
 
 /// Mirror settings; every key optional.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -73,26 +64,10 @@ impl MirrorConfig {
     }
 }
 
-/// How a pull started by the mirror is going.
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum PullState {
-    Running,
-    Done,
-    Failed(String),
-}
-
 /// The mirror's shared state.
 pub struct Mirror {
-    swarm: Arc<Swarm>,
+    pulls: Arc<Pulls>,
     config: MirrorConfig,
-    /// One client (connection pool) per upstream.
-    upstreams: Mutex<HashMap<String, Arc<RegistryClient>>>,
-    /// Pulls in progress, so concurrent requests for a blob share one.
-    pulls: Mutex<HashMap<BlobDigest, watch::Receiver<PullState>>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// An error answered in the distribution spec's JSON shape.
@@ -273,13 +248,8 @@ struct NsQuery {
 }
 
 impl Mirror {
-    pub fn new(swarm: Arc<Swarm>, config: MirrorConfig) -> Arc<Self> {
-        Arc::new(Self {
-            swarm,
-            config,
-            upstreams: Mutex::new(HashMap::new()),
-            pulls: Mutex::new(HashMap::new()),
-        })
+    pub fn new(pulls: Arc<Pulls>, config: MirrorConfig) -> Arc<Self> {
+        Arc::new(Self { pulls, config })
     }
 
     /// The router serving the pull API.
@@ -291,7 +261,8 @@ impl Mirror {
     }
 
     fn count(&self, kind: MirrorRequest, resp: &Response) {
-        self.swarm
+        self.pulls
+            .swarm()
             .node()
             .metrics()
             .mirror_request(kind, resp.status());
@@ -313,49 +284,8 @@ impl Mirror {
                     "no ns parameter and no default registry configured",
                 )
             })?;
-        let base = self.config.upstream(registry);
-        let shared = {
-            let mut ups = lock(&self.upstreams);
-            match ups.get(&base) {
-                Some(c) => c.clone(),
-                None => {
-                    let c = Arc::new(RegistryClient::new(&base, None)?);
-                    ups.insert(base, c.clone());
-                    c
-                }
-            }
-        };
+        let shared = self.pulls.upstream(&self.config.upstream(registry))?;
         Ok(shared.for_client(headers.get(header::AUTHORIZATION).cloned()))
-    }
-
-    /// Starts (or joins) the swarm pull of a blob.
-    fn ensure_pull(
-        self: &Arc<Self>,
-        client: RegistryClient,
-        repo: &str,
-        digest: BlobDigest,
-    ) -> watch::Receiver<PullState> {
-        let mut pulls = lock(&self.pulls);
-        if let Some(rx) = pulls.get(&digest)
-            && *rx.borrow() == PullState::Running
-        {
-            return rx.clone();
-        }
-        let (tx, rx) = watch::channel(PullState::Running);
-        pulls.insert(digest, rx.clone());
-        let (mirror, repo, client) = (self.clone(), repo.to_string(), Arc::new(client));
-        tokio::spawn(async move {
-            let state = match mirror.swarm.pull(&client, &repo, digest).await {
-                Ok(_) => PullState::Done,
-                Err(e) => {
-                    tracing::warn!(%digest, error = %e, "mirror pull failed");
-                    PullState::Failed(e.to_string())
-                }
-            };
-            let _ = tx.send(state);
-            lock(&mirror.pulls).remove(&digest);
-        });
-        rx
     }
 
     async fn manifest(
@@ -467,9 +397,22 @@ impl Mirror {
         let mut resp = if method == Method::HEAD {
             Response::new(Body::empty())
         } else {
-            let pull = self.ensure_pull(client, name, digest);
+            let pull = self.pulls.ensure(Arc::new(client), name, digest);
             let (start, end) = range.unwrap_or((0, size));
-            Response::new(self.stream(digest, size, start, end, pull).await?)
+            // Waits for the first verified byte, so a failure is still a 502
+            // and the client moves on to the next host.
+            let reader = self
+                .pulls
+                .open(digest, size, start, end, pull)
+                .await
+                .map_err(|e| {
+                    let status = match e {
+                        OpenError::Unavailable(_) => StatusCode::BAD_GATEWAY,
+                        OpenError::Stalled(_) => StatusCode::GATEWAY_TIMEOUT,
+                    };
+                    ApiError::new(status, "UNAVAILABLE", e.to_string())
+                })?;
+            Response::new(Body::from_stream(reader.into_stream()))
         };
         let (status, len) = match range {
             Some((a, b)) => (StatusCode::PARTIAL_CONTENT, b - a),
@@ -494,122 +437,6 @@ impl Mirror {
             );
         }
         Ok(resp)
-    }
-
-    /// A body that follows the blob's verified prefix from `start` to `end`.
-    /// Waits for the first bytes (or the pull's failure) before answering, so
-    /// a failure becomes a 502 and the client moves on to the next host.
-    async fn stream(
-        &self,
-        digest: BlobDigest,
-        size: u64,
-        start: u64,
-        end: u64,
-        mut pull: watch::Receiver<PullState>,
-    ) -> Result<Body, ApiError> {
-        let chunk_size = self.swarm.config().chunk_size;
-        let map = ChunkMap::unhashed(digest, size, chunk_size)
-            .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "UNAVAILABLE", e.to_string()))?;
-        let store = self.swarm.node().store().clone();
-        let blob = tokio::task::spawn_blocking(move || store.blob(&map))
-            .await
-            .map_err(|e| {
-                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "UNKNOWN", e.to_string())
-            })?
-            .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "UNAVAILABLE", e.to_string()))?;
-        let mut progress = blob.subscribe();
-        let available = |p: &Progress| {
-            if p.complete {
-                size
-            } else {
-                u64::from(p.chunks) * u64::from(chunk_size)
-            }
-        };
-        // Wait for the first byte we need, or a failure.
-        loop {
-            let p = *progress.borrow_and_update();
-            if available(&p) > start {
-                break;
-            }
-            if let PullState::Failed(e) = pull.borrow_and_update().clone() {
-                return Err(ApiError::new(StatusCode::BAD_GATEWAY, "UNAVAILABLE", e));
-            }
-            tokio::select! {
-                _ = progress.changed() => {}
-                _ = pull.changed() => {}
-                _ = tokio::time::sleep(STALL) => {
-                    return Err(ApiError::new(StatusCode::GATEWAY_TIMEOUT, "UNAVAILABLE", format!("no verified bytes of {digest} within {STALL:?}")));
-                }
-            }
-        }
-        let state = StreamState {
-            blob,
-            progress,
-            pull,
-            pos: start,
-            end,
-            size,
-            chunk_size,
-        };
-        let stream = futures_util::stream::unfold(state, |mut st| async move {
-            if st.pos >= st.end {
-                return None;
-            }
-            let next = st.next().await;
-            Some((next, st))
-        });
-        Ok(Body::from_stream(stream))
-    }
-}
-
-struct StreamState {
-    blob: Arc<Blob>,
-    progress: watch::Receiver<Progress>,
-    pull: watch::Receiver<PullState>,
-    pos: u64,
-    end: u64,
-    size: u64,
-    chunk_size: u32,
-}
-
-impl StreamState {
-    /// The next frame of verified bytes; an error ends the response early, so
-    /// the client sees a short body, never unverified bytes.
-    async fn next(&mut self) -> std::io::Result<Bytes> {
-        loop {
-            let p = *self.progress.borrow_and_update();
-            if p.failed {
-                self.pos = self.end;
-                return Err(std::io::Error::other("the blob failed its digest"));
-            }
-            let available = if p.complete {
-                self.size
-            } else {
-                u64::from(p.chunks) * u64::from(self.chunk_size)
-            };
-            if available > self.pos {
-                let len = (available.min(self.end) - self.pos).min(FRAME);
-                let (blob, at) = (self.blob.clone(), self.pos);
-                let bytes = tokio::task::spawn_blocking(move || blob.read_range(at, len as usize))
-                    .await
-                    .map_err(std::io::Error::other)?
-                    .map_err(std::io::Error::other)?;
-                self.pos += len;
-                return Ok(Bytes::from(bytes));
-            }
-            if let PullState::Failed(e) = self.pull.borrow_and_update().clone() {
-                self.pos = self.end;
-                return Err(std::io::Error::other(e));
-            }
-            tokio::select! {
-                r = self.progress.changed() => if r.is_err() { self.pos = self.end; return Err(std::io::Error::other("blob closed")); },
-                _ = self.pull.changed() => {}
-                _ = tokio::time::sleep(STALL) => {
-                    self.pos = self.end;
-                    return Err(std::io::Error::other("no verified bytes within the stall limit"));
-                }
-            }
-        }
     }
 }
 

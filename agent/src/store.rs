@@ -215,6 +215,16 @@ impl Blob {
         self.lock().held.get(index)
     }
 
+    /// Bytes of the blob held as verified chunks.
+    pub fn held_bytes(&self) -> u64 {
+        let map = self.read_map();
+        let state = self.lock();
+        (0..map.chunk_count())
+            .filter(|&i| state.held.get(i))
+            .map(|i| map.chunk_len(i) as u64)
+            .sum()
+    }
+
     pub fn is_complete(&self) -> bool {
         self.lock().complete
     }

@@ -172,13 +172,36 @@ impl Containerd {
     /// Starts containerd with `extra` appended to its config, e.g.
     /// [`dray_proxy_plugin`]'s section.
     pub fn start_with(extra: &str) -> Containerd {
+        Containerd::launch("disabled_plugins = [\"io.containerd.grpc.v1.cri\"]", extra)
+    }
+
+    /// Starts containerd with its CRI plugin, pulling through the hosts.toml
+    /// files under `hosts_dir` into `snapshotter` (with the snapshot labels
+    /// remote snapshotters need), `extra` appended to its config.
+    pub fn start_cri(hosts_dir: &Path, snapshotter: &str, extra: &str) -> Containerd {
+        let cri = r#"plugins."io.containerd.grpc.v1.cri""#;
+        Containerd::launch(
+            "",
+            &format!(
+                "[{cri}.containerd]\n  snapshotter = \"{snapshotter}\"\n  disable_snapshot_annotations = false\n\
+                 [{cri}.registry]\n  config_path = \"{}\"\n\
+                 [{cri}.cni]\n  bin_dir = \"@DIR@/cni\"\n  conf_dir = \"@DIR@/cni\"\n{extra}",
+                hosts_dir.display(),
+            ),
+        )
+    }
+
+    /// Writes the config (`@DIR@` in `extra` is the daemon's directory) and
+    /// starts the daemon.
+    fn launch(disabled: &str, extra: &str) -> Containerd {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path().display();
         let address = format!("{d}/containerd.sock");
         let config = format!(
-            "version = 2\nroot = \"{d}/root\"\nstate = \"{d}/state\"\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n\
+            "version = 2\nroot = \"{d}/root\"\nstate = \"{d}/state\"\n{disabled}\n\
              [grpc]\n  address = \"{address}\"\n[ttrpc]\n  address = \"{d}/containerd.sock.ttrpc\"\n[debug]\n  address = \"{d}/debug.sock\"\n\
-             [metrics]\n  address = \"\"\n[plugins.\"io.containerd.internal.v1.opt\"]\n  path = \"{d}/opt\"\n{extra}\n"
+             [metrics]\n  address = \"\"\n[plugins.\"io.containerd.internal.v1.opt\"]\n  path = \"{d}/opt\"\n{}\n",
+            extra.replace("@DIR@", &d.to_string())
         );
         std::fs::write(dir.path().join("config.toml"), config).unwrap();
         let log = std::fs::File::create(dir.path().join("containerd.log")).unwrap();
@@ -386,7 +409,10 @@ impl MirrorProc {
             upstreams: upstreams.iter().cloned().collect(),
             default_registry: upstreams.first().map(|(n, _)| n.clone()),
         };
-        let mirror = dray_agent::mirror::Mirror::new(agent.swarm.clone(), config);
+        let mirror = dray_agent::mirror::Mirror::new(
+            dray_agent::pulls::Pulls::new(agent.swarm.clone()),
+            config,
+        );
         let task = tokio::spawn(mirror.serve(listener));
         MirrorProc { url, task }
     }
@@ -511,4 +537,57 @@ pub fn http_get(addr: &str, path: &str) -> (u16, String) {
         .and_then(|c| c.parse().ok())
         .expect("a status code");
     (status, body.to_string())
+}
+
+/// The local API of `agent` (what `dray agent` serves on its unix socket),
+/// served from this process on `socket`; registry names map to base URLs.
+pub struct LocalApiProc {
+    pub socket: PathBuf,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl LocalApiProc {
+    pub fn start(agent: &Agent, socket: &Path, upstreams: &[(String, String)]) -> LocalApiProc {
+        let mirror = dray_agent::mirror::MirrorConfig {
+            upstreams: upstreams.iter().cloned().collect(),
+            ..Default::default()
+        };
+        let config = dray_agent::local_api::LocalApiConfig {
+            socket: socket.to_path_buf(),
+            unpack_concurrency: 0,
+        };
+        let listener = dray_agent::local_api::bind(socket).unwrap();
+        let api = dray_agent::local_api::LocalApi::new(
+            dray_agent::pulls::Pulls::new(agent.swarm.clone()),
+            mirror,
+            &config,
+        );
+        LocalApiProc {
+            socket: socket.to_path_buf(),
+            task: tokio::spawn(api.serve(listener)),
+        }
+    }
+
+    /// `POST /v1/layers/unpack`: the status and the JSON answer.
+    pub async fn unpack(
+        &self,
+        request: &dray_agent::local_api::UnpackRequest,
+    ) -> (u16, serde_json::Value) {
+        let resp = reqwest::Client::builder()
+            .unix_socket(self.socket.clone())
+            .build()
+            .unwrap()
+            .post("http://agent/v1/layers/unpack")
+            .json(request)
+            .send()
+            .await
+            .unwrap();
+        (resp.status().as_u16(), resp.json().await.unwrap())
+    }
+}
+
+impl Drop for LocalApiProc {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
