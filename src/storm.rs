@@ -57,6 +57,11 @@ pub struct StormBench {
     /// The registry's link rate, each direction, Mbit/s.
     #[arg(long, default_value_t = 200)]
     registry_mbit: u64,
+    /// Each agent's upload cap, in percent of its link rate (0: uncapped).
+    /// Just under 100 keeps the link's queue short, so the acknowledgements of
+    /// the node's own downloads are not stuck behind its uploads.
+    #[arg(long, default_value_t = 90)]
+    upload_percent: u64,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -90,6 +95,10 @@ struct StormResult {
     direct_bound_ratio: f64,
     /// Agents whose pull fell back to the registry for unclaimed chunks.
     fell_back: usize,
+    /// The simulator's p50 and last-node times for this very cluster
+    /// (`Scenario::emulated`), to check the model against the emulation.
+    predicted_p50_s: f64,
+    predicted_last_s: f64,
     /// Each node's completion time, seconds from the launch, sorted.
     swarm_times_s: Vec<f64>,
     direct_times_s: Vec<f64>,
@@ -109,6 +118,12 @@ pub async fn run(b: StormBench) -> Result<()> {
     }
     if b.node_mbit == 0 || b.registry_mbit == 0 {
         bail!("--node-mbit and --registry-mbit must be positive");
+    }
+    if b.upload_percent > 100 {
+        bail!(
+            "--upload-percent {} is above 100: an agent cannot upload faster than its link",
+            b.upload_percent
+        );
     }
     let exe = std::env::current_exe().context("finding the dray binary")?;
     let mut cluster = Cluster {
@@ -139,6 +154,12 @@ pub async fn run(b: StormBench) -> Result<()> {
         println!(
             "direct {:8.2} {:8.2} {:12.2} {:13.3}",
             r.direct_p50_s, r.direct_last_s, r.direct_bound_ratio, r.direct_egress_ratio
+        );
+        println!(
+            "sim    {:8.2} {:8.2} {:12.2}    (the simulator's prediction of the swarm row)",
+            r.predicted_p50_s,
+            r.predicted_last_s,
+            r.predicted_last_s / r.lower_bound_s
         );
         println!(
             "registry copies in the swarm (headers cancelled): {:.3} · agents that fell back: {}",
@@ -223,10 +244,11 @@ async fn storm(
         )
         .await?;
         let path = |f: &str| format!("{:?}", node.join(f).display().to_string());
+        let upload_cap = b.node_mbit * 1_000_000 / 8 * b.upload_percent / 100;
         std::fs::write(
             node.join("node.toml"),
             format!(
-                "state_dir = {}\npeer_listen = \"{}:7881\"\ncert = {}\nkey = {}\nca = {}\n\n[mirror]\nlisten = \"127.0.0.1:0\"\n\n[swarm]\ntrackers = [\"http://{TRACKER_ADDR}\"]\n",
+                "state_dir = {}\npeer_listen = \"{}:7881\"\ncert = {}\nkey = {}\nca = {}\n\n[peer]\nupload_bytes_per_s = {upload_cap}\n\n[mirror]\nlisten = \"127.0.0.1:0\"\n\n[swarm]\ntrackers = [\"http://{TRACKER_ADDR}\"]\n",
                 path("state"),
                 node_ip(i),
                 path("agent.crt"),
@@ -246,6 +268,18 @@ async fn storm(
     let lower_bound_s = (bits / u_s).max(bits / u).max(n * bits / (u_s + n * u));
     let median = |t: &[f64]| t[t.len() / 2];
     let last = |t: &[f64]| t[t.len() - 1];
+    let predicted = dray_simulations::run(
+        &dray_simulations::Scenario::emulated(
+            b.nodes as u32,
+            b.size,
+            b.node_mbit,
+            b.registry_mbit,
+            b.upload_percent,
+        ),
+        dray_simulations::Strategy::Dray,
+        1,
+    )
+    .context("simulating the emulated cluster")?;
     let r = StormResult {
         nodes: b.nodes,
         image_bytes: b.size,
@@ -262,6 +296,8 @@ async fn storm(
         bound_ratio: last(&swarm.times) / lower_bound_s,
         direct_bound_ratio: last(&direct.times) / lower_bound_s,
         fell_back,
+        predicted_p50_s: predicted.p50_s,
+        predicted_last_s: predicted.max_s,
         swarm_times_s: swarm.times.clone(),
         direct_times_s: direct.times.clone(),
     };

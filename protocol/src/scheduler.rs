@@ -34,10 +34,15 @@ pub struct SchedulerConfig {
     pub peers_per_blob: usize,
     /// Holders scored per answer; bounds the work of an announce in big swarms.
     pub peer_sample: usize,
-    /// Chunks per registry assignment.
+    /// Chunks per registry assignment. One chunk per node spreads the first
+    /// copies over as many uplinks as possible (measured in `simulations`).
     pub stripe_chunks: u32,
     /// Registry assignments a node may hold at once, over all blobs.
     pub max_outstanding: usize,
+    /// Live registry assignments per blob, over all nodes (0: no limit). Few
+    /// concurrent registry fetches finish (and can be forwarded) soon; many
+    /// share the registry and all finish late.
+    pub max_runs_per_blob: usize,
     /// The slowest registry fetch rate (bytes/s) tolerated before a run is taken back.
     pub min_fetch_rate: u64,
     /// Floor on an assignment's deadline, for small runs and slow starts.
@@ -57,8 +62,9 @@ impl Default for SchedulerConfig {
             expiry_intervals: 3,
             peers_per_blob: 8,
             peer_sample: 64,
-            stripe_chunks: 4,
-            max_outstanding: 2,
+            stripe_chunks: 1,
+            max_outstanding: 1,
+            max_runs_per_blob: 16,
             min_fetch_rate: 1 << 20,
             min_fetch_timeout: Duration::from_secs(5),
             max_fetch_timeout: Duration::from_secs(600),
@@ -781,7 +787,10 @@ impl Scheduler {
             {
                 continue;
             }
-            while peer.runs.len() < self.config.max_outstanding {
+            while peer.runs.len() < self.config.max_outstanding
+                && (self.config.max_runs_per_blob == 0
+                    || swarm.runs.len() < self.config.max_runs_per_blob)
+            {
                 let Some((first, count)) = swarm.take_free_run(self.config.stripe_chunks) else {
                     break;
                 };
@@ -1058,6 +1067,38 @@ mod tests {
 
     const CHUNK: u64 = 4 << 20;
 
+    /// Runs of 4 chunks, 2 per node, no per-blob window: the layout most
+    /// tests below spell out.
+    fn striped() -> SchedulerConfig {
+        SchedulerConfig {
+            stripe_chunks: 4,
+            max_outstanding: 2,
+            max_runs_per_blob: 0,
+            ..SchedulerConfig::default()
+        }
+    }
+
+    #[test]
+    fn by_default_first_copies_go_one_chunk_each_to_distinct_nodes_at_most_16_at_once() {
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        let now = Instant::now();
+        let mut firsts = Vec::new();
+        for i in 0..20 {
+            let d = s.announce(wants(&format!("n{i}"), 64, &[]), now);
+            firsts.push(chunks_of(&d.assignments));
+        }
+        let expected: Vec<Vec<u32>> = (0..20)
+            .map(|i| if i < 16 { vec![i] } else { Vec::new() })
+            .collect();
+        assert_eq!(firsts, expected);
+        // A finished run frees a slot of the window for the next announcer
+        // (here the finisher itself, announcing its chunk).
+        let d = s.announce(added("n0", 64, vec![0]), now);
+        assert_eq!(chunks_of(&d.assignments), vec![16]);
+        let d = s.announce(added("n16", 64, vec![]), now);
+        assert!(d.assignments.is_empty());
+    }
+
     fn blob() -> BlobDigest {
         BlobDigest::of(b"layer")
     }
@@ -1121,7 +1162,7 @@ mod tests {
 
     #[test]
     fn eight_nodes_wanting_a_64_chunk_blob_get_disjoint_runs_covering_every_chunk_once() {
-        let mut s = Scheduler::new(SchedulerConfig::default());
+        let mut s = Scheduler::new(striped());
         let now = Instant::now();
         let mut seen = vec![0u32; 64];
         for n in 0..8 {
@@ -1140,7 +1181,7 @@ mod tests {
 
     #[test]
     fn runs_whose_chunks_are_all_announced_are_dropped_and_the_next_handed_out() {
-        let mut s = Scheduler::new(SchedulerConfig::default());
+        let mut s = Scheduler::new(striped());
         let now = Instant::now();
         let first = s.announce(wants("a", 16, &[]), now).assignments;
         assert_eq!(chunks_of(&first), (0..8).collect::<Vec<_>>());
@@ -1155,7 +1196,7 @@ mod tests {
 
     #[test]
     fn a_stalled_run_is_reassigned_to_another_node_after_its_deadline() {
-        let mut s = Scheduler::new(SchedulerConfig::default());
+        let mut s = Scheduler::new(striped());
         let t0 = Instant::now();
         let a = s.announce(wants("a", 8, &[]), t0).assignments;
         assert_eq!(chunks_of(&a), (0..8).collect::<Vec<_>>());
@@ -1184,7 +1225,7 @@ mod tests {
 
     #[test]
     fn a_deadline_grows_with_the_run_size_above_a_floor() {
-        let config = SchedulerConfig::default();
+        let config = striped();
         let now = Instant::now();
         let mut s = Scheduler::new(config.clone());
         let big = s.announce(wants("a", 8, &[]), now).assignments;
@@ -1199,7 +1240,7 @@ mod tests {
 
     #[test]
     fn an_expired_nodes_runs_are_reassigned() {
-        let mut s = Scheduler::new(SchedulerConfig::default());
+        let mut s = Scheduler::new(striped());
         let t0 = Instant::now();
         let a = s.announce(wants("a", 8, &[]), t0).assignments;
         assert_eq!(a.len(), 2);
@@ -1221,7 +1262,7 @@ mod tests {
 
     #[test]
     fn a_leaving_node_loses_its_runs_and_holdings_at_once() {
-        let mut s = Scheduler::new(SchedulerConfig::default());
+        let mut s = Scheduler::new(striped());
         let now = Instant::now();
         s.announce(wants("a", 8, &[0]), now);
         assert_eq!(s.holders(&blob(), 0), 1);
@@ -1235,11 +1276,11 @@ mod tests {
     #[test]
     fn a_restarted_scheduler_asks_for_a_full_resend_on_a_delta() {
         let now = Instant::now();
-        let mut s = Scheduler::new(SchedulerConfig::default());
+        let mut s = Scheduler::new(striped());
         s.announce(wants("a", 8, &[0, 1]), now);
         assert!(!s.announce(added("a", 8, vec![2]), now).resend_full);
 
-        let mut restarted = Scheduler::new(SchedulerConfig::default());
+        let mut restarted = Scheduler::new(striped());
         let d = restarted.announce(added("a", 8, vec![3]), now);
         assert!(d.resend_full);
         assert!(d.assignments.is_empty() && d.peers.is_empty());
@@ -1251,7 +1292,7 @@ mod tests {
 
     #[test]
     fn peers_given_prefer_holders_of_missing_chunks_and_exclude_banned_offenders() {
-        let mut s = Scheduler::new(SchedulerConfig::default());
+        let mut s = Scheduler::new(striped());
         let now = Instant::now();
         s.announce(wants("asker", 8, &[0, 1]), now);
         s.announce(wants("same", 8, &[0, 1]), now);
@@ -1299,7 +1340,7 @@ mod tests {
 
     #[test]
     fn three_distinct_reporters_ban_an_offender() {
-        let mut s = Scheduler::new(SchedulerConfig::default());
+        let mut s = Scheduler::new(striped());
         let now = Instant::now();
         for p in ["r1", "r2", "r3", "bad"] {
             s.announce(wants(p, 8, &[0]), now);
@@ -1320,7 +1361,7 @@ mod tests {
 
     #[test]
     fn same_zone_and_lightly_loaded_peers_come_first() {
-        let mut s = Scheduler::new(SchedulerConfig::default());
+        let mut s = Scheduler::new(striped());
         let now = Instant::now();
         let labelled = |peer: &str, zone: &str, load: u32| {
             let mut a = wants(peer, 4, &[0, 1, 2, 3]);
@@ -1339,7 +1380,7 @@ mod tests {
 
     #[test]
     fn a_digest_failure_withdraws_holdings_and_lists_the_blob_as_withdrawn() {
-        let mut s = Scheduler::new(SchedulerConfig::default());
+        let mut s = Scheduler::new(striped());
         let now = Instant::now();
         s.announce(wants("a", 16, &[0, 1, 2, 3]), now);
         s.announce(wants("b", 16, &[]), now);
@@ -1368,7 +1409,7 @@ mod tests {
 
     #[test]
     fn hostile_announces_and_reports_are_refused_without_panicking() {
-        let mut s = Scheduler::new(SchedulerConfig::default());
+        let mut s = Scheduler::new(striped());
         let now = Instant::now();
         s.announce(wants("a", 8, &[]), now);
         let d = s.announce(
@@ -1435,7 +1476,7 @@ mod tests {
     fn a_hundred_nodes_fetching_runs_instantly_see_each_of_256_chunks_assigned_once() {
         const N: u32 = 256;
         const NODES: usize = 100;
-        let mut s = Scheduler::new(SchedulerConfig::default());
+        let mut s = Scheduler::new(striped());
         let mut now = Instant::now();
         let names: Vec<String> = (0..NODES).map(|i| format!("node{i}")).collect();
         let mut held: Vec<Bitfield> = vec![Bitfield::new(N); NODES];
@@ -1479,7 +1520,7 @@ mod tests {
     fn ten_thousand_nodes_over_2560_chunks_stay_cheap_and_fetch_each_chunk_once() {
         const N: u32 = 2560;
         const NODES: usize = 10_000;
-        let mut s = Scheduler::new(SchedulerConfig::default());
+        let mut s = Scheduler::new(striped());
         let now = Instant::now();
         let started = std::time::Instant::now();
         let mut assigned = vec![0u32; N as usize];

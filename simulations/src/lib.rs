@@ -35,7 +35,7 @@
 //! stall, and the storm degrades towards every node pulling from the
 //! registry (measured: nobody done after 1,600 simulated s, registry egress
 //! 159x the image). The named storms therefore use `stall_s` = 30 s (with it
-//! egress is 1.0x); `small` keeps 5 s. The tracker-silence
+//! egress is 1.0x), as does the agent now. The tracker-silence
 //! fallback (3 s) is modelled as the agent has it.
 //!
 //! # What it is not

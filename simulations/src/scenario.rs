@@ -11,6 +11,10 @@ const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 /// 10 Gbit/s in bytes per second.
 const TEN_GBIT: f64 = 1.25e9;
+/// Payload bytes per byte on the wire for a bulk transfer over TCP or QUIC on
+/// Ethernet (headers of every frame): measured as the registry egress of a
+/// one-node `dray bench storm`, 1.045x the blob.
+pub const WIRE_EFFICIENCY: f64 = 1.0 / 1.045;
 
 /// Every name [`scenario`] accepts.
 pub const SCENARIOS: &[&str] = &[
@@ -108,14 +112,40 @@ impl Scenario {
             max_uploads: 4,
             announce_interval_s: 0.5,
             poll_s: 0.25,
-            // The agent uses 5 s; in a registry-bound storm many nodes see no
-            // chunk for 5 s while the first runs are still in flight, and
-            // their fallback fetches starve the runs (see the crate docs).
-            // Named storms use 30 s; `small` keeps the agent's 5 s.
+            // The agent's default (30 s; 5 s starved registry-bound storms,
+            // see the crate docs).
             stall_s: 30.0,
             tracker_grace_s: 3.0,
             kraken_degree: 10,
         }
+    }
+
+    /// The cluster `dray bench storm` emulates: one blob of `image_bytes`,
+    /// `nodes` agents with the agent's default limits (8 chunk downloads per
+    /// transfer, 16 uploads, a 30 s stall rule), links capped at `node_mbit`
+    /// and `registry_mbit` each way (wire bits, of which headers take
+    /// `1 - WIRE_EFFICIENCY`), and agent uploads capped at `upload_percent`
+    /// of the link rate (0: uncapped).
+    pub fn emulated(
+        nodes: u32,
+        image_bytes: u64,
+        node_mbit: u64,
+        registry_mbit: u64,
+        upload_percent: u64,
+    ) -> Self {
+        let payload_bps = |mbit: u64| mbit as f64 * 1e6 / 8.0 * WIRE_EFFICIENCY;
+        let mut s = Scenario::base("emulated", nodes, 1, image_bytes);
+        s.node_down_bps = payload_bps(node_mbit);
+        s.node_up_bps = match upload_percent {
+            0 => s.node_down_bps,
+            p => s
+                .node_down_bps
+                .min(node_mbit as f64 * 1e6 / 8.0 * p as f64 / 100.0),
+        };
+        s.registry_bps = payload_bps(registry_mbit);
+        s.max_downloads = 8;
+        s.max_uploads = 16;
+        s
     }
 
     /// Refuses scenarios the model cannot run (zero sizes, zero bandwidth, bad fractions).
@@ -192,12 +222,9 @@ impl Scenario {
 pub fn scenario(name: &str) -> Result<Scenario, SimError> {
     let s = match name {
         "small" => {
-            // Comparable with an emulated 16-node cluster on 100 Mbit/s links.
-            let mut s = Scenario::base(name, 16, 1, 256 * MIB);
-            s.node_up_bps = 12.5e6;
-            s.node_down_bps = 12.5e6;
-            s.registry_bps = 25e6;
-            s.stall_s = 5.0;
+            // `dray bench storm` with its defaults.
+            let mut s = Scenario::emulated(16, 256 * MIB, 100, 200, 90);
+            s.name = name.to_owned();
             s
         }
         "kraken-2600" => {

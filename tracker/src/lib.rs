@@ -51,6 +51,8 @@ pub struct TrackerConfig {
     pub stripe_chunks: u32,
     /// Registry-fetch assignments one agent may hold at once.
     pub max_outstanding: usize,
+    /// Live registry-fetch assignments per blob over all agents (0: no limit).
+    pub max_runs_per_blob: usize,
     /// Slowest registry fetch tolerated before an assignment is taken back, bytes/s.
     pub min_fetch_bytes_per_s: u64,
     /// Floor on an assignment's deadline, ms.
@@ -66,6 +68,7 @@ impl Default for TrackerConfig {
             peers_per_blob: s.peers_per_blob,
             stripe_chunks: s.stripe_chunks,
             max_outstanding: s.max_outstanding,
+            max_runs_per_blob: s.max_runs_per_blob,
             min_fetch_bytes_per_s: s.min_fetch_rate,
             min_fetch_timeout_ms: s.min_fetch_timeout.as_millis() as u64,
         }
@@ -88,6 +91,7 @@ impl TrackerConfig {
             peers_per_blob: self.peers_per_blob,
             stripe_chunks: self.stripe_chunks,
             max_outstanding: self.max_outstanding,
+            max_runs_per_blob: self.max_runs_per_blob,
             min_fetch_rate: self.min_fetch_bytes_per_s,
             min_fetch_timeout: Duration::from_millis(self.min_fetch_timeout_ms),
             ..SchedulerConfig::default()
