@@ -117,11 +117,13 @@ fn agent_config(dir: &Path, id: &str, tracker: &str, registry: &Registry) -> Str
          [peer]\nrequest_timeout = \"10s\"\n\
          [swarm]\ntrackers = [{tracker:?}]\npull_announce_ms = 150\nidle_announce_ms = 300\n\
          tracker_grace_ms = 5000\nstall_ms = 10000\n\
+         [local_api]\nsocket = {:?}\n\
          [mirror]\nlisten = \"127.0.0.1:0\"\nupstreams = {{ {:?} = {:?} }}\n",
         d("state"),
         d("agent.crt"),
         d("agent.key"),
         d("ca.crt"),
+        d("agent.sock"),
         registry.host(),
         registry.url(),
     )

@@ -212,11 +212,12 @@ fn a_receiver_killed_halfway_resumes_fetching_only_the_missing_chunks_plus_one()
             &d(id),
         ]));
         let cfg = format!(
-            "state_dir = {:?}\npeer_listen = \"127.0.0.1:0\"\ncert = {:?}\nkey = {:?}\nca = {:?}\nadmin_listen = \"127.0.0.1:0\"\n[mirror]\nlisten = \"127.0.0.1:0\"\n",
+            "state_dir = {:?}\npeer_listen = \"127.0.0.1:0\"\ncert = {:?}\nkey = {:?}\nca = {:?}\nadmin_listen = \"127.0.0.1:0\"\n[local_api]\nsocket = {:?}\n[mirror]\nlisten = \"127.0.0.1:0\"\n",
             d(&format!("{id}/state")),
             d(&format!("{id}/agent.crt")),
             d(&format!("{id}/agent.key")),
             d(&format!("{id}/ca.crt")),
+            d(&format!("{id}/agent.sock")),
         );
         std::fs::write(dir.path().join(format!("{id}.toml")), cfg).unwrap();
     }

@@ -47,6 +47,9 @@ pub struct FetchReport {
     pub bad_peers: BTreeMap<String, u32>,
     /// Bytes of verified chunks received from peers.
     pub bytes_received: u64,
+    /// Verified chunks and bytes read from the registry (swarm pulls).
+    pub chunks_from_registry: u32,
+    pub bytes_from_registry: u64,
     /// UDP payload size each peer's path reached (MTU discovery), at the end.
     pub path_mtu_by_peer: BTreeMap<String, u16>,
 }
@@ -147,6 +150,44 @@ impl Transfer {
     /// false if it is held or a peer request for it is in flight.
     pub fn claim(&self, index: u32) -> bool {
         self.lock().picker.claim(index)
+    }
+
+    /// Verifies and stores a chunk from `peer` (or, with `None`, the
+    /// registry) and counts it, in one step on a blocking thread, so a lane or
+    /// run aborted meanwhile cannot store a chunk without counting it.
+    pub async fn store<D: AsRef<[u8]> + Send + 'static>(
+        self: &Arc<Self>,
+        index: u32,
+        data: D,
+        peer: Option<String>,
+    ) -> Result<PutOutcome> {
+        let t = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let data = data.as_ref();
+            let len = data.len() as u64;
+            let put = match peer {
+                Some(_) => t.blob.put_chunk(index, data),
+                None => t.blob.put_origin_chunk(index, data),
+            };
+            if let Ok(PutOutcome::Stored | PutOutcome::Completed) = put {
+                let mut sh = t.lock();
+                match peer {
+                    Some(p) => {
+                        t.node.metrics().received(Source::Peer, len);
+                        *sh.report.chunks_by_peer.entry(p).or_default() += 1;
+                        sh.report.bytes_received += len;
+                    }
+                    None => {
+                        t.node.metrics().received(Source::Registry, len);
+                        sh.report.chunks_from_registry += 1;
+                        sh.report.bytes_from_registry += len;
+                    }
+                }
+            }
+            put
+        })
+        .await
+        .map_err(join_err)?
     }
 
     /// The outcome of a claimed chunk fetched outside the lanes.
@@ -363,19 +404,10 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
                 continue;
             }
         };
-        let len = bytes.len() as u64;
-        let b = t.blob.clone();
-        let put = tokio::task::spawn_blocking(move || b.put_chunk(index, &bytes))
-            .await
-            .map_err(join_err);
-        match put.and_then(|r| r) {
+        match t.store(index, bytes, Some(peer.clone())).await {
             Ok(PutOutcome::Stored | PutOutcome::Completed) => {
                 tracing::debug!(index, %peer, "chunk stored");
-                t.node.metrics().received(Source::Peer, len);
-                let mut sh = t.lock();
-                *sh.report.chunks_by_peer.entry(peer.clone()).or_default() += 1;
-                sh.report.bytes_received += len;
-                sh.picker.completed(index);
+                t.lock().picker.completed(index);
             }
             Ok(PutOutcome::Duplicate) => t.settle(index, true),
             Err(Error::Verify(VerifyError::ChunkHash { .. } | VerifyError::ChunkLength { .. })) => {
@@ -406,6 +438,8 @@ async fn persist_loop(t: Arc<Transfer>) {
         match tokio::task::spawn_blocking(move || store.persist(&b)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::error!(error = %e, "recording completed chunks failed"),
+            // The runtime is shutting down; `finish` persists on a normal end.
+            Err(e) if e.is_cancelled() => return,
             Err(e) => tracing::error!(error = %e, "recording completed chunks panicked"),
         }
     }

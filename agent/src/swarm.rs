@@ -344,6 +344,8 @@ impl Swarm {
             report.resumed_chunks = report.resumed_chunks.max(fetched.resumed_chunks);
             report.chunks_from_peers += fetched.chunks_by_peer.values().sum::<u32>();
             report.bytes_from_peers += fetched.bytes_received;
+            report.chunks_from_registry += fetched.chunks_from_registry;
+            report.bytes_from_registry += fetched.bytes_from_registry;
             for (peer, index) in &fetched.bad_peers {
                 report.bad_peers.push(peer.clone());
                 self.report_bad_chunk(&digest, peer, *index).await;
@@ -413,10 +415,7 @@ impl Swarm {
                 return Err(e);
             }
             while let Some(done) = runs.try_join_next() {
-                let (chunks, bytes) =
-                    done.map_err(|e| Error::Db(format!("registry fetch task: {e}")))??;
-                report.chunks_from_registry += chunks;
-                report.bytes_from_registry += bytes;
+                done.map_err(|e| Error::Db(format!("registry fetch task: {e}")))??;
             }
             if t.blob().is_complete() {
                 return Ok(());
@@ -555,9 +554,8 @@ async fn fetch_run(
     first: u32,
     count: u32,
     publish: bool,
-) -> Result<(u32, u64)> {
+) -> Result<()> {
     let map = t.blob().map();
-    let (mut chunks, mut bytes) = (0, 0);
     for index in first..first.saturating_add(count).min(map.chunk_count()) {
         if !t.claim(index) {
             continue;
@@ -577,17 +575,9 @@ async fn fetch_run(
                 return Err(e.into());
             }
         };
-        let len = data.len() as u64;
-        let blob = t.blob().clone();
-        let put = tokio::task::spawn_blocking(move || blob.put_origin_chunk(index, &data))
-            .await
-            .map_err(|e| Error::Db(format!("storing a registry chunk: {e}")))?;
-        match put {
+        match t.store(index, data, None).await {
             Ok(PutOutcome::Stored | PutOutcome::Completed) => {
                 t.settle(index, true);
-                swarm.node.metrics().received(Source::Registry, len);
-                chunks += 1;
-                bytes += len;
                 if publish {
                     // Peers can take the chunk only once its hash is published.
                     swarm.publish_chunk(&map, index, t.blob()).await;
@@ -609,5 +599,5 @@ async fn fetch_run(
             }
         }
     }
-    Ok((chunks, bytes))
+    Ok(())
 }
