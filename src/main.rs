@@ -1,6 +1,8 @@
 //! `dray`: the one binary. Each subcommand is a thin layer over the crates.
 
 mod bench;
+mod bench_unpack;
+mod oci_image;
 mod storm;
 mod testbed;
 

@@ -20,5 +20,6 @@ pub mod registry;
 pub mod store;
 pub mod swarm;
 pub mod tracker_client;
+pub mod unpack;
 
 pub use error::{Error, Result};
