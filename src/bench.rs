@@ -28,6 +28,10 @@ pub enum BenchCommand {
     /// N agents in network namespaces with capped links pulling one blob through
     /// the swarm vs straight from the real registry (needs root).
     Storm(crate::storm::StormBench),
+    /// A 4-layer image unpacked by dray (layers in parallel) vs containerd 1.6
+    /// and serial `tar -x`, and streamed from the registry into the unpacker
+    /// vs download and unpack alone (needs root and containerd).
+    Unpack(crate::bench_unpack::UnpackBench),
 }
 
 #[derive(Args)]
@@ -103,6 +107,7 @@ pub async fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Swarm(b) => swarm(b).await,
         BenchCommand::Mirror(b) => mirror(b).await,
         BenchCommand::Storm(b) => crate::storm::run(b).await,
+        BenchCommand::Unpack(b) => crate::bench_unpack::run(b).await,
     }
 }
 

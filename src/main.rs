@@ -1,9 +1,11 @@
 //! `dray`: the one binary. Each subcommand is a thin layer over the crates.
 
 mod bench;
+mod bench_unpack;
 mod client;
 mod cluster;
 mod demo;
+mod oci_image;
 mod storm;
 mod testbed;
 

@@ -1,0 +1,662 @@
+//! `dray bench unpack`: dray's layer unpacker against containerd 1.6's own
+//! unpack and against serial `tar -x`, on the same 4-layer image (gzip and
+//! zstd), and the overlap of download and unpack when layers stream from the
+//! real registry straight into the unpacker.
+
+use crate::bench::emit;
+use crate::oci_image::{Containerd, LayerBlob, write_oci_archive};
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use dray_agent::unpack::{Compression, unpack_layer};
+use serde::Serialize;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+const LAYERS: usize = 4;
+
+#[derive(Args)]
+pub struct UnpackBench {
+    /// Uncompressed size of the whole image (4 layers), MiB.
+    #[arg(long, default_value_t = 1024)]
+    size_mib: u64,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct CompressionResult {
+    compression: &'static str,
+    compressed_bytes: u64,
+    /// dray: the 4 layers at once, at most `parallel` at a time; the slower
+    /// of two runs, one before the baselines and one after (`unpack_s`), as
+    /// this machine's page cache makes the same run vary several-fold.
+    dray_s: f64,
+    /// The first of the two runs.
+    dray_first_s: f64,
+    /// containerd 1.6 applying the same layers (see `containerd_method`).
+    containerd_s: f64,
+    /// `tar -x` of each layer in turn.
+    tar_s: f64,
+    containerd_over_dray: f64,
+    tar_over_dray: f64,
+    /// The 4 blobs from the registry through a relay capped at `rate_bytes_s`.
+    download_s: f64,
+    /// The 4 layers unpacked from local files again, just before the pull.
+    unpack_s: f64,
+    /// The 4 blobs streamed from the registry into the unpacker.
+    pull_unpack_s: f64,
+    /// pull_unpack_s / max(download_s, unpack_s): 1 is perfect overlap.
+    overlap_ratio: f64,
+    rate_bytes_s: u64,
+}
+
+#[derive(Serialize)]
+struct UnpackResult {
+    uncompressed_bytes: u64,
+    files: u64,
+    parallel: usize,
+    containerd_method: &'static str,
+    rate_method: &'static str,
+    results: Vec<CompressionResult>,
+}
+
+const CONTAINERD_METHOD: &str = "a private containerd 1.6 (overlayfs snapshotter) per compression; \
+    `ctr images import --no-unpack` of the OCI archive loads the content, then the same import is \
+    timed again with --no-unpack (archive read, content already present) and with unpack: \
+    containerd_s is the difference";
+const RATE_METHOD: &str = "the relay's total rate is set so that downloading the 4 blobs takes \
+    about as long as unpacking them (compressed bytes / unpack_s), the case where overlap matters most";
+
+pub async fn run(b: UnpackBench) -> Result<()> {
+    if b.size_mib < LAYERS as u64 {
+        bail!("--size-mib must be at least {LAYERS}");
+    }
+    let parallel = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let dir = tempfile::tempdir_in("/var/tmp").context("creating a temporary directory")?;
+    let w = dir.path().to_path_buf();
+    let per_layer = b.size_mib << 20 >> 2;
+    let (tars, files) = tokio::task::spawn_blocking({
+        let w = w.clone();
+        move || generate_layers(&w, per_layer)
+    })
+    .await??;
+    let mut diff_ids = Vec::new();
+    for t in &tars {
+        diff_ids.push(crate::oci_image::sha256_file(t)?);
+    }
+    let uncompressed: u64 = tars
+        .iter()
+        .map(|t| std::fs::metadata(t).map_or(0, |m| m.len()))
+        .sum();
+    let registry = crate::testbed::Registry::start(None).await;
+    let mut results = Vec::new();
+    for compression in [Compression::Gzip, Compression::Zstd] {
+        let blobs = tokio::task::spawn_blocking({
+            let (tars, w) = (tars.clone(), w.clone());
+            move || compress_layers(&tars, &w, compression)
+        })
+        .await??;
+        results.push(
+            measure(&w, &registry, &blobs, &diff_ids, compression, parallel)
+                .await
+                .with_context(|| format!("{compression:?} layers"))?,
+        );
+        for blob in &blobs {
+            std::fs::remove_file(blob)?;
+        }
+    }
+    let r = UnpackResult {
+        uncompressed_bytes: uncompressed,
+        files,
+        parallel,
+        containerd_method: CONTAINERD_METHOD,
+        rate_method: RATE_METHOD,
+        results,
+    };
+    emit(b.json, &r, |r| {
+        println!(
+            "image: {LAYERS} layers, {} bytes uncompressed, {} files; dray unpacks {} at a time",
+            r.uncompressed_bytes, r.files, r.parallel
+        );
+        println!("containerd_s: {}", r.containerd_method);
+        println!("overlap: {}", r.rate_method);
+        println!(
+            "{:6} {:>12} {:>8} {:>9} {:>13} {:>7} {:>11} {:>9} {:>10} {:>9} {:>13} {:>8}",
+            "",
+            "compressed",
+            "dray_s",
+            "1st run",
+            "containerd_s",
+            "tar_s",
+            "ctrd/dray",
+            "tar/dray",
+            "download_s",
+            "unpack_s",
+            "pull_unpack_s",
+            "overlap"
+        );
+        for c in &r.results {
+            println!(
+                "{:6} {:>12} {:>8.2} {:>9.2} {:>13.2} {:>7.2} {:>11.2} {:>9.2} {:>10.2} {:>9.2} {:>13.2} {:>8.2}",
+                c.compression,
+                c.compressed_bytes,
+                c.dray_s,
+                c.dray_first_s,
+                c.containerd_s,
+                c.tar_s,
+                c.containerd_over_dray,
+                c.tar_over_dray,
+                c.download_s,
+                c.unpack_s,
+                c.pull_unpack_s,
+                c.overlap_ratio
+            );
+        }
+    })
+}
+
+async fn measure(
+    w: &Path,
+    registry: &crate::testbed::Registry,
+    blobs: &[PathBuf],
+    diff_ids: &[String],
+    compression: Compression,
+    parallel: usize,
+) -> Result<CompressionResult> {
+    let name = match compression {
+        Compression::Gzip => "gzip",
+        Compression::Zstd => "zstd",
+        Compression::None => "tar",
+    };
+    let compressed_bytes: u64 = blobs
+        .iter()
+        .map(|b| std::fs::metadata(b).map_or(0, |m| m.len()))
+        .sum();
+
+    // dray, from local files.
+    let dray = || {
+        let (blobs, ids, out) = (blobs.to_vec(), diff_ids.to_vec(), w.join("dray"));
+        tokio::task::spawn_blocking(move || {
+            settle(None)?;
+            let secs = unpack_files(&blobs, &ids, compression, &out, parallel)?;
+            settle(Some(&out))?;
+            anyhow::Ok(secs)
+        })
+    };
+    let dray_first_s = dray().await??;
+
+    // Serial tar.
+    let tar_s = tokio::task::spawn_blocking({
+        let (blobs, out) = (blobs.to_vec(), w.join("tar"));
+        move || {
+            settle(None)?;
+            let secs = serial_tar(&blobs, compression, &out)?;
+            settle(Some(&out))?;
+            anyhow::Ok(secs)
+        }
+    })
+    .await??;
+
+    // containerd.
+    let containerd_s = tokio::task::spawn_blocking({
+        let (blobs, ids, w) = (blobs.to_vec(), diff_ids.to_vec(), w.to_path_buf());
+        move || containerd_unpack(&w, &blobs, &ids, compression)
+    })
+    .await??;
+
+    // Overlap: stream from the registry into the unpacker.
+    let repo = "bench/unpack";
+    let mut digests = Vec::new();
+    for blob in blobs {
+        digests.push(registry.push(repo, blob));
+    }
+    let unpack_s = dray().await??;
+    let dray_s = dray_first_s.max(unpack_s);
+    let rate = ((compressed_bytes as f64 / unpack_s) as u64).max(1);
+    registry.throttle(rate);
+    let client = std::sync::Arc::new(dray_agent::registry::RegistryClient::new(
+        &registry.url(),
+        None,
+    )?);
+    settle(None)?;
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for (i, d) in digests.iter().enumerate() {
+        let (client, d, path) = (client.clone(), d.parse()?, w.join(format!("dl-{i}")));
+        tasks.push(tokio::spawn(async move {
+            client.download(repo, &d, &path).await?;
+            std::fs::remove_file(&path)?;
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let download_s = start.elapsed().as_secs_f64();
+    let out = w.join("pulled");
+    std::fs::create_dir_all(&out)?;
+    let limit = std::sync::Arc::new(tokio::sync::Semaphore::new(parallel));
+    settle(None)?;
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for (i, (d, id)) in digests.iter().zip(diff_ids).enumerate() {
+        let (client, d, id, target, limit) = (
+            client.clone(),
+            d.clone(),
+            id.clone(),
+            out.join(i.to_string()),
+            limit.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let _permit = limit.acquire_owned().await?;
+            pull_and_unpack(&client, repo, &d, compression, &target, &id).await
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let pull_unpack_s = start.elapsed().as_secs_f64();
+    registry.throttle(0);
+    settle(Some(&out))?;
+    Ok(CompressionResult {
+        compression: name,
+        compressed_bytes,
+        dray_s,
+        dray_first_s,
+        containerd_s,
+        tar_s,
+        containerd_over_dray: containerd_s / dray_s,
+        tar_over_dray: tar_s / dray_s,
+        download_s,
+        unpack_s,
+        pull_unpack_s,
+        overlap_ratio: pull_unpack_s / download_s.max(unpack_s),
+        rate_bytes_s: rate,
+    })
+}
+
+/// Removes `out` (if given) and writes back every dirty page, so that the
+/// next timed phase starts from the same state whatever ran before it (on
+/// this machine a gigabyte of writeback left over slows the next phase
+/// several-fold).
+fn settle(out: Option<&Path>) -> Result<()> {
+    if let Some(out) = out {
+        std::fs::remove_dir_all(out)?;
+    }
+    // SAFETY: sync takes no arguments and cannot fail.
+    unsafe { libc::sync() };
+    Ok(())
+}
+
+/// Unpacks every blob into `out/<i>`, at most `parallel` at once; returns the seconds taken.
+fn unpack_files(
+    blobs: &[PathBuf],
+    diff_ids: &[String],
+    compression: Compression,
+    out: &Path,
+    parallel: usize,
+) -> Result<f64> {
+    std::fs::create_dir_all(out)?;
+    let next = AtomicUsize::new(0);
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..parallel.min(blobs.len()))
+            .map(|_| {
+                s.spawn(|| -> Result<()> {
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(blob) = blobs.get(i) else {
+                            return Ok(());
+                        };
+                        let f = std::fs::File::open(blob)?;
+                        unpack_layer(f, compression, &out.join(i.to_string()), Some(&diff_ids[i]))
+                            .with_context(|| format!("unpacking {}", blob.display()))?;
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .try_for_each(|w| w.join().expect("unpack worker panicked"))
+    })?;
+    Ok(start.elapsed().as_secs_f64())
+}
+
+/// A blocking reader over the chunks a download task sends.
+struct ChannelReader {
+    rx: tokio::sync::mpsc::Receiver<bytes::Bytes>,
+    cur: bytes::Bytes,
+}
+
+impl Read for ChannelReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        while self.cur.is_empty() {
+            match self.rx.blocking_recv() {
+                Some(b) => self.cur = b,
+                None => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.cur.len());
+        buf[..n].copy_from_slice(&self.cur[..n]);
+        self.cur = self.cur.slice(n..);
+        Ok(n)
+    }
+}
+
+/// GETs a blob and unpacks it while it arrives, on a blocking thread.
+async fn pull_and_unpack(
+    client: &dray_agent::registry::RegistryClient,
+    repo: &str,
+    digest: &str,
+    compression: Compression,
+    target: &Path,
+    diff_id: &str,
+) -> Result<()> {
+    let mut resp = client
+        .request(
+            repo,
+            &format!("blobs/{digest}"),
+            reqwest::Method::GET,
+            Default::default(),
+        )
+        .await?;
+    if !resp.status().is_success() {
+        bail!("GET {digest}: {}", resp.status());
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let unpack = tokio::task::spawn_blocking({
+        let (target, diff_id) = (target.to_path_buf(), diff_id.to_string());
+        move || {
+            let reader = ChannelReader {
+                rx,
+                cur: bytes::Bytes::new(),
+            };
+            unpack_layer(reader, compression, &target, Some(&diff_id))
+        }
+    });
+    while let Some(chunk) = resp.chunk().await? {
+        if tx.send(chunk).await.is_err() {
+            break; // the unpacker stopped; its error is reported below
+        }
+    }
+    drop(tx);
+    unpack
+        .await?
+        .with_context(|| format!("unpacking {digest}"))?;
+    Ok(())
+}
+
+fn serial_tar(blobs: &[PathBuf], compression: Compression, out: &Path) -> Result<f64> {
+    let start = Instant::now();
+    for (i, blob) in blobs.iter().enumerate() {
+        let dir = out.join(i.to_string());
+        std::fs::create_dir_all(&dir)?;
+        let mut cmd = Command::new("tar");
+        match compression {
+            Compression::Gzip => cmd.arg("-xzf"),
+            Compression::Zstd => cmd.args(["--zstd", "-xf"]),
+            Compression::None => cmd.arg("-xf"),
+        };
+        let status = cmd.arg(blob).arg("-C").arg(&dir).status()?;
+        if !status.success() {
+            bail!("tar -x of {} failed: {status}", blob.display());
+        }
+    }
+    Ok(start.elapsed().as_secs_f64())
+}
+
+fn containerd_unpack(
+    w: &Path,
+    blobs: &[PathBuf],
+    diff_ids: &[String],
+    compression: Compression,
+) -> Result<f64> {
+    let media_type = match compression {
+        Compression::Gzip => "application/vnd.oci.image.layer.v1.tar+gzip",
+        Compression::Zstd => "application/vnd.oci.image.layer.v1.tar+zstd",
+        Compression::None => "application/vnd.oci.image.layer.v1.tar",
+    };
+    let layers: Vec<LayerBlob> = blobs
+        .iter()
+        .zip(diff_ids)
+        .map(|(path, id)| LayerBlob {
+            path: path.clone(),
+            media_type,
+            diff_id: id.clone(),
+        })
+        .collect();
+    let archive = w.join("image.tar");
+    write_oci_archive(&layers, "dray.bench/unpack:1", &archive)?;
+    let root = w.join("containerd");
+    std::fs::create_dir_all(&root)?;
+    let secs = {
+        let ctrd = Containerd::start(&root).context("starting containerd")?;
+        let a = archive.to_str().context("archive path")?;
+        ctrd.ctr_ok(&["images", "import", "--no-unpack", a])?;
+        settle(None)?;
+        let t = Instant::now();
+        ctrd.ctr_ok(&["images", "import", "--no-unpack", a])?;
+        let without = t.elapsed().as_secs_f64();
+        settle(None)?;
+        let t = Instant::now();
+        ctrd.ctr_ok(&["images", "import", a])?;
+        let with = t.elapsed().as_secs_f64();
+        let top = crate::oci_image::chain_ids(diff_ids)
+            .pop()
+            .context("no layers")?;
+        ctrd.snapshot_dir(&top)
+            .context("containerd did not unpack the image")?;
+        with - without
+    };
+    settle(Some(&root))?;
+    std::fs::remove_file(&archive)?;
+    Ok(secs)
+}
+
+/// Compresses each tar (gzip at the default level 6, as Docker and
+/// containerd write it; zstd level 3), in parallel.
+fn compress_layers(tars: &[PathBuf], w: &Path, compression: Compression) -> Result<Vec<PathBuf>> {
+    std::thread::scope(|s| {
+        let jobs: Vec<_> = tars
+            .iter()
+            .map(|tar| {
+                s.spawn(move || -> Result<PathBuf> {
+                    let mut src = std::fs::File::open(tar)?;
+                    let name = tar.file_name().context("tar name")?.to_string_lossy();
+                    let (path, mut enc): (PathBuf, Box<dyn Write>) = match compression {
+                        Compression::Gzip => {
+                            let p = w.join(format!("{name}.gz"));
+                            let f = std::fs::File::create(&p)?;
+                            let e =
+                                flate2::write::GzEncoder::new(f, flate2::Compression::default());
+                            (p, Box::new(e))
+                        }
+                        Compression::Zstd => {
+                            let p = w.join(format!("{name}.zst"));
+                            let f = std::fs::File::create(&p)?;
+                            (p, Box::new(zstd::Encoder::new(f, 3)?.auto_finish()))
+                        }
+                        Compression::None => bail!("nothing to compress"),
+                    };
+                    std::io::copy(&mut src, &mut enc)?;
+                    enc.flush()?;
+                    drop(enc);
+                    Ok(path)
+                })
+            })
+            .collect();
+        jobs.into_iter()
+            .map(|j| j.join().expect("compression worker panicked"))
+            .collect()
+    })
+}
+
+/// A deterministic generator of layer content.
+struct Content(u64);
+
+impl Content {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Incompressible bytes (media, already-compressed archives, models).
+    fn random(&mut self, n: usize) -> Vec<u8> {
+        let mut v = Vec::with_capacity(n + 8);
+        while v.len() < n {
+            v.extend_from_slice(&self.next().to_le_bytes());
+        }
+        v.truncate(n);
+        v
+    }
+
+    /// Text that compresses about as source code and configs do (3–4×).
+    fn text(&mut self, n: usize) -> Vec<u8> {
+        const WORDS: &[&str] = &[
+            "the",
+            "layer",
+            "image",
+            "return",
+            "static",
+            "const",
+            "function",
+            "value",
+            "error",
+            "if",
+            "else",
+            "for",
+            "while",
+            "import",
+            "struct",
+            "impl",
+            "self",
+            "config",
+            "path",
+            "string",
+            "bytes",
+            "digest",
+            "container",
+            "runtime",
+            "0x1f",
+            "42",
+            "true",
+            "false",
+            "null",
+            "{",
+            "}",
+            "(",
+            ");",
+            "=",
+            "==",
+            "//",
+            "#include",
+            "<stdio.h>",
+            "printf",
+            "int",
+            "char",
+            "void",
+            "license",
+            "Apache",
+            "GNU",
+            "version",
+            "copyright",
+        ];
+        let mut v = Vec::with_capacity(n + 64);
+        while v.len() < n {
+            let r = self.next();
+            for k in 0..6 {
+                let word = WORDS[((r >> (k * 10)) % WORDS.len() as u64) as usize];
+                v.extend_from_slice(word.as_bytes());
+                v.push(if (r >> (60 - k)) & 7 == 0 {
+                    b'\n'
+                } else {
+                    b' '
+                });
+            }
+            // Identifiers that repeat less often, like real code.
+            v.extend_from_slice(format!("x{} ", r % 5000).as_bytes());
+        }
+        v.truncate(n);
+        v
+    }
+}
+
+/// Four layer tars of `per_layer` bytes each: 30% small text files (0.5–16
+/// KiB, 100 per directory), 40% large text files (4–12 MiB), 30% large
+/// random files, with a few symlinks and hardlinks. Returns the tars and the
+/// number of files.
+fn generate_layers(w: &Path, per_layer: u64) -> Result<(Vec<PathBuf>, u64)> {
+    let mut files = 0;
+    let mut tars = Vec::new();
+    for layer in 0..LAYERS {
+        let path = w.join(format!("layer{layer}.tar"));
+        let mut b = tar::Builder::new(std::io::BufWriter::with_capacity(
+            1 << 20,
+            std::fs::File::create(&path)?,
+        ));
+        let mut g =
+            Content(0x9E37_79B9_7F4A_7C15 ^ (layer as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407));
+        let add = |b: &mut tar::Builder<_>, name: &str, data: &[u8]| -> Result<()> {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(data.len() as u64);
+            h.set_mode(0o644);
+            h.set_mtime(1_700_000_000);
+            h.set_uid(0);
+            h.set_gid(0);
+            h.set_entry_type(tar::EntryType::Regular);
+            b.append_data(&mut h, name, data)?;
+            Ok(())
+        };
+        let (mut small, mut text, mut random) = (0u64, 0u64, 0u64);
+        let (small_goal, text_goal) = (per_layer * 3 / 10, per_layer * 4 / 10);
+        let random_goal = per_layer - small_goal - text_goal;
+        let mut i = 0u64;
+        while small < small_goal {
+            let n = 512 + (g.next() % (16 << 10)) as usize;
+            add(
+                &mut b,
+                &format!("l{layer}/src/d{}/f{i}.txt", i / 100),
+                &g.text(n),
+            )?;
+            small += n as u64;
+            i += 1;
+        }
+        files += i;
+        while text < text_goal {
+            let n = ((4 << 20) + g.next() % (8 << 20)).min(text_goal - text) as usize;
+            add(&mut b, &format!("l{layer}/share/t{i}.txt"), &g.text(n))?;
+            text += n as u64;
+            i += 1;
+            files += 1;
+        }
+        while random < random_goal {
+            let n = ((4 << 20) + g.next() % (8 << 20)).min(random_goal - random) as usize;
+            add(&mut b, &format!("l{layer}/lib/r{i}.bin"), &g.random(n))?;
+            random += n as u64;
+            i += 1;
+            files += 1;
+        }
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Symlink);
+        h.set_size(0);
+        h.set_mode(0o777);
+        h.set_uid(0);
+        h.set_gid(0);
+        b.append_link(&mut h, format!("l{layer}/current"), "src")?;
+        h.set_entry_type(tar::EntryType::Link);
+        b.append_link(
+            &mut h,
+            format!("l{layer}/first.txt"),
+            format!("l{layer}/src/d0/f0.txt"),
+        )?;
+        b.into_inner()?.flush()?;
+        tars.push(path);
+    }
+    Ok((tars, files))
+}
