@@ -442,11 +442,11 @@ async fn run(command: Command) -> Result<()> {
                 )
             })?;
             eprintln!(
-                "dray agent {} serving peers on {}, the local API on {} and the registry mirror on http://{} (metrics on http://{admin_addr}/metrics)",
+                "dray agent {} serving peers on {} and the registry mirror on http://{} (metrics on http://{admin_addr}/metrics, local API on {})",
                 node.peer_id(),
                 node.local_addr()?,
-                cfg.local_api.socket.display(),
-                listener.local_addr()?
+                listener.local_addr()?,
+                cfg.local_api.socket.display()
             );
             let pulls = Pulls::new(swarm.clone());
             let api = LocalApi::new(pulls.clone(), cfg.mirror.clone(), &cfg.local_api);

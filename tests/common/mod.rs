@@ -467,7 +467,7 @@ impl DrayProc {
         self.banner
             .split(marker)
             .nth(1)
-            .and_then(|rest| rest.split([' ', ')', '\n']).next())
+            .and_then(|rest| rest.split([' ', ')', ',', '\n']).next())
             .unwrap_or_else(|| panic!("no {marker:?} in banner {:?}", self.banner))
             .to_string()
     }
