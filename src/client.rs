@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 fn client(socket: &Path) -> Result<reqwest::Client> {
+    dray_agent::registry::install_crypto_provider();
     reqwest::Client::builder()
         .unix_socket(socket)
         .build()

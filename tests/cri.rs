@@ -13,22 +13,11 @@ use dray_agent::local_api::UnpackRequest;
 use dray_agent::peer::PeerConfig;
 use std::io::Write;
 use std::path::Path;
-use std::process::Output;
 
 mod cri {
     tonic::include_proto!("runtime.v1");
 }
 use cri::image_service_client::ImageServiceClient;
-
-fn ok(out: &Output, what: &str) -> String {
-    assert!(
-        out.status.success(),
-        "{what} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 /// A CRI image-service client on containerd's socket, as the kubelet has.
 async fn cri_client(socket: &Path) -> ImageServiceClient<tonic::transport::Channel> {

@@ -7,17 +7,7 @@ use common::*;
 use dray_agent::identity::ClusterCa;
 use dray_agent::peer::PeerConfig;
 use std::path::Path;
-use std::process::{Command, Output};
-
-fn ok(out: &Output, what: &str) -> String {
-    assert!(
-        out.status.success(),
-        "{what} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
+use std::process::Command;
 
 fn no_tracker() -> dray_agent::swarm::SwarmConfig {
     quick_swarm(Vec::new())

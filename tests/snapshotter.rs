@@ -12,16 +12,6 @@ use std::os::unix::fs::PermissionsExt;
 use std::process::Output;
 use std::time::{Duration, Instant};
 
-fn ok(out: &Output, what: &str) -> String {
-    assert!(
-        out.status.success(),
-        "{what} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// Runs `ctr` until it succeeds, for at most 20 s: after the shim restarts,
 /// containerd's connection to it sits in gRPC backoff for a few seconds.
 fn ctr_retrying(ctrd: &Containerd, args: &[&str]) -> Output {

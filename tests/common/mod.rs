@@ -15,7 +15,7 @@ use dray_agent::swarm::{Swarm, SwarmConfig};
 use dray_tracker::{Tracker, TrackerConfig};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 use std::sync::Arc;
 
 /// Logs to the test's stderr, filtered by `DRAY_LOG` (e.g. `dray_agent=debug`).
@@ -478,6 +478,17 @@ impl Drop for DrayProc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// A finished command's stdout; panics with its output if it failed.
+pub fn ok(out: &Output, what: &str) -> String {
+    assert!(
+        out.status.success(),
+        "{what} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Runs `dray ARGS` to completion; panics with its stderr if it fails.
