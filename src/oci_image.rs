@@ -2,7 +2,8 @@
 //! 1.6 to import it into: the reference unpacker that `dray bench unpack` and
 //! `tests/unpack.rs` (which include this file as a module) compare dray's
 //! unpacker against. Import goes through `ctr images import` of an OCI
-//! archive, so neither needs a registry.
+//! archive, so neither needs a registry. The tests' other containerd
+//! daemons (`tests/common`) are started by the same code.
 
 use serde_json::json;
 use sha2::Digest;
@@ -114,14 +115,27 @@ pub struct Containerd {
 }
 
 impl Containerd {
-    /// Starts containerd under `dir` (which must exist) and waits until it answers.
+    /// Starts containerd under `dir` (which must exist), CRI plugin off, and
+    /// waits until it answers.
     pub fn start(dir: &Path) -> io::Result<Containerd> {
+        Containerd::start_with(dir, false, "")
+    }
+
+    /// Starts containerd under `dir` with its CRI plugin on or off and `extra`
+    /// appended to its config (`@DIR@` in it stands for `dir`).
+    pub fn start_with(dir: &Path, cri: bool, extra: &str) -> io::Result<Containerd> {
         let d = dir.display();
         let address = format!("{d}/containerd.sock");
+        let disabled = if cri {
+            ""
+        } else {
+            "disabled_plugins = [\"io.containerd.grpc.v1.cri\"]"
+        };
         let config = format!(
-            "version = 2\nroot = \"{d}/root\"\nstate = \"{d}/state\"\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n\
+            "version = 2\nroot = \"{d}/root\"\nstate = \"{d}/state\"\n{disabled}\n\
              [grpc]\n  address = \"{address}\"\n[ttrpc]\n  address = \"{d}/containerd.sock.ttrpc\"\n[debug]\n  address = \"{d}/debug.sock\"\n\
-             [metrics]\n  address = \"\"\n[plugins.\"io.containerd.internal.v1.opt\"]\n  path = \"{d}/opt\"\n"
+             [metrics]\n  address = \"\"\n[plugins.\"io.containerd.internal.v1.opt\"]\n  path = \"{d}/opt\"\n{}\n",
+            extra.replace("@DIR@", &d.to_string())
         );
         std::fs::write(dir.join("config.toml"), config)?;
         let log = std::fs::File::create(dir.join("containerd.log"))?;

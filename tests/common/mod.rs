@@ -3,6 +3,8 @@
 
 #![allow(dead_code, unused_imports)] // each test binary uses a different part of the harness
 
+#[path = "../../src/oci_image.rs"]
+pub mod oci_image;
 #[path = "../../src/testbed.rs"]
 mod testbed;
 pub use testbed::{Registry, file_digest};
@@ -157,9 +159,10 @@ pub fn registry_client(url: &str, creds: Option<(&str, &str)>) -> Arc<RegistryCl
     Arc::new(RegistryClient::new(url, creds).unwrap())
 }
 
-/// A containerd 1.6 daemon with its own root, state and sockets.
+/// A containerd 1.6 daemon with its own root, state and sockets in a
+/// temporary directory (see `src/oci_image.rs`).
 pub struct Containerd {
-    child: std::process::Child,
+    daemon: oci_image::Containerd,
     pub dir: tempfile::TempDir,
     pub address: String,
 }
@@ -172,7 +175,7 @@ impl Containerd {
     /// Starts containerd with `extra` appended to its config, e.g.
     /// [`dray_proxy_plugin`]'s section.
     pub fn start_with(extra: &str) -> Containerd {
-        Containerd::launch("disabled_plugins = [\"io.containerd.grpc.v1.cri\"]", extra)
+        Containerd::launch(false, extra)
     }
 
     /// Starts containerd with its CRI plugin, pulling through the hosts.toml
@@ -181,7 +184,7 @@ impl Containerd {
     pub fn start_cri(hosts_dir: &Path, snapshotter: &str, extra: &str) -> Containerd {
         let cri = r#"plugins."io.containerd.grpc.v1.cri""#;
         Containerd::launch(
-            "",
+            true,
             &format!(
                 "[{cri}.containerd]\n  snapshotter = \"{snapshotter}\"\n  disable_snapshot_annotations = false\n\
                  [{cri}.registry]\n  config_path = \"{}\"\n\
@@ -191,49 +194,21 @@ impl Containerd {
         )
     }
 
-    /// Writes the config (`@DIR@` in `extra` is the daemon's directory) and
-    /// starts the daemon.
-    fn launch(disabled: &str, extra: &str) -> Containerd {
+    fn launch(cri: bool, extra: &str) -> Containerd {
         let dir = tempfile::tempdir().unwrap();
-        let d = dir.path().display();
-        let address = format!("{d}/containerd.sock");
-        let config = format!(
-            "version = 2\nroot = \"{d}/root\"\nstate = \"{d}/state\"\n{disabled}\n\
-             [grpc]\n  address = \"{address}\"\n[ttrpc]\n  address = \"{d}/containerd.sock.ttrpc\"\n[debug]\n  address = \"{d}/debug.sock\"\n\
-             [metrics]\n  address = \"\"\n[plugins.\"io.containerd.internal.v1.opt\"]\n  path = \"{d}/opt\"\n{}\n",
-            extra.replace("@DIR@", &d.to_string())
-        );
-        std::fs::write(dir.path().join("config.toml"), config).unwrap();
-        let log = std::fs::File::create(dir.path().join("containerd.log")).unwrap();
-        let child = Command::new("containerd")
-            .arg("--config")
-            .arg(dir.path().join("config.toml"))
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("containerd is installed by scripts/test.sh");
-        let c = Containerd {
-            child,
+        let daemon = oci_image::Containerd::start_with(dir.path(), cri, extra)
+            .expect("containerd (installed by scripts/test.sh) starts");
+        let address = daemon.address.clone();
+        Containerd {
+            daemon,
             dir,
             address,
-        };
-        for _ in 0..100 {
-            if c.ctr(&["version"]).status.success() {
-                return c;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(100));
         }
-        panic!("containerd did not start");
     }
 
     /// Runs `ctr` against this daemon.
     pub fn ctr(&self, args: &[&str]) -> std::process::Output {
-        Command::new("ctr")
-            .arg("--address")
-            .arg(&self.address)
-            .args(args)
-            .output()
-            .unwrap()
+        self.daemon.ctr(args).unwrap()
     }
 
     /// `ctr image pull` through the hosts.toml files under `hosts_dir`.
@@ -244,13 +219,6 @@ impl Containerd {
         }
         args.push(image);
         self.ctr(&args)
-    }
-}
-
-impl Drop for Containerd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
