@@ -129,28 +129,37 @@ impl Registry {
             .join("data")
     }
 
+    /// Runs `curl -sfS ARGS` against the registry itself (with its
+    /// credentials, if any); panics naming `what` if it fails; returns stdout.
+    fn curl(&self, what: &str, args: &[&str]) -> String {
+        let mut cmd = Command::new("curl");
+        cmd.arg("-sfS").args(args);
+        if let Some((u, p)) = &self.auth {
+            cmd.arg("-u").arg(format!("{u}:{p}"));
+        }
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{what}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
     /// Puts an image manifest as `repo:tag`, straight to the registry.
     pub fn push_manifest(&self, repo: &str, tag: &str, manifest: &str) {
-        let out = Command::new("curl")
-            .args([
-                "-sfS",
+        let url = format!("http://127.0.0.1:{}/v2/{repo}/manifests/{tag}", self.port);
+        self.curl(
+            "manifest upload",
+            &[
                 "-X",
                 "PUT",
                 "-H",
                 "Content-Type: application/vnd.oci.image.manifest.v1+json",
                 "--data-binary",
                 manifest,
-            ])
-            .arg(format!(
-                "http://127.0.0.1:{}/v2/{repo}/manifests/{tag}",
-                self.port
-            ))
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "manifest upload: {}",
-            String::from_utf8_lossy(&out.stderr)
+                &url,
+            ],
         );
     }
 
@@ -158,41 +167,24 @@ impl Registry {
     pub fn push(&self, repo: &str, file: &Path) -> String {
         let digest = file_digest(file);
         let base = format!("http://127.0.0.1:{}", self.port);
-        let mut auth = Vec::new();
-        if let Some((u, p)) = &self.auth {
-            auth = vec!["-u".to_string(), format!("{u}:{p}")];
-        }
-        let out = Command::new("curl")
-            .args(["-sfS", "-X", "POST", "-D", "-", "-o", "/dev/null"])
-            .args(&auth)
-            .arg(format!("{base}/v2/{repo}/blobs/uploads/"))
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "upload start: {}",
-            String::from_utf8_lossy(&out.stderr)
+        let start = format!("{base}/v2/{repo}/blobs/uploads/");
+        let headers = self.curl(
+            "upload start",
+            &["-X", "POST", "-D", "-", "-o", "/dev/null", &start],
         );
-        let headers = String::from_utf8(out.stdout).unwrap();
         let put_url = upload_url(&base, &headers, &digest).expect("Location header");
-        let out = Command::new("curl")
-            .args([
-                "-sfS",
+        let body = format!("@{}", file.display());
+        self.curl(
+            "upload",
+            &[
                 "-X",
                 "PUT",
                 "-H",
                 "Content-Type: application/octet-stream",
                 "--data-binary",
-            ])
-            .arg(format!("@{}", file.display()))
-            .args(&auth)
-            .arg(put_url)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "upload: {}",
-            String::from_utf8_lossy(&out.stderr)
+                &body,
+                &put_url,
+            ],
         );
         digest
     }

@@ -8,21 +8,9 @@ use std::collections::BTreeMap;
 use std::process::Command;
 
 fn dray_json(args: &[&str]) -> serde_json::Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_dray"))
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "dray {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "dray {args:?} printed no JSON ({e}): {}",
-            String::from_utf8_lossy(&out.stdout)
-        )
-    })
+    let out = dray_ok(args);
+    serde_json::from_str(&out)
+        .unwrap_or_else(|e| panic!("dray {args:?} printed no JSON ({e}): {out}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -459,17 +459,14 @@ pub fn ok(out: &Output, what: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// Runs `dray ARGS` to completion; panics with its stderr if it fails.
-pub fn dray_ok(args: &[&str]) {
+/// Runs `dray ARGS` to completion; panics with its output if it fails;
+/// returns its stdout.
+pub fn dray_ok(args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_dray"))
         .args(args)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "dray {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ok(&out, &format!("dray {args:?}"))
 }
 
 /// A cluster CA in `dir/ca` and an agent certificate in `dir/<id>` per id.
