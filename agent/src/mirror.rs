@@ -206,40 +206,36 @@ fn parse_target(rest: &str) -> Result<Target<'_>, ApiError> {
     }
 }
 
-/// Parses `Range: bytes=a-b` (one range; open end allowed) against `size`.
-fn parse_range(h: Option<&HeaderValue>, size: u64) -> Result<Option<(u64, u64)>, ApiError> {
-    let Some(h) = h else { return Ok(None) };
-    let bad = || {
-        ApiError::new(
-            StatusCode::RANGE_NOT_SATISFIABLE,
-            "RANGE_INVALID",
-            format!("unsatisfiable range {h:?} for {size} bytes"),
-        )
-    };
-    let spec = h
-        .to_str()
-        .ok()
-        .and_then(|s| s.strip_prefix("bytes="))
-        .ok_or_else(bad)?;
-    let (a, b) = spec.split_once('-').ok_or_else(bad)?;
+/// `[start, end)` of a single-range `Range` value (`bytes=a-b`, `bytes=a-`,
+/// `bytes=-n`) against a blob of `size` bytes, an end past the blob clamped
+/// as RFC 9110 says; `None` if malformed or unsatisfiable.
+pub fn byte_range(value: &str, size: u64) -> Option<(u64, u64)> {
+    let (a, b) = value.strip_prefix("bytes=")?.split_once('-')?;
     let (start, end) = match (a.trim(), b.trim()) {
-        ("", n) => {
-            let n: u64 = n.parse().map_err(|_| bad())?;
-            (size.saturating_sub(n), size)
-        }
-        (a, "") => (a.parse().map_err(|_| bad())?, size),
+        ("", n) => (size.saturating_sub(n.parse().ok()?), size),
+        (a, "") => (a.parse().ok()?, size),
         (a, b) => (
-            a.parse().map_err(|_| bad())?,
-            b.parse::<u64>()
-                .map_err(|_| bad())?
-                .saturating_add(1)
-                .min(size),
+            a.parse().ok()?,
+            b.parse::<u64>().ok()?.saturating_add(1).min(size),
         ),
     };
-    if start >= end || start >= size {
-        return Err(bad());
-    }
-    Ok(Some((start, end)))
+    (start < end && start < size).then_some((start, end))
+}
+
+/// The `Range` header of a request, if any, against `size`.
+fn parse_range(h: Option<&HeaderValue>, size: u64) -> Result<Option<(u64, u64)>, ApiError> {
+    let Some(h) = h else { return Ok(None) };
+    h.to_str()
+        .ok()
+        .and_then(|v| byte_range(v, size))
+        .map(Some)
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::RANGE_NOT_SATISFIABLE,
+                "RANGE_INVALID",
+                format!("unsatisfiable range {h:?} for {size} bytes"),
+            )
+        })
 }
 
 #[derive(Deserialize)]

@@ -278,16 +278,9 @@ async fn serve_blob(
     resp
 }
 
-/// `[start, end)` of a single-range `Range` header; `None` if unsatisfiable.
+/// `[start, end)` of a `Range` header, parsed as the agent's mirror does.
 fn parse_range(h: &HeaderValue, size: u64) -> Option<(u64, u64)> {
-    let ranges = http_range_header::parse_range_header(h.to_str().ok()?)
-        .ok()?
-        .validate(size)
-        .ok()?;
-    match ranges.as_slice() {
-        [r] => Some((*r.start(), r.end() + 1)),
-        _ => None,
-    }
+    dray_agent::mirror::byte_range(h.to_str().ok()?, size)
 }
 
 /// A body that reads `reader` piece by piece, waiting for the shared token
