@@ -522,7 +522,8 @@ mod tests {
             "dray_tracker_announces_total{kind=\"full\"} 4",
             "dray_tracker_announces_total{kind=\"delta\"} 1",
             "dray_tracker_announce_duration_seconds_count 5",
-            "dray_tracker_registry_runs_assigned_total 8",
+            // One registry run per node at a time (`max_outstanding` 1).
+            "dray_tracker_registry_runs_assigned_total 4",
             "dray_tracker_bad_chunk_reports_total 3",
             "dray_tracker_bans_total 1",
             "dray_tracker_rejected_requests_total 1",
