@@ -62,6 +62,9 @@ pub struct StormBench {
     /// the node's own downloads are not stuck behind its uploads.
     #[arg(long, default_value_t = 90)]
     upload_percent: u64,
+    /// Chunks each agent serves at once (`peer.max_uploads`).
+    #[arg(long, default_value_t = dray_agent::peer::PeerConfig::default().max_uploads)]
+    max_uploads: usize,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -118,6 +121,9 @@ pub async fn run(b: StormBench) -> Result<()> {
     }
     if b.node_mbit == 0 || b.registry_mbit == 0 {
         bail!("--node-mbit and --registry-mbit must be positive");
+    }
+    if b.max_uploads == 0 {
+        bail!("--max-uploads must be positive: an agent that serves nothing cannot swarm");
     }
     if b.upload_percent > 100 {
         bail!(
@@ -248,12 +254,13 @@ async fn storm(
         std::fs::write(
             node.join("node.toml"),
             format!(
-                "state_dir = {}\npeer_listen = \"{}:7881\"\ncert = {}\nkey = {}\nca = {}\n\n[peer]\nupload_bytes_per_s = {upload_cap}\n\n[mirror]\nlisten = \"127.0.0.1:0\"\n\n[swarm]\ntrackers = [\"http://{TRACKER_ADDR}\"]\n",
+                "state_dir = {}\npeer_listen = \"{}:7881\"\ncert = {}\nkey = {}\nca = {}\n\n[peer]\nupload_bytes_per_s = {upload_cap}\nmax_uploads = {}\n\n[mirror]\nlisten = \"127.0.0.1:0\"\n\n[swarm]\ntrackers = [\"http://{TRACKER_ADDR}\"]\n",
                 path("state"),
                 node_ip(i),
                 path("agent.crt"),
                 path("agent.key"),
                 path("ca.crt"),
+                b.max_uploads,
             ),
         )
         .with_context(|| format!("writing {}/node.toml", node.display()))?;
@@ -275,6 +282,7 @@ async fn storm(
             b.node_mbit,
             b.registry_mbit,
             b.upload_percent,
+            b.max_uploads as u32,
         ),
         dray_simulations::Strategy::Dray,
         1,

@@ -25,9 +25,11 @@ use tokio::sync::Notify;
 const DEPTH_PER_PEER: usize = 4;
 /// How often completed chunks are synced and recorded while a transfer runs.
 const PERSIST_EVERY: Duration = Duration::from_millis(100);
-/// How often an idle lane asks its peer again what it holds (in a swarm,
-/// peers gain chunks as they download).
-const BITFIELD_POLL: Duration = Duration::from_millis(250);
+/// How often the idle lanes of a peer ask it again what it holds (in a swarm,
+/// peers gain chunks as they download). Every poll that finds a new chunk
+/// saves the chunk this wait at each hop it travels (measured in `simulations`:
+/// 100 ms instead of 250 takes `kraken-2600` from 1.52x to 1.42x the bound).
+const BITFIELD_POLL: Duration = Duration::from_millis(100);
 
 /// A peer to fetch from.
 #[derive(Clone, Debug)]
@@ -340,8 +342,9 @@ async fn run_peer(t: Arc<Transfer>, p: PeerAddr) {
         return forget(&t);
     }
     let mut lanes = tokio::task::JoinSet::new();
+    let polled = Arc::new(Mutex::new(tokio::time::Instant::now()));
     for _ in 0..DEPTH_PER_PEER {
-        lanes.spawn(lane(t.clone(), link.clone()));
+        lanes.spawn(lane(t.clone(), link.clone(), polled.clone()));
     }
     while lanes.join_next().await.is_some() {}
     t.lock()
@@ -361,10 +364,21 @@ async fn refresh(t: &Transfer, link: &PeerLink) -> Result<()> {
     Ok(())
 }
 
+/// Whether this peer's bitfield is due again; if so, marks it asked now, so
+/// one of its idle lanes polls rather than each.
+fn poll_due(polled: &Mutex<tokio::time::Instant>) -> bool {
+    let mut last = polled.lock().unwrap_or_else(|p| p.into_inner());
+    if last.elapsed() < BITFIELD_POLL {
+        return false;
+    }
+    *last = tokio::time::Instant::now();
+    true
+}
+
 /// One request slot towards one peer: pick, fetch, verify and store, repeat.
-async fn lane(t: Arc<Transfer>, link: PeerLink) {
+/// `polled` is when the peer's lanes last asked it for its bitfield.
+async fn lane(t: Arc<Transfer>, link: PeerLink, polled: Arc<Mutex<tokio::time::Instant>>) {
     let peer = link.peer_id.clone();
-    let mut last_poll = tokio::time::Instant::now();
     loop {
         let Ok(_slot) = t.downloads.acquire().await else {
             return;
@@ -374,20 +388,20 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
             Next::Wait => {
                 drop(_slot);
                 // The timeout covers a release that happened before we started waiting.
-                let _ =
-                    tokio::time::timeout(Duration::from_millis(200), t.released.notified()).await;
-                if t.swarm && last_poll.elapsed() >= BITFIELD_POLL {
-                    last_poll = tokio::time::Instant::now();
-                    if let Err(e) = refresh(&t, &link).await {
-                        tracing::info!(error = %e, "peer stopped answering");
-                        return;
-                    }
+                let _ = tokio::time::timeout(BITFIELD_POLL, t.released.notified()).await;
+                if t.swarm
+                    && poll_due(&polled)
+                    && let Err(e) = refresh(&t, &link).await
+                {
+                    tracing::info!(error = %e, "peer stopped answering");
+                    return;
                 }
                 continue;
             }
             Next::Stop => return,
         };
         let map = t.blob.map();
+        tracing::debug!(index, %peer, "requesting chunk");
         let bytes = match t.node.fetch_chunk(&link, &map, index).await {
             Ok(b) => b,
             Err(e) => {

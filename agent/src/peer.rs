@@ -24,6 +24,10 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Semaphore;
 
+/// Bytes of a chunk sent per take from the upload budget: small against a
+/// chunk, so a capped upload streams instead of starting late.
+const PACE_SLICE: usize = 64 << 10;
+
 /// QUIC transport settings for the peer plane. The defaults are the measured
 /// best on this project's benchmark (see `dray bench peer`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -85,7 +89,9 @@ pub struct PeerConfig {
     /// Download limit in bytes per second; unset means unlimited.
     pub download_bytes_per_s: Option<u64>,
     /// Chunk requests served at once; more are answered `BUSY`. Few uploads
-    /// at full speed beat many sharing a link until each one times out.
+    /// at full speed beat many sharing a link until each one times out, and
+    /// finish (so can be forwarded) sooner: in `simulations`, 8 instead of 16
+    /// takes 16 nodes from 1.37x to 1.19x the lower bound, 32 from 1.67x to 1.41x.
     pub max_uploads: usize,
     /// Chunk requests in flight at once per blob transfer, over all peers.
     pub max_downloads: usize,
@@ -101,7 +107,7 @@ impl Default for PeerConfig {
         Self {
             upload_bytes_per_s: None,
             download_bytes_per_s: None,
-            max_uploads: 16,
+            max_uploads: 8,
             max_downloads: 8,
             request_timeout: Duration::from_secs(20),
             transport: TransportTuning::default(),
@@ -634,7 +640,6 @@ async fn serve_request(
                     write_frame(&mut send, &r).await.map_err(io)?;
                     break;
                 };
-                node.upload.take(chunk.len()).await;
                 let header = pb::PeerMessage {
                     body: Some(Body::Piece(pb::PieceHeader {
                         index,
@@ -643,9 +648,16 @@ async fn serve_request(
                 };
                 write_frame(&mut send, &header).await.map_err(io)?;
                 let len = chunk.len() as u64;
-                send.write_chunk(Bytes::from(chunk))
-                    .await
-                    .map_err(|e| peer_err(peer, e))?;
+                // Paced slice by slice, so the chunk streams at the upload cap
+                // instead of waiting out its whole budget before the first byte.
+                let chunk = Bytes::from(chunk);
+                for start in (0..chunk.len()).step_by(PACE_SLICE) {
+                    let slice = chunk.slice(start..chunk.len().min(start + PACE_SLICE));
+                    node.upload.take(slice.len()).await;
+                    send.write_chunk(slice)
+                        .await
+                        .map_err(|e| peer_err(peer, e))?;
+                }
                 node.metrics.uploaded(len);
             }
         }

@@ -560,6 +560,7 @@ async fn fetch_run(
         if !t.claim(index) {
             continue;
         }
+        tracing::debug!(index, "requesting registry chunk");
         let data = match registry
             .blob_range(
                 &repo,
@@ -577,6 +578,7 @@ async fn fetch_run(
         };
         match t.store(index, data, None).await {
             Ok(PutOutcome::Stored | PutOutcome::Completed) => {
+                tracing::debug!(index, "registry chunk stored");
                 t.settle(index, true);
                 if publish {
                     // Peers can take the chunk only once its hash is published.

@@ -17,12 +17,19 @@
 //! Nodes behave like the agent (see `sim` for the details): announce every
 //! 0.5 s while pulling and after each registry run, fetch assigned runs from the
 //! registry, take everything else from at most 4 peers at a time (4 uploads
-//! each), pick chunks with a `ChunkPicker` per blob fed the true bitfields of
-//! the peers the tracker named, poll idle peers every 250 ms, and fall back to
+//! each), pick chunks with a `ChunkPicker` per blob fed the bitfields of the
+//! peers the tracker named (asked for on connecting, then every 100 ms while
+//! the node has a free download slot), and fall back to
 //! the registry for chunks no known peer holds after a stall (`stall_s`) or 3 s
 //! of tracker silence. Churn (nodes leave, `Scheduler::leave`, their transfers
 //! abort), late joiners and a tracker outage (modelled as a restart: the
 //! tracker comes back empty and rebuilds from full announces) can be injected.
+//!
+//! A chunk read from the registry reaches peers only once they can verify it,
+//! as in the agent: its fetcher publishes the hash to the tracker, each peer
+//! learns it with its next announce's answer (every 0.5 s), and a lane sees
+//! the chunk at its next bitfield poll. A node that completes a blob publishes
+//! the whole map.
 //!
 //! # A finding: a 5 s stall rule collapses registry-bound storms
 //!
@@ -41,7 +48,8 @@
 //! # What it is not
 //!
 //! No packet-level effects (TCP slow start, QUIC, loss), no disk, no hashing
-//! cost, no latency except the announce and poll intervals, no max-min fair
+//! cost, no latency except the announce and poll intervals (request round
+//! trips, TCP and QUIC dynamics and the CPU are not modelled), no max-min fair
 //! sharing (equal split per link, then the minimum along the path, which
 //! leaves capacity idle where a real network would redistribute it). Big
 //! scenarios move chunks in batches (`Scenario::sim_chunk_bytes`: 16 MiB for

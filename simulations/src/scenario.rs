@@ -83,7 +83,7 @@ pub struct Scenario {
     pub max_uploads: u32,
     /// How often a pulling node announces.
     pub announce_interval_s: f64,
-    /// How often an idle node looks at its peers' bitfields again (the agent's lanes: 250 ms).
+    /// How often an idle node looks at its peers' bitfields again (the agent's lanes: 100 ms).
     pub poll_s: f64,
     /// Nothing arriving and nothing in flight this long: fetch unheld chunks from the registry.
     pub stall_s: f64,
@@ -111,7 +111,7 @@ impl Scenario {
             max_downloads: 4,
             max_uploads: 4,
             announce_interval_s: 0.5,
-            poll_s: 0.25,
+            poll_s: 0.1,
             // The agent's default (30 s; 5 s starved registry-bound storms,
             // see the crate docs).
             stall_s: 30.0,
@@ -122,16 +122,17 @@ impl Scenario {
 
     /// The cluster `dray bench storm` emulates: one blob of `image_bytes`,
     /// `nodes` agents with the agent's default limits (8 chunk downloads per
-    /// transfer, 16 uploads, a 30 s stall rule), links capped at `node_mbit`
-    /// and `registry_mbit` each way (wire bits, of which headers take
-    /// `1 - WIRE_EFFICIENCY`), and agent uploads capped at `upload_percent`
-    /// of the link rate (0: uncapped).
+    /// transfer, a 30 s stall rule) serving `max_uploads` chunks at once,
+    /// links capped at `node_mbit` and `registry_mbit` each way (wire bits, of
+    /// which headers take `1 - WIRE_EFFICIENCY`), and agent uploads capped at
+    /// `upload_percent` of the link rate (0: uncapped).
     pub fn emulated(
         nodes: u32,
         image_bytes: u64,
         node_mbit: u64,
         registry_mbit: u64,
         upload_percent: u64,
+        max_uploads: u32,
     ) -> Self {
         let payload_bps = |mbit: u64| mbit as f64 * 1e6 / 8.0 * WIRE_EFFICIENCY;
         let mut s = Scenario::base("emulated", nodes, 1, image_bytes);
@@ -144,7 +145,7 @@ impl Scenario {
         };
         s.registry_bps = payload_bps(registry_mbit);
         s.max_downloads = 8;
-        s.max_uploads = 16;
+        s.max_uploads = max_uploads;
         s
     }
 
@@ -223,7 +224,8 @@ pub fn scenario(name: &str) -> Result<Scenario, SimError> {
     let s = match name {
         "small" => {
             // `dray bench storm` with its defaults.
-            let mut s = Scenario::emulated(16, 256 * MIB, 100, 200, 90);
+            // 8 uploads: the agent's `peer.max_uploads`.
+            let mut s = Scenario::emulated(16, 256 * MIB, 100, 200, 90, 8);
             s.name = name.to_owned();
             s
         }

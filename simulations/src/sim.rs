@@ -5,9 +5,11 @@
 //! blob, as the agent does: announce (full, then `Held::Added` deltas) every
 //! `announce_interval_s` while pulling and right after each registry run,
 //! fetch assigned runs chunk by chunk from the registry, take the rest from
-//! the peers the tracker named (a node sees those peers' true bitfields,
-//! refreshed whenever they changed), and fall back to the registry for chunks
-//! no known peer holds after a stall or while the tracker is silent.
+//! the peers the tracker named, and fall back to the registry for chunks no
+//! known peer holds after a stall or while the tracker is silent. A node sees
+//! a peer's chunks as its lanes do: the bitfield when it first looks, then
+//! again at each poll, and only the chunks whose hashes it has (its own, and
+//! the tracker's map as of its last announce).
 
 use crate::Strategy;
 use crate::net::{Ev, FlowId, LinkId, Net, Payload, Purpose, Rng, Source, to_ns};
@@ -54,8 +56,11 @@ enum Fallback {
 
 struct NodeBlob {
     held: Bitfield,
+    /// Chunks whose hashes this node has (its own, and what the tracker's map
+    /// held at its last announce): it can verify, so fetch, only these from peers.
+    known: Bitfield,
     picker: Option<ChunkPicker<u32>>,
-    /// Known peers and the held-count of theirs the picker last saw.
+    /// Known peers and the [`World::view_stamp`] of the view the picker last got.
     peers: Vec<(u32, u32)>,
     /// Chunks verified since the last successful announce.
     added: Vec<u32>,
@@ -102,6 +107,8 @@ struct World<'a> {
     names: Vec<String>,
     /// Nodes holding each complete blob (spegel-like).
     seeds: Vec<Vec<u32>>,
+    /// The tracker's chunk map of each blob: the hashes published so far.
+    published: Vec<Bitfield>,
     /// Pullers neither done nor gone.
     pending: u32,
     samples: Samples,
@@ -158,6 +165,40 @@ impl World<'_> {
         let info = &self.blobs[blob as usize];
         let first = u64::from(chunk) * self.sc.sim_chunk_bytes;
         (info.bytes - first.min(info.bytes)).min(self.sc.sim_chunk_bytes) as f64
+    }
+
+    /// What `n` can fetch from peer `p` of blob `b`: the chunks `p` holds
+    /// whose hashes `n` knows.
+    fn usable(&self, n: u32, b: usize, p: u32) -> Bitfield {
+        let theirs = &self.nodes[p as usize].blobs[b].held;
+        let known = &self.nodes[n as usize].blobs[b].known;
+        let bytes: Vec<u8> = theirs
+            .as_bytes()
+            .iter()
+            .zip(known.as_bytes())
+            .map(|(t, k)| t & k)
+            .collect();
+        Bitfield::from_bytes(theirs.len(), &bytes).expect("same length as the peer's bitfield")
+    }
+
+    /// Changes whenever [`World::usable`] may have: both sets only grow.
+    fn view_stamp(&self, n: u32, b: usize, p: u32) -> u32 {
+        self.nodes[p as usize].blobs[b].held.count() + self.nodes[n as usize].blobs[b].known.count()
+    }
+
+    /// Gives `n`'s picker its current view of peer `p` (in `slot`) if it changed.
+    fn refresh_peer(&mut self, n: u32, b: usize, slot: usize) {
+        let (p, seen) = self.nodes[n as usize].blobs[b].peers[slot];
+        let stamp = self.view_stamp(n, b, p);
+        if stamp == seen {
+            return;
+        }
+        let bits = self.usable(n, b, p);
+        let nb = &mut self.nodes[n as usize].blobs[b];
+        nb.peers[slot].1 = stamp;
+        if let Some(picker) = nb.picker.as_mut() {
+            picker.set_peer(p, bits);
+        }
     }
 
     fn start_flow(&mut self, payload: Payload, bytes: f64) -> FlowId {
@@ -265,15 +306,14 @@ impl World<'_> {
                 if !nb.held.set(c) {
                     return;
                 }
+                nb.known.set(c);
                 if let Some(p) = nb.picker.as_mut() {
                     p.completed(c);
                 }
                 nb.added.push(c);
             }
             None => {
-                for c in 0..nb.held.len() {
-                    nb.held.set(c);
-                }
+                fill(&mut nb.held);
             }
         }
         if !nb.held.is_full() || nb.complete {
@@ -290,7 +330,12 @@ impl World<'_> {
             node.done_at = Some(now);
             self.pending -= 1;
             if self.strategy == Strategy::Dray {
-                // Tell the tracker at once: the node now seeds instead of wanting.
+                // Publish the whole map, and tell the tracker at once: the node
+                // now seeds instead of wanting.
+                for (b, published) in self.published.iter_mut().enumerate() {
+                    fill(published);
+                    fill(&mut self.nodes[n as usize].blobs[b].known);
+                }
                 self.schedule_announce(n, 0.0);
             }
         }
@@ -313,6 +358,8 @@ impl World<'_> {
                 self.receive(to, p.blob, Some(p.chunk));
             }
             Purpose::RunChunk => {
+                // The fetcher publishes the chunk's hash to the tracker.
+                self.published[p.blob as usize].set(p.chunk);
                 self.receive(to, p.blob, Some(p.chunk));
                 if let Some(k) = self.nodes[to as usize]
                     .runs
@@ -374,7 +421,7 @@ impl World<'_> {
                     break 'blobs;
                 }
                 let slot = (rotor + step) % npeers;
-                let (p, seen) = self.nodes[nu].blobs[b].peers[slot];
+                let p = self.nodes[nu].blobs[b].peers[slot].0;
                 let pu = p as usize;
                 if !self.nodes[pu].alive {
                     gone.push(p);
@@ -384,24 +431,25 @@ impl World<'_> {
                     blocked.push(p);
                     continue;
                 }
+                // What the peer holds now bounds what the picker's view of it
+                // (taken earlier) can offer.
                 let theirs = &self.nodes[pu].blobs[b].held;
-                let mine = &self.nodes[nu].blobs[b].held;
+                let mine = &self.nodes[nu].blobs[b];
                 let useful = theirs
                     .as_bytes()
                     .iter()
-                    .zip(mine.as_bytes())
-                    .any(|(t, m)| t & !m != 0);
+                    .zip(mine.known.as_bytes())
+                    .zip(mine.held.as_bytes())
+                    .any(|((t, k), m)| t & k & !m != 0);
                 if !useful {
                     continue;
                 }
-                if theirs.count() != seen {
-                    let bits = theirs.clone();
-                    let count = bits.count();
-                    let nb = &mut self.nodes[nu].blobs[b];
-                    nb.peers[slot].1 = count;
-                    if let Some(picker) = nb.picker.as_mut() {
-                        picker.set_peer(p, bits);
-                    }
+                // A dray lane asks its peer for a bitfield when it connects and
+                // then only when idle, every `poll_s` (see `poll`); Kraken's
+                // peers push each new chunk to their neighbours at once.
+                let first_look = self.nodes[nu].blobs[b].peers[slot].1 == u32::MAX;
+                if first_look || self.strategy != Strategy::Dray {
+                    self.refresh_peer(n, b, slot);
                 }
                 while self.nodes[nu].downloads < max_down && self.nodes[pu].uploads < max_up {
                     let Some(c) = self.nodes[nu].blobs[b]
@@ -525,6 +573,20 @@ impl World<'_> {
                 continue;
             }
             self.nodes[nu].need_full = false;
+            // The answer carries the tracker's maps of the wanted blobs; a full
+            // announce republishes the maps of complete ones (after a restart).
+            for b in 0..self.blobs.len() {
+                let nb = &mut self.nodes[nu].blobs[b];
+                if nb.complete {
+                    if full {
+                        fill(&mut self.published[b]);
+                    }
+                } else {
+                    for c in self.published[b].ones() {
+                        nb.known.set(c);
+                    }
+                }
+            }
             self.apply_decision(n, d);
             break;
         }
@@ -660,6 +722,10 @@ impl World<'_> {
                     self.nodes[nu].fallback = Some(Fallback::Stall);
                 }
             }
+            // The idle lanes ask their peers again what they hold.
+            for b in 0..self.blobs.len() {
+                self.refresh_peers(n, b);
+            }
             self.continue_fallback(n);
         }
         self.try_fill(n);
@@ -694,20 +760,13 @@ impl World<'_> {
         }
     }
 
-    /// Gives the picker the current bitfields of every live known peer.
+    /// Gives the picker its current view of every live known peer.
     fn refresh_peers(&mut self, n: u32, b: usize) {
         let nu = n as usize;
         for slot in 0..self.nodes[nu].blobs[b].peers.len() {
-            let (p, seen) = self.nodes[nu].blobs[b].peers[slot];
-            let peer = &self.nodes[p as usize];
-            if !peer.alive || peer.blobs[b].held.count() == seen {
-                continue;
-            }
-            let bits = peer.blobs[b].held.clone();
-            let nb = &mut self.nodes[nu].blobs[b];
-            nb.peers[slot].1 = bits.count();
-            if let Some(picker) = nb.picker.as_mut() {
-                picker.set_peer(p, bits);
+            let p = self.nodes[nu].blobs[b].peers[slot].0;
+            if self.nodes[p as usize].alive {
+                self.refresh_peer(n, b, slot);
             }
         }
     }
@@ -812,8 +871,17 @@ impl World<'_> {
                 // rebuilds from the full announces its resend_full asks for.
                 self.tracker_up = true;
                 self.sched = Scheduler::new(self.sched_config.clone());
+                for published in &mut self.published {
+                    *published = Bitfield::new(published.len());
+                }
             }
         }
+    }
+}
+
+fn fill(bits: &mut Bitfield) {
+    for c in 0..bits.len() {
+        bits.set(c);
     }
 }
 
@@ -879,6 +947,15 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             blobs: (0..layers)
                 .map(|_| NodeBlob {
                     held: Bitfield::new(chunks),
+                    // Only dray learns hashes as registry fetchers publish
+                    // them; the baselines' nodes have the whole map up front.
+                    known: {
+                        let mut known = Bitfield::new(chunks);
+                        if strategy != Strategy::Dray {
+                            fill(&mut known);
+                        }
+                        known
+                    },
                     picker: uses_pickers.then(|| ChunkPicker::new(Bitfield::new(chunks), window)),
                     peers: Vec::new(),
                     added: Vec::new(),
@@ -922,6 +999,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
         base: Instant::now(),
         names: (0..total).map(|n| format!("n{n}")).collect(),
         seeds: vec![Vec::new(); layers],
+        published: vec![Bitfield::new(chunks); layers],
         pending: pullers,
         samples: Samples::new(lower / 64.0),
         registry_link,
