@@ -42,11 +42,32 @@ impl<P: Clone + Eq + std::hash::Hash> ChunkPicker<P> {
         if self.banned.contains(&peer) || bits.len() != self.held.len() {
             return;
         }
-        self.remove_peer(&peer);
-        for i in bits.ones() {
-            self.availability[i as usize] += 1;
+        match self.peers.get_mut(&peer) {
+            // Only the chunks whose bit changed move the counts: a peer's
+            // bitfield mostly grows by a few chunks between looks.
+            Some(old) => {
+                for (byte, (&was, &now)) in old.as_bytes().iter().zip(bits.as_bytes()).enumerate() {
+                    let mut changed = was ^ now;
+                    while changed != 0 {
+                        let bit = changed.leading_zeros() as usize;
+                        changed &= !(0x80 >> bit);
+                        let slot = &mut self.availability[byte * 8 + bit];
+                        if now & (0x80 >> bit) != 0 {
+                            *slot += 1;
+                        } else {
+                            *slot -= 1;
+                        }
+                    }
+                }
+                *old = bits;
+            }
+            None => {
+                for i in bits.ones() {
+                    self.availability[i as usize] += 1;
+                }
+                self.peers.insert(peer, bits);
+            }
         }
-        self.peers.insert(peer, bits);
     }
 
     /// A peer announced a chunk it verified.
