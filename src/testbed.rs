@@ -6,8 +6,6 @@
 
 #![allow(dead_code)] // shared with the tests (tests/common), which use more of it
 
-use sha2::Digest;
-use std::io::Read;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -17,17 +15,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// sha256 of a file, computed here rather than trusted from a store.
 pub fn file_digest(path: &Path) -> String {
-    let mut f = std::fs::File::open(path).unwrap();
-    let mut h = sha2::Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf).unwrap();
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    format!("sha256:{}", hex::encode(h.finalize()))
+    super::oci_image::sha256_file(path)
+        .unwrap_or_else(|e| panic!("hashing {}: {e}", path.display()))
 }
 
 fn free_port() -> u16 {
@@ -44,7 +33,7 @@ pub struct Registry {
     pub port: u16,
     relay: Relay,
     auth: Option<(String, String)>,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 impl Registry {
@@ -89,7 +78,7 @@ impl Registry {
             port,
             relay,
             auth: auth.map(|(u, p)| (u.into(), p.into())),
-            _dir: dir,
+            dir,
         }
     }
 
@@ -121,7 +110,7 @@ impl Registry {
     /// Where the registry keeps a blob's bytes (for tests that damage it).
     pub fn blob_file(&self, digest: &str) -> std::path::PathBuf {
         let hex = digest.trim_start_matches("sha256:");
-        self._dir
+        self.dir
             .path()
             .join("data/docker/registry/v2/blobs/sha256")
             .join(&hex[..2])

@@ -27,9 +27,10 @@ use axum::response::{IntoResponse, Response};
 use dray_protocol::BlobDigest;
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 
@@ -150,7 +151,14 @@ pub struct LocalApi {
     mirror: MirrorConfig,
     unpacks: Semaphore,
     started: Instant,
+    /// Images resolved by manifest digest (immutable content), so that the
+    /// unpack of each of an image's layers does not fetch its manifest and
+    /// config again.
+    resolved: Mutex<HashMap<(String, String, BlobDigest), Image>>,
 }
+
+/// Resolved images kept at most; the cache is emptied when it is full.
+const RESOLVED_CACHE: usize = 256;
 
 impl LocalApi {
     pub fn new(pulls: Arc<Pulls>, mirror: MirrorConfig, config: &LocalApiConfig) -> Arc<Self> {
@@ -163,6 +171,7 @@ impl LocalApi {
             mirror,
             unpacks: Semaphore::new(slots),
             started: Instant::now(),
+            resolved: Mutex::new(HashMap::new()),
         })
     }
 
@@ -193,8 +202,24 @@ impl LocalApi {
     ) -> Result<(ImageRef, Arc<RegistryClient>, Image), ApiError> {
         let image: ImageRef = image_ref.parse()?;
         let client = self.client(&image)?;
-        let resolved =
-            image::resolve(&client, &image.repo, reference.unwrap_or(&image.reference)).await?;
+        let reference = reference.unwrap_or(&image.reference);
+        // Only a digest names content that cannot change; tags are resolved anew.
+        let key = reference
+            .parse::<BlobDigest>()
+            .ok()
+            .map(|d| (client.base().to_string(), image.repo.clone(), d));
+        let cache = || self.resolved.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(hit) = key.as_ref().and_then(|k| cache().get(k).cloned()) {
+            return Ok((image, client, hit));
+        }
+        let resolved = image::resolve(&client, &image.repo, reference).await?;
+        if let Some(k) = key {
+            let mut c = cache();
+            if c.len() >= RESOLVED_CACHE {
+                c.clear();
+            }
+            c.insert(k, resolved.clone());
+        }
         Ok((image, client, resolved))
     }
 
