@@ -19,7 +19,7 @@
 
 use crate::{Bitfield, BlobDigest};
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 /// Tunables. The defaults suit 4 MiB chunks and a registry reachable at a few
@@ -238,6 +238,8 @@ struct Member {
     wants: bool,
     /// Position in `Swarm::sources` while it holds anything.
     source_slot: Option<usize>,
+    /// Position in `Swarm::roster`.
+    roster_slot: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -265,6 +267,9 @@ struct Swarm {
     /// Members holding at least one chunk, for sampling without a full scan.
     sources: Vec<PeerKey>,
     rotation: usize,
+    /// Every member, for sampling neighbours that hold nothing yet.
+    roster: Vec<PeerKey>,
+    roster_rotation: usize,
     /// Live runs by first chunk; they never overlap.
     runs: BTreeMap<u32, Run>,
 }
@@ -281,7 +286,38 @@ impl Swarm {
             members: HashMap::new(),
             sources: Vec::new(),
             rotation: 0,
+            roster: Vec::new(),
+            roster_rotation: 0,
             runs: BTreeMap::new(),
+        }
+    }
+
+    /// Makes `key` a member (holding nothing) if it is not one yet.
+    fn join(&mut self, key: PeerKey) -> &mut Member {
+        let roster = &mut self.roster;
+        let chunk_count = self.chunk_count;
+        self.members.entry(key).or_insert_with(|| {
+            roster.push(key);
+            Member {
+                held: Bitfield::new(chunk_count),
+                wants: false,
+                source_slot: None,
+                roster_slot: roster.len() - 1,
+            }
+        })
+    }
+
+    /// Forgets member `key` and its holdings.
+    fn remove_member(&mut self, key: PeerKey) {
+        self.clear_holdings(key);
+        let Some(m) = self.members.remove(&key) else {
+            return;
+        };
+        self.roster.swap_remove(m.roster_slot);
+        if let Some(&moved) = self.roster.get(m.roster_slot)
+            && let Some(m2) = self.members.get_mut(&moved)
+        {
+            m2.roster_slot = m.roster_slot;
         }
     }
 
@@ -690,15 +726,7 @@ impl Scheduler {
         if let Some(bytes) = chunk_bytes {
             swarm.chunk_bytes = bytes;
         }
-        swarm
-            .members
-            .entry(key)
-            .or_insert_with(|| Member {
-                held: Bitfield::new(n),
-                wants: false,
-                source_slot: None,
-            })
-            .wants = blob.wanted;
+        swarm.join(key).wants = blob.wanted;
         if let Some(peer) = peer_mut(&mut self.slots, key) {
             peer.blobs.insert(digest);
         }
@@ -760,8 +788,7 @@ impl Scheduler {
         for first in firsts {
             swarm.remove_run(first);
         }
-        swarm.clear_holdings(key);
-        swarm.members.remove(&key);
+        swarm.remove_member(key);
         if swarm.members.is_empty() {
             self.swarms.remove(&digest);
         }
@@ -810,8 +837,11 @@ impl Scheduler {
         }
     }
 
-    /// Up to K holders for `asker`, best first: holding something it lacks, then
+    /// Up to K peers for `asker`, best first: holding something it lacks, then
     /// sharing more topology labels, then least loaded, then most capacity.
+    /// Members that hold nothing useful yet still fill the places holders leave:
+    /// in a storm they are the mesh along which the first chunks spread, seen
+    /// at the asker's next bitfield poll instead of its next announce.
     fn select_peers(&mut self, asker: PeerKey, digest: BlobDigest) -> Vec<PeerContact> {
         let Some(swarm) = self.swarms.get_mut(&digest) else {
             return Vec::new();
@@ -820,15 +850,19 @@ impl Scheduler {
             return Vec::new();
         };
         let mine = swarm.members.get(&asker).map(|m| m.held.as_bytes());
-        let n = swarm.sources.len();
-        let take = n.min(self.config.peer_sample);
-        // Rotating the sample window spreads askers over all holders when there
-        // are more than we score per answer.
-        let start = if n == 0 { 0 } else { swarm.rotation % n };
-        swarm.rotation = swarm.rotation.wrapping_add(take);
-        let mut scored: Vec<_> = (0..take)
-            .map(|j| swarm.sources[(start + j) % n])
-            .filter(|&k| k != asker)
+        // Rotating the sample windows spreads askers over all holders and
+        // members when there are more than we score per answer.
+        let holders = rotated_sample(&swarm.sources, &mut swarm.rotation, self.config.peer_sample);
+        let others = rotated_sample(
+            &swarm.roster,
+            &mut swarm.roster_rotation,
+            self.config.peers_per_blob,
+        );
+        let mut candidates: Vec<PeerKey> = holders.chain(others).collect();
+        let mut seen = HashSet::with_capacity(candidates.len());
+        candidates.retain(|&k| k != asker && seen.insert(k));
+        let mut scored: Vec<_> = candidates
+            .into_iter()
             .filter_map(|k| {
                 let p = peer_ref(&self.slots, k)?;
                 if self.records.get(&p.id).is_some_and(|r| r.banned) {
@@ -1059,6 +1093,20 @@ fn fetch_timeout(config: &SchedulerConfig, bytes: u64) -> Duration {
     at_rate
         .min(config.max_fetch_timeout)
         .max(config.min_fetch_timeout)
+}
+
+/// Up to `max` consecutive keys starting at `rotation` (wrapping), which
+/// moves on past them so the next call starts where this one stopped.
+fn rotated_sample<'a>(
+    keys: &'a [PeerKey],
+    rotation: &mut usize,
+    max: usize,
+) -> impl Iterator<Item = PeerKey> + 'a {
+    let n = keys.len();
+    let take = n.min(max);
+    let start = if n == 0 { 0 } else { *rotation % n };
+    *rotation = rotation.wrapping_add(take);
+    (0..take).map(move |j| keys[(start + j) % n])
 }
 
 #[cfg(test)]
