@@ -4,15 +4,17 @@
 mod common;
 
 use common::{file_digest, random_file};
-use dray_agent::fetch::{PeerAddr, fetch_from_peers};
+use dray_agent::fetch::{PeerAddr, Transfer, fetch_from_peers};
 use dray_agent::identity::{ClusterCa, Identity};
 use dray_agent::peer::{PeerConfig, PeerNode};
 use dray_agent::store::ChunkStore;
-use dray_protocol::DEFAULT_CHUNK_SIZE;
+use dray_protocol::chunkmap::MIN_CHUNK_SIZE;
+use dray_protocol::{ChunkMap, DEFAULT_CHUNK_SIZE};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
+use std::time::Duration;
 
 fn node(ca: &ClusterCa, id: &str, dir: &Path) -> Arc<PeerNode> {
     let store = Arc::new(ChunkStore::open(&dir.join(id)).unwrap());
@@ -111,6 +113,64 @@ async fn a_corrupt_chunk_is_caught_refetched_from_an_honest_peer_and_never_recor
         }
     };
     assert!(reopened.get(&map.digest()).unwrap().unwrap().is_complete());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_swarm_transfer_hears_of_a_peers_new_chunks_and_of_hashes_learned_later() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    random_file(&src, 4 * u64::from(MIN_CHUNK_SIZE));
+    let bytes = std::fs::read(&src).unwrap();
+    let chunk = |i: usize| &bytes[i * MIN_CHUNK_SIZE as usize..(i + 1) * MIN_CHUNK_SIZE as usize];
+    let full = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
+    let ca = ClusterCa::generate().unwrap();
+    let a = node(&ca, "seed", dir.path());
+    let a_blob = a.store().blob(&full).unwrap();
+    a_blob.put_chunk(0, chunk(0)).unwrap();
+    // The downloader knows every hash but the last one's.
+    let mut hashes = full.hashes().to_vec();
+    hashes[3] = None;
+    let partial = ChunkMap::partial(full.digest(), full.size(), full.chunk_size(), hashes).unwrap();
+    let b = node(&ca, "leech", dir.path());
+    let t = Transfer::start(&b, &partial, true).await.unwrap();
+    let mut progress = t.blob().subscribe();
+    let within = |secs| Duration::from_secs(secs);
+    t.add_peer(addr(&a));
+    tokio::time::timeout(within(10), progress.wait_for(|p| p.held == 1))
+        .await
+        .expect("chunk 0 arrives")
+        .unwrap();
+
+    // The seed gains the other chunks long after the leech first asked.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let landed = tokio::time::Instant::now();
+    for i in 1..4 {
+        a_blob.put_chunk(i, chunk(i as usize)).unwrap();
+    }
+    tokio::time::timeout(within(10), progress.wait_for(|p| p.held == 3))
+        .await
+        .expect("chunks 1 and 2 arrive")
+        .unwrap();
+    let heard = landed.elapsed();
+    // The long poll answered when they landed; with no news the lanes would
+    // only look again after their 1 s safety net.
+    assert!(heard < Duration::from_millis(900), "took {heard:?}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !t.blob().has(3),
+        "chunk 3 cannot be checked yet, so is not fetched"
+    );
+
+    // Its hash is learned: the seed's last bitfield now offers it, with no new ask.
+    t.blob().learn(&full).unwrap();
+    t.nudge();
+    tokio::time::timeout(within(10), progress.wait_for(|p| p.complete))
+        .await
+        .expect("the hash learned late makes chunk 3 fetchable")
+        .unwrap();
+    let report = t.finish().await.unwrap();
+    assert_eq!(report.chunks_by_peer.get("seed"), Some(&4));
+    assert_eq!(file_digest(t.blob().path()), full.digest().to_string());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

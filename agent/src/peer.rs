@@ -6,6 +6,11 @@
 //! peer id, which must match the certificate). Every later stream is one request:
 //! a `ChunkRequest` answered by a `PieceHeader` and the raw chunk bytes per chunk,
 //! or a `BitfieldRequest` answered by a `Bitfield`; a `Reject` ends either.
+//! A bitfield request may be a long poll ([`PeerNode::bitfield_after`]): the
+//! server holds the answer until it stores a chunk beyond what the asker has
+//! seen (or the blob completes or fails, or the capped wait ends), so a
+//! downloader learns of a peer's new chunk when it lands, as from a
+//! BitTorrent HAVE, while every exchange stays one request and one answer.
 //! Chunk bytes travel raw after their header, not inside protobuf frames, so the
 //! receiver reads them straight into the buffer it hashes and writes.
 
@@ -15,7 +20,7 @@ use crate::metrics::AgentMetrics;
 use crate::rate::ByteRate;
 use crate::store::ChunkStore;
 use bytes::Bytes;
-use dray_protocol::framing::{self, FrameError, MAX_PEER_FRAME, PeerRequest};
+use dray_protocol::framing::{self, FrameError, MAX_BITFIELD_WAIT_MS, MAX_PEER_FRAME, PeerRequest};
 use dray_protocol::pb::{self, peer_message::Body, reject::Reason};
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap, PROTOCOL_VERSION};
 use serde::{Deserialize, Serialize};
@@ -283,18 +288,49 @@ impl PeerNode {
         }
     }
 
-    /// Asks a peer which chunks of a blob it holds.
+    /// Asks a peer which chunks of a blob it holds; it answers at once.
     pub async fn bitfield(&self, link: &PeerLink, map: &ChunkMap) -> Result<Bitfield> {
+        self.bitfield_after(link, map, 0, Duration::ZERO).await
+    }
+
+    /// Asks a peer which chunks of a blob it holds, letting it hold the answer
+    /// while it holds no more than `above` chunks, for up to `wait` (capped at
+    /// [`MAX_BITFIELD_WAIT_MS`]): the answer comes when the peer stores a
+    /// chunk, completes or fails the blob, or the wait ends. A peer that
+    /// predates long polls answers at once.
+    pub async fn bitfield_after(
+        &self,
+        link: &PeerLink,
+        map: &ChunkMap,
+        above: u32,
+        wait: Duration,
+    ) -> Result<Bitfield> {
         let peer = &link.peer_id;
-        let (mut send, mut recv) = link.open().await?;
-        let req = PeerRequest::Bitfield {
-            digest: map.digest(),
-        }
-        .to_pb();
-        write_frame(&mut send, &req)
+        let wait_ms = u32::try_from(wait.as_millis())
+            .unwrap_or(u32::MAX)
+            .min(MAX_BITFIELD_WAIT_MS);
+        let request = async {
+            let (mut send, mut recv) = link.open().await?;
+            let req = PeerRequest::Bitfield {
+                digest: map.digest(),
+                wait_above: above,
+                wait_ms,
+            }
+            .to_pb();
+            write_frame(&mut send, &req)
+                .await
+                .map_err(|e| peer_err(peer, e))?;
+            read_frame::<pb::PeerMessage>(&mut recv, peer).await
+        };
+        let limit = Duration::from_millis(wait_ms.into()) + self.config.request_timeout;
+        let reply = tokio::time::timeout(limit, request)
             .await
-            .map_err(|e| peer_err(peer, e))?;
-        let reply: pb::PeerMessage = read_frame(&mut recv, peer).await?;
+            .unwrap_or_else(|_| {
+                Err(peer_err(
+                    peer,
+                    format!("bitfield of {}: no answer within {limit:?}", map.digest()),
+                ))
+            })?;
         match reply.body {
             Some(Body::Bitfield(b)) => {
                 Bitfield::from_bytes(map.chunk_count(), &b.bits).map_err(|e| Error::Frame {
@@ -590,9 +626,21 @@ async fn serve_request(
     };
     let io = |e: std::io::Error| peer_err(peer, e);
     match req {
-        PeerRequest::Bitfield { digest } => {
+        PeerRequest::Bitfield {
+            digest,
+            wait_above,
+            wait_ms,
+        } => {
             let reply = match lookup(node, digest).await? {
                 Some(blob) => {
+                    if wait_ms > 0 {
+                        // A long poll: answer as soon as there is news, or when the asked wait ends.
+                        let mut progress = blob.subscribe();
+                        let news =
+                            progress.wait_for(|p| p.held > wait_above || p.complete || p.failed);
+                        let _ =
+                            tokio::time::timeout(Duration::from_millis(wait_ms.into()), news).await;
+                    }
                     let held = blob.held();
                     pb::PeerMessage {
                         body: Some(Body::Bitfield(pb::Bitfield {
@@ -694,6 +742,108 @@ mod tests {
         std::fs::write(&src, vec![7u8; 3 * MIN_CHUNK_SIZE as usize]).unwrap();
         let map = a.store().import(&src, MIN_CHUNK_SIZE).unwrap();
         (dir, a, b, map)
+    }
+
+    /// A blob of 3 small chunks of which `server` holds chunk 0 only; with its
+    /// bytes, so the test can store more chunks while a request waits.
+    fn partial_blob(server: &PeerNode) -> (ChunkMap, Arc<crate::store::Blob>, Vec<u8>) {
+        let bytes: Vec<u8> = (0..3 * MIN_CHUNK_SIZE).map(|i| (i % 251) as u8).collect();
+        let map = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
+        let blob = server.store().blob(&map).unwrap();
+        blob.put_chunk(0, &bytes[..MIN_CHUNK_SIZE as usize])
+            .unwrap();
+        (map, blob, bytes)
+    }
+
+    /// Stores chunk `index` of `bytes` into `blob` after `delay`.
+    fn store_later(blob: &Arc<crate::store::Blob>, bytes: &[u8], index: u32, delay: Duration) {
+        let (blob, c) = (blob.clone(), MIN_CHUNK_SIZE as usize);
+        let chunk = bytes[index as usize * c..(index as usize + 1) * c].to_vec();
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            tokio::task::spawn_blocking(move || blob.put_chunk(index, &chunk).unwrap())
+                .await
+                .unwrap();
+        });
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_long_polled_bitfield_answers_on_a_new_chunk_or_at_the_capped_wait() {
+        let (_dir, a, b, _) = pair().await;
+        let (map, blob, bytes) = partial_blob(&a);
+        let link = b.connect("a", a.local_addr().unwrap()).await.unwrap();
+
+        // The asker has not seen chunk 0 yet: the answer is immediate.
+        let t = tokio::time::Instant::now();
+        let bits = b
+            .bitfield_after(&link, &map, 0, Duration::from_secs(2))
+            .await
+            .unwrap();
+        assert_eq!(bits.ones().collect::<Vec<_>>(), vec![0]);
+        assert!(
+            t.elapsed() < Duration::from_millis(300),
+            "{:?}",
+            t.elapsed()
+        );
+
+        // Nothing changes: the answer comes after the wait, unchanged.
+        let t = tokio::time::Instant::now();
+        let bits = b
+            .bitfield_after(&link, &map, 1, Duration::from_millis(500))
+            .await
+            .unwrap();
+        let waited = t.elapsed();
+        assert_eq!(bits.count(), 1);
+        assert!(
+            waited >= Duration::from_millis(480) && waited < Duration::from_millis(1_500),
+            "{waited:?}"
+        );
+
+        // A wait beyond the cap is held only as long as the cap.
+        let t = tokio::time::Instant::now();
+        b.bitfield_after(&link, &map, 1, Duration::from_secs(60))
+            .await
+            .unwrap();
+        let waited = t.elapsed();
+        let cap = Duration::from_millis(MAX_BITFIELD_WAIT_MS.into());
+        assert!(
+            waited >= cap - Duration::from_millis(20) && waited < cap + Duration::from_secs(1),
+            "{waited:?}"
+        );
+
+        // The server stores chunk 2 while the request waits: answered at once.
+        store_later(&blob, &bytes, 2, Duration::from_millis(200));
+        let t = tokio::time::Instant::now();
+        let bits = b
+            .bitfield_after(&link, &map, 1, Duration::from_secs(2))
+            .await
+            .unwrap();
+        let waited = t.elapsed();
+        assert_eq!(bits.ones().collect::<Vec<_>>(), vec![0, 2]);
+        assert!(
+            waited >= Duration::from_millis(150) && waited < Duration::from_millis(800),
+            "answered {waited:?} after the ask, the chunk landed at 200 ms"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_waiting_bitfield_request_ends_when_the_blob_completes() {
+        let (_dir, a, b, _) = pair().await;
+        let (map, blob, bytes) = partial_blob(&a);
+        store_later(&blob, &bytes, 1, Duration::ZERO);
+        let link = b.connect("a", a.local_addr().unwrap()).await.unwrap();
+        // Asking to hear of nothing short of more than every chunk: only the
+        // blob's completion ends the wait early.
+        store_later(&blob, &bytes, 2, Duration::from_millis(200));
+        let t = tokio::time::Instant::now();
+        let bits = b
+            .bitfield_after(&link, &map, map.chunk_count(), Duration::from_secs(2))
+            .await
+            .unwrap();
+        let waited = t.elapsed();
+        assert!(bits.is_full());
+        assert!(blob.is_complete());
+        assert!(waited < Duration::from_millis(800), "{waited:?}");
     }
 
     /// Sends raw bytes on a fresh request stream; returns what the server answered.

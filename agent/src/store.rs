@@ -128,12 +128,15 @@ pub enum PutOutcome {
     Completed,
 }
 
-/// How far a blob's verified in-order prefix has come: what a streaming
-/// reader may read.
+/// How far a blob has come: its verified in-order prefix (what a streaming
+/// reader may read) and how many chunks it holds in all (what a peer waiting
+/// for news of this blob follows).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Progress {
     /// Chunks from the start that are verified and on disk.
     pub chunks: u32,
+    /// Chunks verified and on disk, in any order.
+    pub held: u32,
     /// The whole blob matched its digest.
     pub complete: bool,
     /// The blob failed its digest and was emptied; readers must stop.
@@ -181,7 +184,7 @@ impl Blob {
         self.digest
     }
 
-    /// Follows the verified in-order prefix as it grows.
+    /// Follows the blob as it grows: every stored chunk, completion and failure.
     pub fn subscribe(&self) -> tokio::sync::watch::Receiver<Progress> {
         self.progress.subscribe()
     }
@@ -295,7 +298,8 @@ impl Blob {
     }
 
     /// Hashes held chunks in order from the prefix cursor; completes the blob
-    /// when the last one is in.
+    /// when the last one is in. Every change of [`Progress`] is sent from here,
+    /// under the prefix lock, so the last send carries the latest held count.
     fn advance_prefix(&self, fresh: Option<(u32, &[u8])>) -> Result<PutOutcome> {
         let mut prefix = self.prefix.lock().unwrap_or_else(|p| p.into_inner());
         let count = self.read_map().chunk_count();
@@ -308,8 +312,12 @@ impl Blob {
         }
         if prefix.next_chunk() < count || self.is_complete() {
             let chunks = prefix.next_chunk();
-            self.progress
-                .send_if_modified(|p| std::mem::replace(&mut p.chunks, chunks) != chunks);
+            let held = self.lock().held.count();
+            self.progress.send_if_modified(|p| {
+                let was = *p;
+                (p.chunks, p.held) = (chunks, held);
+                *p != was
+            });
             return Ok(PutOutcome::Stored);
         }
         let done = std::mem::take(&mut *prefix);
@@ -319,18 +327,17 @@ impl Blob {
                 self.lock().complete = true;
                 self.progress.send_replace(Progress {
                     chunks: count,
+                    held: count,
                     complete: true,
                     failed: false,
                 });
                 Ok(PutOutcome::Completed)
             }
             Err(e) => {
-                let mut st = self.lock();
-                st.held = Bitfield::new(count);
+                self.lock().held = Bitfield::new(count);
                 self.progress.send_replace(Progress {
-                    chunks: 0,
-                    complete: false,
                     failed: true,
+                    ..Progress::default()
                 });
                 Err(e.into())
             }
@@ -468,6 +475,7 @@ impl ChunkStore {
                 st.recorded_complete = true;
                 blob.progress.send_replace(Progress {
                     chunks: count,
+                    held: count,
                     complete: true,
                     failed: false,
                 });
@@ -651,6 +659,25 @@ mod tests {
     }
 
     #[test]
+    fn progress_counts_every_stored_chunk_not_only_the_prefix() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(dir.path()).unwrap();
+        let bytes = data(3 * 65536, 8);
+        let map = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
+        let blob = store.blob(&map).unwrap();
+        let mut rx = blob.subscribe();
+        blob.put_chunk(2, &bytes[2 * 65536..]).unwrap();
+        assert!(rx.has_changed().unwrap(), "an out-of-order chunk is news");
+        let p = *rx.borrow_and_update();
+        assert_eq!((p.chunks, p.held, p.complete), (0, 1, false));
+        blob.put_chunk(0, &bytes[..65536]).unwrap();
+        assert_eq!((rx.borrow().chunks, rx.borrow().held), (1, 2));
+        blob.put_chunk(1, &bytes[65536..2 * 65536]).unwrap();
+        let p = *rx.borrow();
+        assert_eq!((p.chunks, p.held, p.complete), (3, 3, true));
+    }
+
+    #[test]
     fn resumes_recorded_and_unrecorded_chunks_but_not_torn_ones() {
         let dir = tempfile::tempdir().unwrap();
         let bytes = data(4 * 65536, 2);
@@ -698,6 +725,8 @@ mod tests {
         let err = blob.put_chunk(0, &forged_bytes[..65536]).unwrap_err();
         assert!(err.to_string().contains("not its digest"), "{err}");
         assert_eq!(blob.held().count(), 0);
+        let p = *blob.subscribe().borrow();
+        assert_eq!((p.held, p.failed), (0, true));
         assert!(!blob.is_complete());
     }
 

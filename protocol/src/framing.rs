@@ -19,6 +19,8 @@ pub const MAX_PEER_FRAME: usize = 80 << 10;
 pub const MAX_TRACKER_FRAME: usize = 4 << 20;
 /// Most chunks one `ChunkRequest` may ask for.
 pub const MAX_REQUEST_CHUNKS: u32 = 64;
+/// Longest a `BitfieldRequest` may be held, ms; a longer `wait_ms` is capped.
+pub const MAX_BITFIELD_WAIT_MS: u32 = 2_000;
 
 /// Why a frame or message was refused.
 #[derive(Debug, thiserror::Error)]
@@ -86,8 +88,13 @@ pub fn take<M: Message + Default>(
 /// A request a peer may make on a new stream, validated.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PeerRequest {
+    /// Answer at once, or once more than `wait_above` chunks are held (or
+    /// the blob completes or fails) if that comes within `wait_ms`
+    /// (at most [`MAX_BITFIELD_WAIT_MS`]).
     Bitfield {
         digest: BlobDigest,
+        wait_above: u32,
+        wait_ms: u32,
     },
     Chunks {
         digest: BlobDigest,
@@ -107,6 +114,8 @@ impl PeerRequest {
         match msg.body {
             Some(Body::BitfieldRequest(r)) => Ok(Self::Bitfield {
                 digest: parse_digest(&r.digest)?,
+                wait_above: r.wait_above,
+                wait_ms: r.wait_ms.min(MAX_BITFIELD_WAIT_MS),
             }),
             Some(Body::Request(r)) => {
                 if r.count == 0 || r.count > MAX_REQUEST_CHUNKS {
@@ -136,8 +145,14 @@ impl PeerRequest {
 
     pub fn to_pb(&self) -> pb::PeerMessage {
         let body = match *self {
-            Self::Bitfield { digest } => Body::BitfieldRequest(pb::BitfieldRequest {
+            Self::Bitfield {
+                digest,
+                wait_above,
+                wait_ms,
+            } => Body::BitfieldRequest(pb::BitfieldRequest {
                 digest: digest.to_string(),
+                wait_above,
+                wait_ms,
             }),
             Self::Chunks {
                 digest,
@@ -189,6 +204,44 @@ mod tests {
             take::<pb::PeerMessage>(&frame[..frame.len() - 1], MAX_PEER_FRAME)
                 .unwrap()
                 .is_none()
+        );
+    }
+
+    #[test]
+    fn round_trips_a_long_polled_bitfield_request_and_caps_its_wait() {
+        let req = PeerRequest::Bitfield {
+            digest: BlobDigest::of(b"x"),
+            wait_above: 7,
+            wait_ms: 1_000,
+        };
+        assert_eq!(PeerRequest::from_pb(req.to_pb()).unwrap(), req);
+        let greedy = PeerRequest::Bitfield {
+            digest: BlobDigest::of(b"x"),
+            wait_above: 7,
+            wait_ms: u32::MAX,
+        };
+        assert_eq!(
+            PeerRequest::from_pb(greedy.to_pb()).unwrap(),
+            PeerRequest::Bitfield {
+                digest: BlobDigest::of(b"x"),
+                wait_above: 7,
+                wait_ms: MAX_BITFIELD_WAIT_MS,
+            }
+        );
+        // What a peer that predates the wait fields sends: a plain, immediate ask.
+        let old = pb::PeerMessage {
+            body: Some(Body::BitfieldRequest(pb::BitfieldRequest {
+                digest: BlobDigest::of(b"x").to_string(),
+                ..Default::default()
+            })),
+        };
+        assert_eq!(
+            PeerRequest::from_pb(old).unwrap(),
+            PeerRequest::Bitfield {
+                digest: BlobDigest::of(b"x"),
+                wait_above: 0,
+                wait_ms: 0,
+            }
         );
     }
 
