@@ -97,22 +97,41 @@ impl Bitfield {
 
     /// Indices of the chunks held, ascending.
     pub fn ones(&self) -> impl Iterator<Item = u32> + '_ {
-        set_bits(&self.bits, |b| b)
+        set_bits(self.bits.iter().copied())
+    }
+
+    /// The first missing chunk at or after `from`; `len()` if none is.
+    pub fn next_zero(&self, from: u32) -> u32 {
+        let start = (from / 8) as usize;
+        // Bits below `from` in its byte count as set.
+        let head = !(0xffu8 >> (from % 8));
+        let found = self
+            .bits
+            .get(start..)
+            .into_iter()
+            .flatten()
+            .enumerate()
+            .find_map(|(k, &b)| {
+                let b = if k == 0 { b | head } else { b };
+                (b != 0xff).then(|| (start + k) as u32 * 8 + (!b).leading_zeros())
+            });
+        found.unwrap_or(self.len).min(self.len)
     }
 
     /// Indices of the chunks missing, ascending.
     pub fn zeros(&self) -> impl Iterator<Item = u32> + '_ {
         let len = self.len;
-        set_bits(&self.bits, |b| !b).take_while(move |&i| i < len)
+        set_bits(self.bits.iter().map(|&b| !b)).take_while(move |&i| i < len)
     }
 }
 
-/// Indices of the bits set in `pick(byte)` over `bytes`, most significant bit
-/// first, skipping whole bytes with none set (chunk maps are mostly full or
-/// mostly empty, so this is far cheaper than testing bit by bit).
-fn set_bits(bytes: &[u8], pick: fn(u8) -> u8) -> impl Iterator<Item = u32> + '_ {
-    bytes.iter().enumerate().flat_map(move |(i, &b)| {
-        let mut left = pick(b);
+/// Indices of the bits set in `bytes` (packed as in a [`Bitfield`], most
+/// significant bit first), skipping whole bytes with none set: chunk maps and
+/// their combinations are mostly full or mostly empty, so this is far cheaper
+/// than testing bit by bit.
+fn set_bits(bytes: impl Iterator<Item = u8>) -> impl Iterator<Item = u32> {
+    bytes.enumerate().flat_map(move |(i, b)| {
+        let mut left = b;
         std::iter::from_fn(move || {
             (left != 0).then(|| {
                 let bit = left.leading_zeros();
@@ -126,6 +145,20 @@ fn set_bits(bytes: &[u8], pick: fn(u8) -> u8) -> impl Iterator<Item = u32> + '_ 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn next_zero_finds_the_first_clear_bit_from_any_start() {
+        for len in [0u32, 1, 7, 8, 9, 63, 64, 65, 641] {
+            let mut b = Bitfield::new(len);
+            for i in (0..len).filter(|i| i % 5 != 4 && i % 11 != 3) {
+                b.set(i);
+            }
+            for from in 0..=len + 9 {
+                let want = b.zeros().find(|&i| i >= from).unwrap_or(len);
+                assert_eq!(b.next_zero(from), want, "len {len} from {from}");
+            }
+        }
+    }
 
     #[test]
     fn ones_and_zeros_list_exactly_the_set_and_clear_bits() {

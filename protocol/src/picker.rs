@@ -6,7 +6,10 @@
 //! rarest-first beyond that window so that scarce chunks spread early.
 
 use crate::Bitfield;
-use std::collections::{HashMap, HashSet};
+// Fx hashing: a pick looks its peer up every time, and peer keys are
+// authenticated identities (or node numbers in the simulator), not input an
+// attacker can pick to collide.
+use rustc_hash::{FxHashMap, FxHashSet};
 
 /// Chunks past the cursor that are fetched in order before rarest-first applies.
 pub const DEFAULT_WINDOW: u32 = 8;
@@ -18,22 +21,60 @@ pub struct ChunkPicker<P> {
     in_flight: Bitfield,
     /// How many usable peers hold each chunk.
     availability: Vec<u32>,
-    peers: HashMap<P, Bitfield>,
-    banned: HashSet<P>,
+    peers: FxHashMap<P, Bitfield>,
+    banned: FxHashSet<P>,
     window: u32,
+    /// The first chunk not held.
+    cursor: u32,
+    /// Chunks some usable peer holds that are neither held nor in flight.
+    offered: u32,
 }
 
 impl<P: Clone + Eq + std::hash::Hash> ChunkPicker<P> {
     /// A picker for a blob of which `held` is already here.
     pub fn new(held: Bitfield, window: u32) -> Self {
         let n = held.len();
+        let cursor = held.next_zero(0);
         Self {
             in_flight: Bitfield::new(n),
             availability: vec![0; n as usize],
             held,
-            peers: HashMap::new(),
-            banned: HashSet::new(),
+            peers: FxHashMap::default(),
+            banned: FxHashSet::default(),
             window,
+            cursor,
+            offered: 0,
+        }
+    }
+
+    /// One more (`up`) or one fewer usable peer holds chunk `i`.
+    fn shift(&mut self, i: u32, up: bool) {
+        let open = self.is_unclaimed(i);
+        let slot = &mut self.availability[i as usize];
+        let before = *slot > 0;
+        if up {
+            *slot += 1;
+        } else {
+            *slot -= 1;
+        }
+        if open && before != (*slot > 0) {
+            if up {
+                self.offered += 1;
+            } else {
+                self.offered -= 1;
+            }
+        }
+    }
+
+    /// Chunk `i` stops (`false`) or starts (`true`) being pickable: offered
+    /// counts it while some peer holds it.
+    fn reopen(&mut self, i: u32, open: bool) {
+        if self.availability[i as usize] > 0 {
+            if open {
+                self.offered += 1;
+            } else {
+                self.offered -= 1;
+            }
         }
     }
 
@@ -46,24 +87,23 @@ impl<P: Clone + Eq + std::hash::Hash> ChunkPicker<P> {
             // Only the chunks whose bit changed move the counts: a peer's
             // bitfield mostly grows by a few chunks between looks.
             Some(old) => {
+                let mut moves = Vec::new();
                 for (byte, (&was, &now)) in old.as_bytes().iter().zip(bits.as_bytes()).enumerate() {
                     let mut changed = was ^ now;
                     while changed != 0 {
-                        let bit = changed.leading_zeros() as usize;
+                        let bit = changed.leading_zeros();
                         changed &= !(0x80 >> bit);
-                        let slot = &mut self.availability[byte * 8 + bit];
-                        if now & (0x80 >> bit) != 0 {
-                            *slot += 1;
-                        } else {
-                            *slot -= 1;
-                        }
+                        moves.push((byte as u32 * 8 + bit, now & (0x80 >> bit) != 0));
                     }
                 }
                 *old = bits;
+                for (i, up) in moves {
+                    self.shift(i, up);
+                }
             }
             None => {
                 for i in bits.ones() {
-                    self.availability[i as usize] += 1;
+                    self.shift(i, true);
                 }
                 self.peers.insert(peer, bits);
             }
@@ -75,14 +115,14 @@ impl<P: Clone + Eq + std::hash::Hash> ChunkPicker<P> {
         if let Some(bits) = self.peers.get_mut(peer)
             && bits.set(index)
         {
-            self.availability[index as usize] += 1;
+            self.shift(index, true);
         }
     }
 
     pub fn remove_peer(&mut self, peer: &P) {
         if let Some(bits) = self.peers.remove(peer) {
             for i in bits.ones() {
-                self.availability[i as usize] -= 1;
+                self.shift(i, false);
             }
         }
     }
@@ -99,22 +139,41 @@ impl<P: Clone + Eq + std::hash::Hash> ChunkPicker<P> {
 
     /// The first chunk not yet held: where an in-order reader waits.
     pub fn cursor(&self) -> u32 {
-        self.held.zeros().next().unwrap_or(self.held.len())
+        self.cursor
     }
 
     /// The next chunk to ask `peer` for, marked in flight; `None` if it holds
     /// nothing we still need.
     pub fn pick(&mut self, peer: &P) -> Option<u32> {
-        let bits = self.peers.get(peer)?;
-        let wanted = |i: u32| bits.get(i) && !self.held.get(i) && !self.in_flight.get(i);
-        let cursor = self.cursor();
-        let window_end = cursor.saturating_add(self.window).min(self.held.len());
-        let pick = (cursor..window_end).find(|&i| wanted(i)).or_else(|| {
-            (window_end..self.held.len())
-                .filter(|&i| wanted(i))
-                .min_by_key(|&i| (self.availability[i as usize], i))
-        })?;
+        let theirs = self.peers.get(peer)?.as_bytes();
+        let (held, busy) = (self.held.as_bytes(), self.in_flight.as_bytes());
+        let window_end = self.cursor.saturating_add(self.window);
+        // The lowest wanted chunk in the window, else the rarest wanted one
+        // (lowest index among equals). Everything below the cursor is held.
+        let mut best: Option<(u32, u32)> = None;
+        'scan: for j in (self.cursor / 8) as usize..theirs.len() {
+            let mut wanted = theirs[j] & !held[j] & !busy[j];
+            while wanted != 0 {
+                let bit = wanted.leading_zeros();
+                wanted &= !(0x80 >> bit);
+                let i = j as u32 * 8 + bit;
+                if i < window_end {
+                    best = Some((0, i));
+                    break 'scan;
+                }
+                let a = self.availability[i as usize];
+                if best.is_none_or(|(rarest, _)| a < rarest) {
+                    best = Some((a, i));
+                    // This peer holds it: nothing is rarer.
+                    if a <= 1 {
+                        break 'scan;
+                    }
+                }
+            }
+        }
+        let (_, pick) = best?;
         self.in_flight.set(pick);
+        self.reopen(pick, false);
         Some(pick)
     }
 
@@ -124,7 +183,9 @@ impl<P: Clone + Eq + std::hash::Hash> ChunkPicker<P> {
         if index >= self.held.len() || self.held.get(index) || self.in_flight.get(index) {
             return false;
         }
-        self.in_flight.set(index)
+        self.in_flight.set(index);
+        self.reopen(index, false);
+        true
     }
 
     /// Neither held nor in flight.
@@ -134,13 +195,27 @@ impl<P: Clone + Eq + std::hash::Hash> ChunkPicker<P> {
 
     /// The chunk arrived and verified.
     pub fn completed(&mut self, index: u32) {
+        if self.is_unclaimed(index) {
+            self.reopen(index, false);
+        }
         self.in_flight.clear(index);
         self.held.set(index);
+        if index == self.cursor {
+            self.cursor = self.held.next_zero(index);
+        }
     }
 
     /// The request for the chunk failed; it may be picked again.
     pub fn failed(&mut self, index: u32) {
-        self.in_flight.clear(index);
+        if self.in_flight.clear(index) && !self.held.get(index) {
+            self.reopen(index, true);
+        }
+    }
+
+    /// Whether some usable peer holds a chunk that is neither held nor in
+    /// flight: if not, no [`ChunkPicker::pick`] can return anything.
+    pub fn offers_any(&self) -> bool {
+        self.offered > 0
     }
 
     /// Chunks requested and not yet completed or failed.
@@ -175,6 +250,92 @@ mod tests {
             b.set(i);
         }
         b
+    }
+
+    /// What `pick` must return, written the obvious way.
+    fn reference_pick(
+        held: &Bitfield,
+        busy: &Bitfield,
+        peers: &[Bitfield],
+        peer: usize,
+        window: u32,
+    ) -> Option<u32> {
+        let n = held.len();
+        let wanted = |i: u32| peers[peer].get(i) && !held.get(i) && !busy.get(i);
+        let cursor = held.zeros().next().unwrap_or(n);
+        let window_end = cursor.saturating_add(window).min(n);
+        let availability = |i: u32| peers.iter().filter(|p| p.get(i)).count();
+        (cursor..window_end).find(|&i| wanted(i)).or_else(|| {
+            (window_end..n)
+                .filter(|&i| wanted(i))
+                .min_by_key(|&i| (availability(i), i))
+        })
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn picks_what_the_reference_picks(
+            n in 1u32..80,
+            window in 0u32..10,
+            seeds in proptest::collection::vec(proptest::collection::vec(proptest::bool::weighted(0.4), 80), 4),
+            steps in proptest::collection::vec((0u8..6, 0usize..3, 0u32..80), 1..60),
+        ) {
+            let field = |k: usize| {
+                let ones: Vec<u32> = (0..n).filter(|&i| seeds[k][i as usize]).collect();
+                bits(n, &ones)
+            };
+            let mut held = field(3);
+            let mut busy = Bitfield::new(n);
+            let mut peers: Vec<Bitfield> = (0..3).map(field).collect();
+            let mut p = ChunkPicker::new(held.clone(), window);
+            for (k, bits) in peers.iter().enumerate() {
+                p.set_peer(k, bits.clone());
+            }
+            for (op, peer, chunk) in steps {
+                let chunk = chunk % n;
+                let in_flight = busy.ones().find(|&i| i >= chunk).or_else(|| busy.ones().next());
+                match op {
+                    0 => {
+                        let want = reference_pick(&held, &busy, &peers, peer, window);
+                        let got = p.pick(&peer);
+                        proptest::prop_assert_eq!(got, want);
+                        if let Some(i) = got {
+                            busy.set(i);
+                        }
+                    }
+                    1 | 2 => {
+                        if let Some(i) = in_flight {
+                            busy.clear(i);
+                            if op == 1 {
+                                p.completed(i);
+                                held.set(i);
+                            } else {
+                                p.failed(i);
+                            }
+                        }
+                    }
+                    3 => {
+                        p.peer_has(&peer, chunk);
+                        peers[peer].set(chunk);
+                    }
+                    4 => {
+                        let free = !held.get(chunk) && !busy.get(chunk);
+                        proptest::prop_assert_eq!(p.claim(chunk), free);
+                        busy.set(chunk);
+                    }
+                    _ => {
+                        // A chunk that arrived from elsewhere (the registry).
+                        p.completed(chunk);
+                        held.set(chunk);
+                        busy.clear(chunk);
+                    }
+                }
+                let offered = (0..n)
+                    .filter(|&i| !held.get(i) && !busy.get(i) && peers.iter().any(|q| q.get(i)))
+                    .count();
+                proptest::prop_assert_eq!(p.offers_any(), offered > 0);
+            }
+        }
     }
 
     #[test]
