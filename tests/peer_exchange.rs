@@ -17,14 +17,28 @@ use std::sync::Arc;
 use std::time::Duration;
 
 fn node(ca: &ClusterCa, id: &str, dir: &Path) -> Arc<PeerNode> {
+    node_with(ca, id, dir, PeerConfig::default())
+}
+
+fn node_with(ca: &ClusterCa, id: &str, dir: &Path, config: PeerConfig) -> Arc<PeerNode> {
     let store = Arc::new(ChunkStore::open(&dir.join(id)).unwrap());
     PeerNode::bind(
         ca.issue(id).unwrap(),
         store,
         "127.0.0.1:0".parse().unwrap(),
-        PeerConfig::default(),
+        config,
     )
     .unwrap()
+}
+
+/// Chunk bytes a node has sent to peers, from its metrics.
+fn uploaded(node: &PeerNode) -> u64 {
+    let text = node.metrics().encode();
+    text.lines()
+        .find_map(|l| l.strip_prefix("dray_agent_uploaded_bytes_total "))
+        .unwrap_or_else(|| panic!("no upload counter in {text}"))
+        .parse()
+        .unwrap()
 }
 
 fn addr(node: &PeerNode) -> PeerAddr {
@@ -70,14 +84,18 @@ async fn a_corrupt_chunk_is_caught_refetched_from_an_honest_peer_and_never_recor
     let liar = node(&ca, "liar", dir.path());
     liar.store().import(&src, DEFAULT_CHUNK_SIZE).unwrap();
     // Rot one byte in every chunk of the liar's copy on disk: it still believes
-    // it holds verified chunks and serves them.
+    // it holds verified chunks and serves them. The byte is flipped, not
+    // overwritten, so no chunk can stay intact by chance.
     let liar_blob = liar.store().get(&map.digest()).unwrap().unwrap();
     let file = std::fs::OpenOptions::new()
+        .read(true)
         .write(true)
         .open(liar_blob.path())
         .unwrap();
     for i in 0..map.chunk_count() {
-        file.write_all_at(&[0x5a], map.offset(i) + 100).unwrap();
+        let mut byte = [0u8];
+        file.read_exact_at(&mut byte, map.offset(i) + 100).unwrap();
+        file.write_all_at(&[!byte[0]], map.offset(i) + 100).unwrap();
     }
     let b_dir = dir.path().join("b");
     let b = node(&ca, "b", &b_dir);
@@ -171,6 +189,87 @@ async fn a_swarm_transfer_hears_of_a_peers_new_chunks_and_of_hashes_learned_late
     let report = t.finish().await.unwrap();
     assert_eq!(report.chunks_by_peer.get("seed"), Some(&4));
     assert_eq!(file_digest(t.blob().path()), full.digest().to_string());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_swarm_transfer_retires_its_oldest_peer_after_the_chunks_it_is_sending() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    let (chunks, chunk_size) = (32, 4 * MIN_CHUNK_SIZE);
+    random_file(&src, chunks * u64::from(chunk_size));
+    let ca = ClusterCa::generate().unwrap();
+    // Every seed sends 4 chunks a second, with a burst below one chunk: the
+    // first one's first requests are still streaming when the others arrive,
+    // and the others need seconds for the rest, so an unretired first seed
+    // would be asked again.
+    let paced = PeerConfig {
+        upload_bytes_per_s: Some(4 * u64::from(chunk_size)),
+        ..PeerConfig::default()
+    };
+    let seeds: Vec<_> = ["first", "second", "third"]
+        .iter()
+        .map(|id| node_with(&ca, id, dir.path(), paced.clone()))
+        .collect();
+    let mut map = None;
+    for s in &seeds {
+        map = Some(s.store().import(&src, chunk_size).unwrap());
+    }
+    let map = map.unwrap();
+    let capped = PeerConfig {
+        max_peers_per_blob: 2,
+        ..PeerConfig::default()
+    };
+    let b = node_with(&ca, "leech", dir.path(), capped);
+    let t = Transfer::start(&b, &map, true).await.unwrap();
+    let mut progress = t.blob().subscribe();
+    let first = &seeds[0];
+
+    t.add_peer(addr(first));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !(t.in_flight() == 4 && first.active_uploads() == 4) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the first seed never got 4 requests"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Normally none yet; a lane that started late may have let one finish.
+    let sent = t.report().chunks_by_peer.get("first").copied().unwrap_or(0);
+    t.add_peer(addr(&seeds[1]));
+    t.add_peer(addr(&seeds[2]));
+    // Named again while it finishes its chunks: ignored, not a new peer.
+    t.add_peer(addr(first));
+
+    tokio::time::timeout(Duration::from_secs(60), progress.wait_for(|p| p.complete))
+        .await
+        .expect("the blob completes from the other two")
+        .unwrap();
+    // The lane that stored the last chunk settles it a moment later.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    while t.in_flight() > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} chunks left in flight",
+            t.in_flight()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let report = t.finish().await.unwrap();
+    // The 4 chunks it was sending when retired were stored, and it was asked
+    // for nothing more: every byte it sent is in a stored chunk.
+    let from = |id: &str| report.chunks_by_peer.get(id).copied().unwrap_or(0);
+    assert_eq!(from("first"), sent + 4, "{report:?}");
+    assert_eq!(
+        uploaded(first),
+        u64::from(from("first")) * u64::from(chunk_size)
+    );
+    assert_eq!(first.active_uploads(), 0);
+    assert_eq!(
+        from("second") + from("third"),
+        chunks as u32 - from("first")
+    );
+    assert!(from("second") > 0 && from("third") > 0, "{report:?}");
+    assert_eq!(file_digest(t.blob().path()), map.digest().to_string());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

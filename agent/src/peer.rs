@@ -100,6 +100,14 @@ pub struct PeerConfig {
     pub max_uploads: usize,
     /// Chunk requests in flight at once per blob transfer, over all peers.
     pub max_downloads: usize,
+    /// Peers a swarm transfer fetches from at once. Each costs a connection,
+    /// its request lanes and a long-polled bitfield that the peer must answer
+    /// at every chunk it gains; the tracker names new peers at every announce.
+    /// When it names one past this many, the oldest is retired (after the
+    /// chunks it is sending). In `simulations`, 16 peers rotated this way take
+    /// `kraken-2600` to 1.21x the bound, against 2.59x keeping the first 16
+    /// and 1.17x with no cap. Fetches from a fixed list of peers are not capped.
+    pub max_peers_per_blob: usize,
     /// A request unanswered, or a chunk transfer that moves no byte, for this
     /// long is abandoned.
     #[serde(with = "crate::config::millis")]
@@ -114,6 +122,7 @@ impl Default for PeerConfig {
             download_bytes_per_s: None,
             max_uploads: 8,
             max_downloads: 8,
+            max_peers_per_blob: 16,
             request_timeout: Duration::from_secs(20),
             transport: TransportTuning::default(),
         }
