@@ -65,6 +65,9 @@ pub struct StormBench {
     /// Chunks each agent serves at once (`peer.max_uploads`).
     #[arg(long, default_value_t = dray_agent::peer::PeerConfig::default().max_uploads)]
     max_uploads: usize,
+    /// Chunk requests each agent keeps in flight at once (`peer.max_downloads`).
+    #[arg(long, default_value_t = dray_agent::peer::PeerConfig::default().max_downloads)]
+    max_downloads: usize,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -254,13 +257,14 @@ async fn storm(
         std::fs::write(
             node.join("node.toml"),
             format!(
-                "state_dir = {}\npeer_listen = \"{}:7881\"\ncert = {}\nkey = {}\nca = {}\n\n[peer]\nupload_bytes_per_s = {upload_cap}\nmax_uploads = {}\n\n[mirror]\nlisten = \"127.0.0.1:0\"\n\n[swarm]\ntrackers = [\"http://{TRACKER_ADDR}\"]\n",
+                "state_dir = {}\npeer_listen = \"{}:7881\"\ncert = {}\nkey = {}\nca = {}\n\n[peer]\nupload_bytes_per_s = {upload_cap}\nmax_uploads = {}\nmax_downloads = {}\n\n[mirror]\nlisten = \"127.0.0.1:0\"\n\n[swarm]\ntrackers = [\"http://{TRACKER_ADDR}\"]\n",
                 path("state"),
                 node_ip(i),
                 path("agent.crt"),
                 path("agent.key"),
                 path("ca.crt"),
                 b.max_uploads,
+                b.max_downloads,
             ),
         )
         .with_context(|| format!("writing {}/node.toml", node.display()))?;
@@ -283,6 +287,7 @@ async fn storm(
             b.registry_mbit,
             b.upload_percent,
             b.max_uploads as u32,
+            b.max_downloads as u32,
         ),
         dray_simulations::Strategy::Dray,
         1,

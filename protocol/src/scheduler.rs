@@ -1387,6 +1387,22 @@ mod tests {
     }
 
     #[test]
+    fn members_holding_nothing_yet_fill_the_places_holders_leave() {
+        let mut s = Scheduler::new(striped());
+        let now = Instant::now();
+        for p in ["asker", "empty1", "empty2", "gone"] {
+            s.announce(wants(p, 8, &[]), now);
+        }
+        s.announce(wants("holder", 8, &[3]), now);
+        assert!(s.leave("gone"));
+        let ids = peer_ids(&s.announce(added("asker", 8, vec![]), now));
+        assert_eq!(ids[0], "holder", "{ids:?}");
+        let mut rest = ids[1..].to_vec();
+        rest.sort();
+        assert_eq!(rest, vec!["empty1".to_owned(), "empty2".to_owned()]);
+    }
+
+    #[test]
     fn three_distinct_reporters_ban_an_offender() {
         let mut s = Scheduler::new(striped());
         let now = Instant::now();

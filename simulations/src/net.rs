@@ -75,6 +75,9 @@ struct Flow {
     left: f64,
     rate: f64,
     updated: f64,
+    /// When its queued finish event fires; a slower rate leaves that event in
+    /// place (it re-queues itself on firing early) rather than queueing another.
+    due: u64,
     version: u32,
     links: [LinkId; 4],
     pos: [u32; 4],
@@ -179,10 +182,33 @@ impl Net {
         Some(ev)
     }
 
-    pub fn is_current(&self, id: FlowId, version: u32) -> bool {
-        self.flows
+    /// Whether flow `id`'s finish event of `version` means it is done now.
+    /// An event that fires before the flow is done (its rate dropped after it
+    /// was queued) queues the flow's true finish instead.
+    pub fn finishes(&mut self, id: FlowId, version: u32) -> bool {
+        if !self
+            .flows
             .get(id as usize)
             .is_some_and(|f| f.live && f.version == version)
+        {
+            return false;
+        }
+        let now = self.now();
+        self.advance(id, now);
+        let f = &mut self.flows[id as usize];
+        // Less than a byte left is rounding: done.
+        if f.left < 1.0 {
+            return true;
+        }
+        let secs = if f.rate > 0.0 {
+            f.left / f.rate
+        } else {
+            f64::MAX
+        };
+        f.version = f.version.wrapping_add(1);
+        let ev = Ev::Flow(id, f.version);
+        self.flows[id as usize].due = self.after(secs, ev);
+        false
     }
 
     /// Starts a flow of `bytes` over `links` (at most 4).
@@ -199,6 +225,7 @@ impl Net {
                     left: 0.0,
                     rate: 0.0,
                     updated: now,
+                    due: 0,
                     version: 0,
                     links: [0; 4],
                     pos: [0; 4],
@@ -315,12 +342,15 @@ impl Net {
                 .fold(f64::INFINITY, f64::min);
             if f.fresh || rate != f.rate {
                 let f = &mut self.flows[id as usize];
-                f.fresh = false;
+                let fresh = std::mem::take(&mut f.fresh);
                 f.rate = rate;
-                f.version = f.version.wrapping_add(1);
                 let secs = if rate > 0.0 { f.left / rate } else { f64::MAX };
-                let ev = Ev::Flow(id, f.version);
-                self.after(secs, ev);
+                let at = self.now.saturating_add(to_ns(secs));
+                if fresh || at < f.due {
+                    f.version = f.version.wrapping_add(1);
+                    let ev = Ev::Flow(id, f.version);
+                    self.flows[id as usize].due = self.after(secs, ev);
+                }
             }
         }
     }
@@ -399,9 +429,33 @@ mod tests {
         let Some(Ev::Flow(b, v)) = net.pop() else {
             panic!("b must finish");
         };
-        assert!(net.is_current(b, v));
+        assert!(net.finishes(b, v));
         assert!((net.now() - 4.0).abs() < 1e-6);
         net.remove(b);
         assert!((net.registry_bytes_now() - 400.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_flow_slowed_after_queueing_finishes_at_its_true_time() {
+        let mut net = Net::new(vec![100.0, 1000.0, 1000.0], 0);
+        let a = net.start(payload(1), 100.0, &[0, 1]);
+        net.settle();
+        net.at_secs(0.5, Ev::Tick);
+        assert_eq!(net.pop(), Some(Ev::Tick));
+        // From 0.5 s a shares the link: 50 B left at 50 B/s, done at 1.5 s.
+        net.start(payload(2), 1000.0, &[0, 2]);
+        net.settle();
+        let Some(Ev::Flow(id, v)) = net.pop() else {
+            panic!("a's first finish event");
+        };
+        assert_eq!(id, a);
+        assert!((net.now() - 1.0).abs() < 1e-6);
+        assert!(!net.finishes(a, v), "fired early: a still lacks 25 B");
+        let Some(Ev::Flow(id, v)) = net.pop() else {
+            panic!("a's true finish event");
+        };
+        assert_eq!(id, a);
+        assert!(net.finishes(a, v));
+        assert!((net.now() - 1.5).abs() < 1e-6);
     }
 }

@@ -83,8 +83,13 @@ pub struct Scenario {
     pub max_uploads: u32,
     /// How often a pulling node announces.
     pub announce_interval_s: f64,
-    /// How often an idle node looks at its peers' bitfields again (the agent's lanes: 100 ms).
+    /// How often an idle node checks its fallback rules (stall, tracker silence).
     pub poll_s: f64,
+    /// How long a lane waits after a peer refused its request BUSY (the agent: 200 ms).
+    pub busy_backoff_s: f64,
+    /// How long a peer's news (a chunk it gained) takes to reach a node
+    /// watching it: the answer to a long-polled bitfield request, one way.
+    pub have_s: f64,
     /// Nothing arriving and nothing in flight this long: fetch unheld chunks from the registry.
     pub stall_s: f64,
     /// Tracker silent this long: fetch what known peers lack from the registry.
@@ -108,10 +113,13 @@ impl Scenario {
             churn: None,
             late_joiners: None,
             outage: None,
-            max_downloads: 4,
-            max_uploads: 4,
+            // The agent's `peer.max_downloads` and `peer.max_uploads`.
+            max_downloads: 8,
+            max_uploads: 8,
             announce_interval_s: 0.5,
-            poll_s: 0.1,
+            poll_s: 0.5,
+            busy_backoff_s: 0.2,
+            have_s: 0.001,
             // The agent's default (30 s; 5 s starved registry-bound storms,
             // see the crate docs).
             stall_s: 30.0,
@@ -121,8 +129,8 @@ impl Scenario {
     }
 
     /// The cluster `dray bench storm` emulates: one blob of `image_bytes`,
-    /// `nodes` agents with the agent's default limits (8 chunk downloads per
-    /// transfer, a 30 s stall rule) serving `max_uploads` chunks at once,
+    /// `nodes` agents with the agent's default limits (a 30 s stall rule)
+    /// serving `max_uploads` chunks and fetching `max_downloads` at once,
     /// links capped at `node_mbit` and `registry_mbit` each way (wire bits, of
     /// which headers take `1 - WIRE_EFFICIENCY`), and agent uploads capped at
     /// `upload_percent` of the link rate (0: uncapped).
@@ -133,6 +141,7 @@ impl Scenario {
         registry_mbit: u64,
         upload_percent: u64,
         max_uploads: u32,
+        max_downloads: u32,
     ) -> Self {
         let payload_bps = |mbit: u64| mbit as f64 * 1e6 / 8.0 * WIRE_EFFICIENCY;
         let mut s = Scenario::base("emulated", nodes, 1, image_bytes);
@@ -144,7 +153,7 @@ impl Scenario {
                 .min(node_mbit as f64 * 1e6 / 8.0 * p as f64 / 100.0),
         };
         s.registry_bps = payload_bps(registry_mbit);
-        s.max_downloads = 8;
+        s.max_downloads = max_downloads;
         s.max_uploads = max_uploads;
         s
     }
@@ -158,6 +167,8 @@ impl Scenario {
             self.registry_bps,
             self.announce_interval_s,
             self.poll_s,
+            self.have_s,
+            self.busy_backoff_s,
             self.stall_s,
             self.tracker_grace_s,
         ];
@@ -225,7 +236,7 @@ pub fn scenario(name: &str) -> Result<Scenario, SimError> {
         "small" => {
             // `dray bench storm` with its defaults.
             // 8 uploads: the agent's `peer.max_uploads`.
-            let mut s = Scenario::emulated(16, 256 * MIB, 100, 200, 90, 8);
+            let mut s = Scenario::emulated(16, 256 * MIB, 100, 200, 90, 8, 8);
             s.name = name.to_owned();
             s
         }
@@ -236,7 +247,6 @@ pub fn scenario(name: &str) -> Result<Scenario, SimError> {
             s.node_up_bps = 300e6;
             s.node_down_bps = 300e6;
             s.registry_bps = 300e6;
-            s.sim_chunk_bytes = 2 * CHUNK_BYTES;
             s
         }
         "storm-10k" => {

@@ -8,8 +8,9 @@
 //! the peers the tracker named, and fall back to the registry for chunks no
 //! known peer holds after a stall or while the tracker is silent. A node sees
 //! a peer's chunks as its lanes do: the bitfield when it first looks, then
-//! again at each poll, and only the chunks whose hashes it has (its own, and
-//! the tracker's map as of its last announce).
+//! each chunk the peer gains (the long-polled bitfield), and only the chunks
+//! whose hashes it has (its own, and the tracker's map as of its last
+//! announce).
 
 use crate::Strategy;
 use crate::net::{Ev, FlowId, LinkId, Net, Payload, Purpose, Rng, Source, to_ns};
@@ -23,10 +24,9 @@ use dray_protocol::{Bitfield, BlobDigest};
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-/// Peers a node keeps per blob; the oldest idle one goes when more arrive.
+/// Peers a node keeps per blob (the agent's `peer.max_peers_per_blob`); the
+/// oldest goes when the tracker names another.
 const MAX_KNOWN_PEERS: usize = 16;
-/// Nodes waiting for a free upload slot of one peer.
-const MAX_WAITERS: usize = 64;
 /// The tracker's ticker period.
 const TICK_S: f64 = 0.5;
 
@@ -60,8 +60,15 @@ struct NodeBlob {
     /// held at its last announce): it can verify, so fetch, only these from peers.
     known: Bitfield,
     picker: Option<ChunkPicker<u32>>,
-    /// Known peers and the [`World::view_stamp`] of the view the picker last got.
-    peers: Vec<(u32, u32)>,
+    /// Known peers, and whether the picker has a view of each yet (taken at
+    /// the first look, then kept current by [`World::tell_watchers`] and
+    /// [`World::learn_hashes`], as the agent's long-polled bitfields do).
+    peers: Vec<(u32, bool)>,
+    /// Some peer in `peers` has not been looked at yet.
+    unlooked: bool,
+    /// Nodes that have this node as a known peer of the blob, and hear at
+    /// once when it gains a chunk (the lanes' long-polled bitfields).
+    watchers: Vec<u32>,
     /// Chunks verified since the last successful announce.
     added: Vec<u32>,
     complete: bool,
@@ -75,8 +82,6 @@ struct Node {
     blobs: Vec<NodeBlob>,
     /// Peer chunk downloads in flight.
     downloads: u32,
-    uploads: u32,
-    waiters: Vec<u32>,
     in_flows: Vec<FlowId>,
     out_flows: Vec<FlowId>,
     announce_gen: u32,
@@ -109,6 +114,8 @@ struct World<'a> {
     seeds: Vec<Vec<u32>>,
     /// The tracker's chunk map of each blob: the hashes published so far.
     published: Vec<Bitfield>,
+    /// Chunk uploads in flight, by node.
+    uploads: Vec<u32>,
     /// Pullers neither done nor gone.
     pending: u32,
     samples: Samples,
@@ -181,23 +188,36 @@ impl World<'_> {
         Bitfield::from_bytes(theirs.len(), &bytes).expect("same length as the peer's bitfield")
     }
 
-    /// Changes whenever [`World::usable`] may have: both sets only grow.
-    fn view_stamp(&self, n: u32, b: usize, p: u32) -> u32 {
-        self.nodes[p as usize].blobs[b].held.count() + self.nodes[n as usize].blobs[b].known.count()
-    }
-
-    /// Gives `n`'s picker its current view of peer `p` (in `slot`) if it changed.
-    fn refresh_peer(&mut self, n: u32, b: usize, slot: usize) {
-        let (p, seen) = self.nodes[n as usize].blobs[b].peers[slot];
-        let stamp = self.view_stamp(n, b, p);
-        if stamp == seen {
+    /// Gives `n`'s picker its first view of peer `p` (in `slot`).
+    fn look(&mut self, n: u32, b: usize, slot: usize) {
+        let (p, looked) = self.nodes[n as usize].blobs[b].peers[slot];
+        if looked {
             return;
         }
         let bits = self.usable(n, b, p);
         let nb = &mut self.nodes[n as usize].blobs[b];
-        nb.peers[slot].1 = stamp;
+        nb.peers[slot].1 = true;
         if let Some(picker) = nb.picker.as_mut() {
             picker.set_peer(p, bits);
+        }
+    }
+
+    /// `n` learned the hashes of `chunks` of blob `b`: what its peers hold of
+    /// them becomes fetchable.
+    fn learn_hashes(&mut self, n: u32, b: usize, chunks: &[u32]) {
+        let nu = n as usize;
+        for slot in 0..self.nodes[nu].blobs[b].peers.len() {
+            let (p, looked) = self.nodes[nu].blobs[b].peers[slot];
+            if !looked {
+                continue;
+            }
+            for &c in chunks {
+                if self.nodes[p as usize].blobs[b].held.get(c)
+                    && let Some(picker) = self.nodes[nu].blobs[b].picker.as_mut()
+                {
+                    picker.peer_has(&p, c);
+                }
+            }
         }
     }
 
@@ -283,7 +303,7 @@ impl World<'_> {
             }
         }
         if let Source::Peer(s) = from {
-            self.nodes[s as usize].uploads += 1;
+            self.uploads[s as usize] += 1;
         }
         let payload = Payload {
             to: n,
@@ -311,11 +331,16 @@ impl World<'_> {
                     p.completed(c);
                 }
                 nb.added.push(c);
+                self.tell_watchers(n, blob, c);
             }
             None => {
                 fill(&mut nb.held);
+                for c in 0..nb.held.len() {
+                    self.tell_watchers(n, blob, c);
+                }
             }
         }
+        let nb = &mut self.nodes[n as usize].blobs[blob as usize];
         if !nb.held.is_full() || nb.complete {
             return;
         }
@@ -341,6 +366,32 @@ impl World<'_> {
         }
     }
 
+    /// `n` gained chunk `c` of `blob`: each watcher that can verify it adds
+    /// it to its view of `n`, and an idle one that lacks it looks for work
+    /// after `have_s`.
+    fn tell_watchers(&mut self, n: u32, blob: u16, c: u32) {
+        let max_down = self.sc.max_downloads;
+        let b = blob as usize;
+        for k in 0..self.nodes[n as usize].blobs[b].watchers.len() {
+            let w = self.nodes[n as usize].blobs[b].watchers[k];
+            let node = &mut self.nodes[w as usize];
+            if !node.alive {
+                continue;
+            }
+            let idle = node.done_at.is_none() && node.downloads < max_down;
+            let nb = &mut node.blobs[b];
+            if !nb.known.get(c) || nb.held.get(c) {
+                continue;
+            }
+            if let Some(picker) = nb.picker.as_mut() {
+                picker.peer_has(&n, c);
+            }
+            if idle {
+                self.schedule_poll(w, self.sc.have_s);
+            }
+        }
+    }
+
     fn flow_done(&mut self, id: FlowId) {
         let (p, _) = self.net.remove(id);
         let to = p.to;
@@ -349,7 +400,7 @@ impl World<'_> {
         if let Source::Peer(s) = p.from {
             let sender = &mut self.nodes[s as usize];
             remove_item(&mut sender.out_flows, id);
-            sender.uploads = sender.uploads.saturating_sub(1);
+            self.uploads[s as usize] = self.uploads[s as usize].saturating_sub(1);
         }
         match p.purpose {
             Purpose::Whole => self.receive(to, p.blob, None),
@@ -378,20 +429,9 @@ impl World<'_> {
                 self.continue_fallback(to);
             }
         }
-        if let Source::Peer(s) = p.from {
-            self.wake_waiter(s);
-        }
         if matches!(self.strategy, Strategy::Dray | Strategy::KrakenLike) {
             self.try_fill(to);
         }
-    }
-
-    fn wake_waiter(&mut self, s: u32) {
-        if self.nodes[s as usize].waiters.is_empty() {
-            return;
-        }
-        let w = self.nodes[s as usize].waiters.remove(0);
-        self.try_fill(w);
     }
 
     // ---- peer transfers ---------------------------------------------------
@@ -406,12 +446,21 @@ impl World<'_> {
         let max_down = self.sc.max_downloads;
         let max_up = self.sc.max_uploads;
         let nblobs = self.blobs.len();
-        let mut blocked = Vec::new();
+        let mut busy = false;
         let rotor = self.nodes[nu].rotor;
         self.nodes[nu].rotor = rotor.wrapping_add(1);
         'blobs: for k in 0..nblobs {
             let b = (rotor + k) % nblobs;
             if self.nodes[nu].blobs[b].picker.is_none() {
+                continue;
+            }
+            // A dray lane asks a new peer for its bitfield first thing.
+            self.look_all(n, b);
+            if !self.nodes[nu].blobs[b]
+                .picker
+                .as_ref()
+                .is_some_and(|p| p.offers_any())
+            {
                 continue;
             }
             let npeers = self.nodes[nu].blobs[b].peers.len();
@@ -423,35 +472,18 @@ impl World<'_> {
                 let slot = (rotor + step) % npeers;
                 let p = self.nodes[nu].blobs[b].peers[slot].0;
                 let pu = p as usize;
+                // Upload counts sit in one dense array: most peers of a busy
+                // swarm are busy, and this is the hot check.
+                if self.uploads[pu] >= max_up {
+                    // The agent's request would be refused BUSY.
+                    busy = true;
+                    continue;
+                }
                 if !self.nodes[pu].alive {
                     gone.push(p);
                     continue;
                 }
-                if self.nodes[pu].uploads >= max_up {
-                    blocked.push(p);
-                    continue;
-                }
-                // What the peer holds now bounds what the picker's view of it
-                // (taken earlier) can offer.
-                let theirs = &self.nodes[pu].blobs[b].held;
-                let mine = &self.nodes[nu].blobs[b];
-                let useful = theirs
-                    .as_bytes()
-                    .iter()
-                    .zip(mine.known.as_bytes())
-                    .zip(mine.held.as_bytes())
-                    .any(|((t, k), m)| t & k & !m != 0);
-                if !useful {
-                    continue;
-                }
-                // A dray lane asks its peer for a bitfield when it connects and
-                // then only when idle, every `poll_s` (see `poll`); Kraken's
-                // peers push each new chunk to their neighbours at once.
-                let first_look = self.nodes[nu].blobs[b].peers[slot].1 == u32::MAX;
-                if first_look || self.strategy != Strategy::Dray {
-                    self.refresh_peer(n, b, slot);
-                }
-                while self.nodes[nu].downloads < max_down && self.nodes[pu].uploads < max_up {
+                while self.nodes[nu].downloads < max_down && self.uploads[pu] < max_up {
                     let Some(c) = self.nodes[nu].blobs[b]
                         .picker
                         .as_mut()
@@ -460,7 +492,7 @@ impl World<'_> {
                         break;
                     };
                     self.nodes[nu].downloads += 1;
-                    self.nodes[pu].uploads += 1;
+                    self.uploads[pu] += 1;
                     let bytes = self.chunk_bytes(b as u16, c);
                     let payload = Payload {
                         to: n,
@@ -477,13 +509,13 @@ impl World<'_> {
             }
         }
         if self.nodes[nu].downloads < max_down {
-            for p in blocked {
-                let w = &mut self.nodes[p as usize].waiters;
-                if w.len() < MAX_WAITERS && !w.contains(&n) {
-                    w.push(n);
-                }
-            }
-            self.schedule_poll(n, self.sc.poll_s);
+            // A lane refused BUSY tries again after the agent's back-off.
+            let wait = if busy {
+                self.sc.busy_backoff_s
+            } else {
+                self.sc.poll_s
+            };
+            self.schedule_poll(n, wait);
         }
     }
 
@@ -495,6 +527,7 @@ impl World<'_> {
         if let Some(picker) = nb.picker.as_mut() {
             picker.remove_peer(&p);
         }
+        self.unwatch(n, b, p);
         if self.strategy == Strategy::KrakenLike {
             for _ in 0..8 {
                 let q = self.rng.below(self.pullers as usize) as u32;
@@ -503,7 +536,7 @@ impl World<'_> {
                     .iter()
                     .any(|&(x, _)| x == q);
                 if q != n && self.nodes[q as usize].alive && !known {
-                    self.nodes[n as usize].blobs[b].peers.push((q, u32::MAX));
+                    self.add_peer(n, b, q);
                     break;
                 }
             }
@@ -557,7 +590,7 @@ impl World<'_> {
                 peer: self.names[nu].clone(),
                 address: String::new(),
                 upload_bytes_per_s: self.sc.node_up_bps as u64,
-                active_uploads: self.nodes[nu].uploads,
+                active_uploads: self.uploads[nu],
                 labels,
                 blobs,
                 full,
@@ -582,8 +615,12 @@ impl World<'_> {
                         fill(&mut self.published[b]);
                     }
                 } else {
-                    for c in self.published[b].ones() {
-                        nb.known.set(c);
+                    let fresh: Vec<u32> = self.published[b]
+                        .ones()
+                        .filter(|&c| nb.known.set(c))
+                        .collect();
+                    if !fresh.is_empty() {
+                        self.learn_hashes(n, b, &fresh);
                     }
                 }
             }
@@ -667,8 +704,25 @@ impl World<'_> {
             if let Some(picker) = nb.picker.as_mut() {
                 picker.remove_peer(&old);
             }
+            self.unwatch(n, b, old);
         }
-        self.nodes[n as usize].blobs[b].peers.push((p, u32::MAX));
+        self.add_peer(n, b, p);
+    }
+
+    /// `n` knows `p` as a peer of blob `b`, and watches it.
+    fn add_peer(&mut self, n: u32, b: usize, p: u32) {
+        let nb = &mut self.nodes[n as usize].blobs[b];
+        nb.peers.push((p, false));
+        nb.unlooked = true;
+        self.nodes[p as usize].blobs[b].watchers.push(n);
+    }
+
+    /// `n` no longer watches `p` for blob `b`.
+    fn unwatch(&mut self, n: u32, b: usize, p: u32) {
+        let w = &mut self.nodes[p as usize].blobs[b].watchers;
+        if let Some(k) = w.iter().position(|&x| x == n) {
+            w.swap_remove(k);
+        }
     }
 
     /// Stops a run: the chunk in flight and the claimed rest become pickable again.
@@ -722,10 +776,6 @@ impl World<'_> {
                     self.nodes[nu].fallback = Some(Fallback::Stall);
                 }
             }
-            // The idle lanes ask their peers again what they hold.
-            for b in 0..self.blobs.len() {
-                self.refresh_peers(n, b);
-            }
             self.continue_fallback(n);
         }
         self.try_fill(n);
@@ -741,7 +791,7 @@ impl World<'_> {
             return;
         }
         for b in 0..self.blobs.len() {
-            self.refresh_peers(n, b);
+            self.look_all(n, b);
             let nb = &mut self.nodes[nu].blobs[b];
             let Some(p) = nb.picker.as_mut() else {
                 continue;
@@ -760,13 +810,16 @@ impl World<'_> {
         }
     }
 
-    /// Gives the picker its current view of every live known peer.
-    fn refresh_peers(&mut self, n: u32, b: usize) {
+    /// Gives the picker a view of every live known peer it has not looked at.
+    fn look_all(&mut self, n: u32, b: usize) {
         let nu = n as usize;
+        if !std::mem::take(&mut self.nodes[nu].blobs[b].unlooked) {
+            return;
+        }
         for slot in 0..self.nodes[nu].blobs[b].peers.len() {
             let p = self.nodes[nu].blobs[b].peers[slot].0;
             if self.nodes[p as usize].alive {
-                self.refresh_peer(n, b, slot);
+                self.look(n, b, slot);
             }
         }
     }
@@ -779,6 +832,8 @@ impl World<'_> {
             return;
         }
         self.nodes[nu].alive = false;
+        // Its uploads end below; a zero count lets askers see it is gone.
+        self.uploads[nu] = 0;
         if self.nodes[nu].done_at.is_none() {
             self.pending -= 1;
         }
@@ -790,8 +845,7 @@ impl World<'_> {
             if let Source::Peer(s) = p.from {
                 let sender = &mut self.nodes[s as usize];
                 remove_item(&mut sender.out_flows, id);
-                sender.uploads = sender.uploads.saturating_sub(1);
-                self.wake_waiter(s);
+                self.uploads[s as usize] = self.uploads[s as usize].saturating_sub(1);
             }
         }
         self.nodes[nu].runs.clear();
@@ -841,7 +895,7 @@ impl World<'_> {
     fn handle(&mut self, ev: Ev) {
         match ev {
             Ev::Flow(id, v) => {
-                if self.net.is_current(id, v) {
+                if self.net.finishes(id, v) {
                     self.flow_done(id);
                 }
             }
@@ -958,13 +1012,13 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
                     },
                     picker: uses_pickers.then(|| ChunkPicker::new(Bitfield::new(chunks), window)),
                     peers: Vec::new(),
+                    unlooked: false,
+                    watchers: Vec::new(),
                     added: Vec::new(),
                     complete: false,
                 })
                 .collect(),
             downloads: 0,
-            uploads: 0,
-            waiters: Vec::new(),
             in_flows: Vec::new(),
             out_flows: Vec::new(),
             announce_gen: 0,
@@ -1001,6 +1055,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
         seeds: vec![Vec::new(); layers],
         published: vec![Bitfield::new(chunks); layers],
         pending: pullers,
+        uploads: vec![0; total as usize],
         samples: Samples::new(lower / 64.0),
         registry_link,
     };
@@ -1106,8 +1161,8 @@ fn build_kraken_graph(w: &mut World, origins: u32) {
                     {
                         continue;
                     }
-                    w.nodes[i].blobs[b].peers.push((j as u32, u32::MAX));
-                    w.nodes[j].blobs[b].peers.push((i as u32, u32::MAX));
+                    w.add_peer(i as u32, b, j as u32);
+                    w.add_peer(j as u32, b, i as u32);
                 }
             }
         }
@@ -1116,7 +1171,7 @@ fn build_kraken_graph(w: &mut World, origins: u32) {
             for _ in 0..w.sc.kraken_degree {
                 let j = w.rng.below(n);
                 if !w.nodes[j].blobs[b].peers.iter().any(|&(q, _)| q == origin) {
-                    w.nodes[j].blobs[b].peers.push((origin, u32::MAX));
+                    w.add_peer(j as u32, b, origin);
                 }
             }
             // The origin holds only its own blob; the others count as done so it never pulls them.

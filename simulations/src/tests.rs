@@ -27,14 +27,15 @@ fn dray_on_small_pulls_the_image_from_the_registry_about_once() {
 fn peers_take_a_registry_chunk_only_once_they_have_learned_its_hash() {
     // Hashes travel fetcher -> tracker -> the next announce's answer, so a
     // slower announce period keeps chunks from peers longer.
-    // 4 nodes, 16 chunks: few registry runs, so few announces besides the periodic ones.
+    // 64 nodes, 16 chunks: most nodes fetch nothing from the registry, so they
+    // announce (and learn hashes) only on the period.
     let run_every = |s: f64| {
-        let mut sc = Scenario::emulated(4, 64 << 20, 100, 200, 90, 8);
+        let mut sc = Scenario::emulated(64, 64 << 20, 100, 200, 90, 8, 8);
         sc.announce_interval_s = s;
         run(&sc, Strategy::Dray, 1).unwrap()
     };
     let (fast, slow) = (run_every(0.5), run_every(4.0));
-    assert_eq!(slow.completed, 4, "{slow:?}");
+    assert_eq!(slow.completed, 64, "{slow:?}");
     assert!(
         slow.p50_s > fast.p50_s + 1.0,
         "p50 {:.2} s announcing every 4 s, {:.2} s every 0.5 s",
