@@ -383,10 +383,12 @@ impl World<'_> {
             if !nb.known.get(c) || nb.held.get(c) {
                 continue;
             }
-            if let Some(picker) = nb.picker.as_mut() {
-                picker.peer_has(&n, c);
-            }
-            if idle {
+            let Some(picker) = nb.picker.as_mut() else {
+                continue;
+            };
+            picker.peer_has(&n, c);
+            // A chunk already on its way from elsewhere gives no new work.
+            if idle && picker.is_unclaimed(c) {
                 self.schedule_poll(w, self.sc.have_s);
             }
         }
