@@ -841,7 +841,8 @@ impl Scheduler {
     /// sharing more topology labels, then least loaded, then most capacity.
     /// Members that hold nothing useful yet still fill the places holders leave:
     /// in a storm they are the mesh along which the first chunks spread, seen
-    /// at the asker's next bitfield poll instead of its next announce.
+    /// as soon as the holder gains a chunk (long-polled bitfields), not at the
+    /// asker's next announce.
     fn select_peers(&mut self, asker: PeerKey, digest: BlobDigest) -> Vec<PeerContact> {
         let Some(swarm) = self.swarms.get_mut(&digest) else {
             return Vec::new();
