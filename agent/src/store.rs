@@ -201,6 +201,11 @@ impl Blob {
         Ok(buf)
     }
 
+    /// Chunks whose hashes are known, without copying the map.
+    pub fn known(&self) -> Bitfield {
+        self.read_map().known()
+    }
+
     /// Takes the chunk hashes `map` knows that this blob lacks; returns how many.
     pub fn learn(&self, map: &ChunkMap) -> Result<u32> {
         Ok(self.write_map().merge(map)?)
