@@ -42,14 +42,15 @@
 //! nodes only after 2.6 s, while a transfer hop takes 30 ms: nodes learned of
 //! new holders at announces (0.5 s) and of their peers' new chunks at 100 ms
 //! bitfield polls. Three changes, made in the agent and the tracker and
-//! modelled here, took `kraken-2600` from 1.49x (with the agent's 8/8 slots)
-//! to 1.24-1.26x the bound: the tracker also names members that hold nothing
-//! yet (they are the mesh the first chunks travel along), peers answer a
-//! long-polled bitfield request as soon as they gain a chunk, and each
-//! transfer keeps its 16 newest peers. With 4 downloads and 4 uploads per node
-//! the simulator gets 1.21x (a chunk crosses a hop at a quarter of a link
-//! instead of an eighth), but the emulated cluster was slower with 4/4
-//! (1.53-1.62x against 1.46-1.49x at 4 nodes), so the agent keeps 8/8.
+//! modelled here, took `kraken-2600` from 1.38x (the agent's 8/8 slots, 4 MiB
+//! chunks) to 1.25-1.26x the bound: the tracker also names members that hold
+//! nothing yet (they are the mesh the first chunks travel along), peers
+//! answer a long-polled bitfield request as soon as they gain a chunk, and
+//! each transfer keeps its 16 newest peers. With 4 downloads and 4 uploads
+//! per node the simulator gets 1.21x (1.33x before; a chunk crosses a hop at
+//! a quarter of a link instead of an eighth), but the emulated cluster was
+//! slower with 4/4 (1.53-1.62x against 1.46-1.49x at 4 nodes), so the agent
+//! keeps 8/8.
 //!
 //! # A finding: a 5 s stall rule collapses registry-bound storms
 //!
