@@ -18,8 +18,9 @@
 //! costs O(peers + outstanding runs).
 
 use crate::{Bitfield, BlobDigest};
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 /// Tunables. The defaults suit 4 MiB chunks and a registry reachable at a few
@@ -230,6 +231,8 @@ struct Peer {
     pending_withdrawn: BTreeSet<BlobDigest>,
     /// A peer that stalled gets no runs before this, so the run goes elsewhere.
     no_runs_before: Option<Instant>,
+    /// Its record says banned (kept here: every answer checks each candidate).
+    banned: bool,
 }
 
 #[derive(Debug)]
@@ -263,7 +266,8 @@ struct Swarm {
     assigned: Bitfield,
     /// Every chunk below this is held or assigned; whatever frees a chunk pulls it back.
     cursor: u32,
-    members: HashMap<PeerKey, Member>,
+    /// Fx hashing: keys are our own slab indices, not input a peer chooses.
+    members: FxHashMap<PeerKey, Member>,
     /// Members holding at least one chunk, for sampling without a full scan.
     sources: Vec<PeerKey>,
     rotation: usize,
@@ -283,7 +287,7 @@ impl Swarm {
             held_chunks: 0,
             assigned: Bitfield::new(chunk_count),
             cursor: 0,
-            members: HashMap::new(),
+            members: FxHashMap::default(),
             sources: Vec::new(),
             rotation: 0,
             roster: Vec::new(),
@@ -562,10 +566,6 @@ impl Scheduler {
             .unwrap_or_default()
     }
 
-    fn is_banned(&self, peer: &str) -> bool {
-        self.records.get(peer).is_some_and(|r| r.banned)
-    }
-
     /// Takes in an announce and answers it.
     pub fn announce(&mut self, announce: Announce, now: Instant) -> AnnounceDecision {
         let mut decision = AnnounceDecision {
@@ -585,10 +585,10 @@ impl Scheduler {
             }
             None => self.insert_peer(&announce.peer, now),
         };
-        let banned = self.is_banned(&announce.peer);
         let Some(peer) = peer_mut(&mut self.slots, key) else {
             return decision;
         };
+        let banned = peer.banned;
         peer.address = announce.address;
         peer.capacity = announce.upload_bytes_per_s;
         peer.active_uploads = announce.active_uploads;
@@ -659,6 +659,7 @@ impl Scheduler {
             runs: BTreeSet::new(),
             pending_withdrawn: BTreeSet::new(),
             no_runs_before: None,
+            banned: self.records.get(id).is_some_and(|r| r.banned),
         };
         let key = match self.free_slots.pop() {
             Some(key) => {
@@ -860,13 +861,13 @@ impl Scheduler {
             self.config.peers_per_blob,
         );
         let mut candidates: Vec<PeerKey> = holders.chain(others).collect();
-        let mut seen = HashSet::with_capacity(candidates.len());
+        let mut seen = FxHashSet::default();
         candidates.retain(|&k| k != asker && seen.insert(k));
         let mut scored: Vec<_> = candidates
             .into_iter()
             .filter_map(|k| {
                 let p = peer_ref(&self.slots, k)?;
-                if self.records.get(&p.id).is_some_and(|r| r.banned) {
+                if p.banned {
                     return None;
                 }
                 let theirs = swarm.members.get(&k)?.held.as_bytes();
@@ -977,6 +978,7 @@ impl Scheduler {
         let Some(peer) = peer_mut(&mut self.slots, key) else {
             return;
         };
+        peer.banned = true;
         let runs = std::mem::take(&mut peer.runs);
         let blobs: Vec<BlobDigest> = peer.blobs.iter().copied().collect();
         for (digest, first) in runs {
@@ -1385,6 +1387,12 @@ mod tests {
         s.announce(wants("bad", 8, &(0..8).collect::<Vec<_>>()), now);
         assert_eq!(s.holders(&blob(), 7), 0);
         assert!(s.standing("bad").banned);
+        // Nor after it leaves and comes back.
+        assert!(s.leave("bad"));
+        s.announce(wants("bad", 8, &(0..8).collect::<Vec<_>>()), now);
+        assert_eq!(s.holders(&blob(), 7), 0);
+        let ids = peer_ids(&s.announce(added("asker", 8, vec![]), now));
+        assert_eq!(ids, vec!["useful".to_owned(), "same".to_owned()]);
     }
 
     #[test]

@@ -81,6 +81,7 @@
 //! `spegel-like`) are simplified models of those systems, not their code.
 
 mod net;
+mod queue;
 mod report;
 mod scenario;
 mod sim;

@@ -1,4 +1,4 @@
-//! The fluid-flow network and the event queue.
+//! The fluid-flow network, and the clock that its events (in [`Queue`]) drive.
 //!
 //! Every transfer is a flow of bytes over up to four links (sender uplink,
 //! sender rack uplink, receiver rack downlink, receiver downlink; the registry
@@ -14,8 +14,7 @@
 //! a registry serving 100,000 whole-blob downloads is not rebalanced on every
 //! completion; it never oversubscribes and idles at most 3% of its capacity.
 
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use crate::queue::Queue;
 
 pub(crate) type FlowId = u32;
 pub(crate) type LinkId = u32;
@@ -101,12 +100,9 @@ pub(crate) struct Net {
     links: Vec<Link>,
     flows: Vec<Flow>,
     free: Vec<FlowId>,
-    heap: BinaryHeap<Reverse<(u64, u64, Ev)>>,
-    seq: u64,
+    queue: Queue<Ev>,
     dirty_flows: Vec<FlowId>,
     dirty_links: Vec<LinkId>,
-    /// Simulated time in nanoseconds.
-    now: u64,
     registry_bytes: f64,
     registry_link: LinkId,
     pub events: u64,
@@ -133,11 +129,9 @@ impl Net {
                 .collect(),
             flows: Vec::new(),
             free: Vec::new(),
-            heap: BinaryHeap::new(),
-            seq: 0,
+            queue: Queue::new(),
             dirty_flows: Vec::new(),
             dirty_links: Vec::new(),
-            now: 0,
             registry_bytes: 0.0,
             registry_link,
             events: 0,
@@ -145,41 +139,37 @@ impl Net {
     }
 
     pub fn now(&self) -> f64 {
-        self.now as f64 / 1e9
+        self.now_ns() as f64 / 1e9
     }
 
+    /// Simulated time in nanoseconds.
     pub fn now_ns(&self) -> u64 {
-        self.now
+        self.queue.now()
     }
 
     /// Queues `ev` at `secs` after now.
     pub fn after(&mut self, secs: f64, ev: Ev) -> u64 {
-        let at = self.now.saturating_add(to_ns(secs));
-        self.at(at, ev);
+        let at = self.now_ns().saturating_add(to_ns(secs));
+        self.queue.push(at, ev);
         at
     }
 
     /// Queues `ev` at absolute time `secs`.
     pub fn at_secs(&mut self, secs: f64, ev: Ev) {
-        self.at(to_ns(secs), ev);
+        self.queue.push(to_ns(secs), ev);
     }
 
-    fn at(&mut self, ns: u64, ev: Ev) {
-        self.seq += 1;
-        self.heap.push(Reverse((ns.max(self.now), self.seq, ev)));
-    }
-
-    /// Time of the next event, if any.
-    pub fn next_time(&self) -> Option<u64> {
-        self.heap.peek().map(|Reverse((t, _, _))| *t)
-    }
-
-    /// Takes the next event and moves the clock to it.
+    /// Takes the next event, moving the clock to it; before time moves on,
+    /// the links and flows the last instant's events changed are settled.
     pub fn pop(&mut self) -> Option<Ev> {
-        let Reverse((t, _, ev)) = self.heap.pop()?;
-        self.now = t;
-        self.events += 1;
-        Some(ev)
+        loop {
+            if let Some(ev) = self.queue.pop_due() {
+                self.events += 1;
+                return Some(ev);
+            }
+            self.settle();
+            self.queue.advance()?;
+        }
     }
 
     /// Whether flow `id`'s finish event of `version` means it is done now.
@@ -309,8 +299,9 @@ impl Net {
 
     /// Recomputes shares of changed links and rates of affected flows, and
     /// queues the finish events of flows whose rate changed.
-    pub fn settle(&mut self) {
+    fn settle(&mut self) {
         let now = self.now();
+        let now_ns = self.now_ns();
         for l in std::mem::take(&mut self.dirty_links) {
             let link = &mut self.links[l as usize];
             link.dirty = false;
@@ -345,7 +336,7 @@ impl Net {
                 let fresh = std::mem::take(&mut f.fresh);
                 f.rate = rate;
                 let secs = if rate > 0.0 { f.left / rate } else { f64::MAX };
-                let at = self.now.saturating_add(to_ns(secs));
+                let at = now_ns.saturating_add(to_ns(secs));
                 if fresh || at < f.due {
                     f.version = f.version.wrapping_add(1);
                     let ev = Ev::Flow(id, f.version);

@@ -1102,18 +1102,13 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
     } + last_start;
     let limit_ns = (limit * 1e9).min(u64::MAX as f64) as u64;
     while w.pending > 0 {
-        let Some(t) = w.net.next_time() else {
+        let Some(ev) = w.net.pop() else {
             break;
         };
-        if t > limit_ns {
+        if w.net.now_ns() > limit_ns {
             break;
         }
-        while w.net.next_time() == Some(t) {
-            if let Some(ev) = w.net.pop() {
-                w.handle(ev);
-            }
-        }
-        w.net.settle();
+        w.handle(ev);
     }
     let end = w.net.now();
     let registry_bytes = w.net.registry_bytes_now();
