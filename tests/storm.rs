@@ -1,19 +1,19 @@
 //! The simulator against the emulation: `dray bench storm` on a small emulated
 //! cluster (network namespaces, tbf-capped links, real registry, tracker and
 //! agents) must finish where the simulator, given the same cluster
-//! (`Scenario::emulated`), says it will. Needs root; about 40 s.
+//! (`Scenario::emulated`, with the round trip measured under load), says it
+//! will. Needs root; about a minute (two runs).
 
 use std::process::Command;
 
 /// How far the simulator's p50 and last-node times may be from the emulation's.
 const TOLERANCE: f64 = 0.20;
+/// Emulated runs averaged: one run's times vary by about 5% on this shared
+/// 2-core machine.
+const RUNS: usize = 2;
 
-#[test]
-#[ignore = "fails today, 17-25% off: the simulator (which models hash publication, \
-            the peers' news and BUSY back-offs) predicts p50 and last 6.03 s where 4 emulated \
-            nodes took p50 7.26-7.77 s and last 7.36-8.00 s; what it lacks are request round \
-            trips, TCP/QUIC dynamics and the agents' CPU; run with --ignored as root"]
-fn the_simulator_predicts_the_emulated_storm_within_20_percent() {
+/// One `dray bench storm` run at 4 nodes and 64 MiB, as its JSON result.
+fn bench() -> serde_json::Value {
     let out = Command::new(env!("CARGO_BIN_EXE_dray"))
         .args([
             "bench", "storm", "--nodes", "4", "--size", "64MiB", "--json",
@@ -26,25 +26,34 @@ fn the_simulator_predicts_the_emulated_storm_within_20_percent() {
         String::from_utf8_lossy(&out.stderr)
     );
     let text = String::from_utf8_lossy(&out.stdout);
-    let r: serde_json::Value = text
-        .lines()
+    text.lines()
         .find_map(|l| serde_json::from_str(l).ok())
-        .unwrap_or_else(|| panic!("no JSON result in the bench output: {text}"));
-    let get = |key: &str| {
-        r[key]
-            .as_f64()
-            .unwrap_or_else(|| panic!("{key} missing from {r}"))
-    };
-    // The swarm itself works: every chunk left the registry about once.
-    assert!(get("registry_copies") < 1.05, "{r}");
+        .unwrap_or_else(|| panic!("no JSON result in the bench output: {text}"))
+}
+
+fn get(r: &serde_json::Value, key: &str) -> f64 {
+    r[key]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{key} missing from {r}"))
+}
+
+#[test]
+fn the_simulator_predicts_the_emulated_storm_within_20_percent() {
+    let runs: Vec<serde_json::Value> = (0..RUNS).map(|_| bench()).collect();
+    for r in &runs {
+        // The swarm itself works: every chunk left the registry about once.
+        assert!(get(r, "registry_copies") < 1.05, "{r}");
+    }
     for (emulated, predicted) in [
         ("swarm_p50_s", "predicted_p50_s"),
         ("swarm_last_s", "predicted_last_s"),
     ] {
-        let (e, p) = (get(emulated), get(predicted));
+        let e = runs.iter().map(|r| get(r, emulated)).sum::<f64>() / RUNS as f64;
+        // The simulator is deterministic: every run predicts the same.
+        let p = get(&runs[0], predicted);
         assert!(
             (p - e).abs() <= TOLERANCE * e,
-            "{predicted} = {p:.2} s is more than {:.0}% from {emulated} = {e:.2} s: {r}",
+            "{predicted} = {p:.2} s is more than {:.0}% from the mean {emulated} = {e:.2} s: {runs:?}",
             TOLERANCE * 100.0
         );
     }

@@ -24,6 +24,8 @@ pub(crate) type LinkId = u32;
 pub(crate) enum Ev {
     /// A flow finishes, if its version is still current.
     Flow(FlowId, u32),
+    /// A requested flow's first byte: it starts moving, if its version is still current.
+    Begin(FlowId, u32),
     /// A node starts pulling.
     Start(u32),
     /// A node's periodic announce, if its generation is still current.
@@ -82,6 +84,8 @@ struct Flow {
     pos: [u32; 4],
     nlinks: u8,
     live: bool,
+    /// Requested, its first byte not yet due: on no link yet.
+    waiting: bool,
     dirty: bool,
     fresh: bool,
 }
@@ -201,8 +205,10 @@ impl Net {
         false
     }
 
-    /// Starts a flow of `bytes` over `links` (at most 4).
-    pub fn start(&mut self, payload: Payload, bytes: f64, links: &[LinkId]) -> FlowId {
+    /// Requests a flow of `bytes` over `links` (at most 4) whose first byte
+    /// moves after `delay` seconds (a request's round trip); until then it
+    /// holds no share of any link.
+    pub fn start(&mut self, payload: Payload, bytes: f64, links: &[LinkId], delay: f64) -> FlowId {
         let now = self.now();
         let mut flow_links = [0; 4];
         let n = links.len().min(4);
@@ -221,12 +227,48 @@ impl Net {
                     pos: [0; 4],
                     nlinks: 0,
                     live: false,
+                    waiting: false,
                     dirty: false,
                     fresh: false,
                 });
                 (self.flows.len() - 1) as FlowId
             }
         };
+        let f = &mut self.flows[id as usize];
+        f.payload = payload;
+        f.left = bytes.max(0.0);
+        f.rate = 0.0;
+        f.updated = now;
+        f.links = flow_links;
+        f.nlinks = n as u8;
+        f.live = true;
+        f.waiting = true;
+        if delay > 0.0 {
+            f.version = f.version.wrapping_add(1);
+            let ev = Ev::Begin(id, f.version);
+            self.after(delay, ev);
+        } else {
+            self.join_links(id);
+        }
+        id
+    }
+
+    /// The first byte of requested flow `id` (if `version` is current): it
+    /// joins its links and starts moving.
+    pub fn begin(&mut self, id: FlowId, version: u32) {
+        let current = self
+            .flows
+            .get(id as usize)
+            .is_some_and(|f| f.live && f.waiting && f.version == version);
+        if current {
+            self.flows[id as usize].updated = self.now();
+            self.join_links(id);
+        }
+    }
+
+    fn join_links(&mut self, id: FlowId) {
+        let f = &self.flows[id as usize];
+        let (flow_links, n) = (f.links, f.nlinks as usize);
         let mut pos = [0u32; 4];
         for (k, &l) in flow_links[..n].iter().enumerate() {
             let link = &mut self.links[l as usize];
@@ -238,20 +280,13 @@ impl Net {
             }
         }
         let f = &mut self.flows[id as usize];
-        f.payload = payload;
-        f.left = bytes.max(0.0);
-        f.rate = 0.0;
-        f.updated = now;
-        f.links = flow_links;
         f.pos = pos;
-        f.nlinks = n as u8;
-        f.live = true;
+        f.waiting = false;
         f.fresh = true;
         if !f.dirty {
             f.dirty = true;
             self.dirty_flows.push(id);
         }
-        id
     }
 
     /// Banks the bytes a flow moved since its last update.
@@ -275,7 +310,9 @@ impl Net {
         let f = &mut self.flows[id as usize];
         f.live = false;
         f.version = f.version.wrapping_add(1);
-        let (links, pos, n) = (f.links, f.pos, f.nlinks as usize);
+        // A flow still waiting for its first byte is on no link.
+        let n = if f.waiting { 0 } else { f.nlinks as usize };
+        let (links, pos) = (f.links, f.pos);
         let out = (f.payload, f.left);
         for k in 0..n {
             let l = links[k];
@@ -409,8 +446,8 @@ mod tests {
     #[test]
     fn two_flows_share_a_link_and_the_survivor_speeds_up() {
         let mut net = Net::new(vec![100.0, 1000.0, 1000.0], 0);
-        let a = net.start(payload(1), 100.0, &[0, 1]);
-        net.start(payload(2), 300.0, &[0, 2]);
+        let a = net.start(payload(1), 100.0, &[0, 1], 0.0);
+        net.start(payload(2), 300.0, &[0, 2], 0.0);
         net.settle();
         // 50 B/s each: a is done at 2 s, then b runs alone at 100 B/s for its last 200 B.
         assert_eq!(net.pop(), Some(Ev::Flow(a, 1)));
@@ -429,12 +466,12 @@ mod tests {
     #[test]
     fn a_flow_slowed_after_queueing_finishes_at_its_true_time() {
         let mut net = Net::new(vec![100.0, 1000.0, 1000.0], 0);
-        let a = net.start(payload(1), 100.0, &[0, 1]);
+        let a = net.start(payload(1), 100.0, &[0, 1], 0.0);
         net.settle();
         net.at_secs(0.5, Ev::Tick);
         assert_eq!(net.pop(), Some(Ev::Tick));
         // From 0.5 s a shares the link: 50 B left at 50 B/s, done at 1.5 s.
-        net.start(payload(2), 1000.0, &[0, 2]);
+        net.start(payload(2), 1000.0, &[0, 2], 0.0);
         net.settle();
         let Some(Ev::Flow(id, v)) = net.pop() else {
             panic!("a's first finish event");
@@ -448,5 +485,47 @@ mod tests {
         assert_eq!(id, a);
         assert!(net.finishes(a, v));
         assert!((net.now() - 1.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_requested_flow_takes_no_share_until_its_first_byte() {
+        let mut net = Net::new(vec![100.0, 1000.0, 1000.0], 0);
+        let a = net.start(payload(1), 100.0, &[0, 1], 0.0);
+        // b's first byte is due at 0.5 s: until then a has the link alone.
+        let b = net.start(payload(2), 100.0, &[0, 2], 0.5);
+        let Some(Ev::Begin(id, v)) = net.pop() else {
+            panic!("b's first byte");
+        };
+        assert_eq!(id, b);
+        assert!((net.now() - 0.5).abs() < 1e-6);
+        net.begin(id, v);
+        // a has 50 B left, then both move at 50 B/s: a's event queued for
+        // 1.0 s fires early, and a is done at 1.5 s.
+        let Some(Ev::Flow(id, v)) = net.pop() else {
+            panic!("a's first finish event");
+        };
+        assert_eq!(id, a);
+        assert!(!net.finishes(a, v));
+        let Some(Ev::Flow(id, v)) = net.pop() else {
+            panic!("a's true finish");
+        };
+        assert_eq!(id, a);
+        assert!(net.finishes(a, v));
+        assert!((net.now() - 1.5).abs() < 1e-6);
+        net.remove(a);
+        // A request given up before its first byte never starts.
+        let c = net.start(payload(1), 100.0, &[0, 1], 0.1);
+        net.remove(c);
+        let Some(Ev::Begin(id, v)) = net.pop() else {
+            panic!("c's stale first byte");
+        };
+        net.begin(id, v);
+        let Some(Ev::Flow(id, v)) = net.pop() else {
+            panic!("b's finish");
+        };
+        assert_eq!(id, b);
+        assert!(net.finishes(b, v));
+        // b: 50 B from 0.5 s to 1.5 s, then its last 50 B alone at 100 B/s.
+        assert!((net.now() - 2.0).abs() < 1e-6, "{}", net.now());
     }
 }

@@ -223,7 +223,8 @@ impl World<'_> {
 
     fn start_flow(&mut self, payload: Payload, bytes: f64) -> FlowId {
         let links = self.path(payload.from, payload.to);
-        let id = self.net.start(payload, bytes, &links);
+        // Every transfer is a request: its first byte comes a round trip later.
+        let id = self.net.start(payload, bytes, &links, self.sc.rtt_s);
         self.nodes[payload.to as usize].in_flows.push(id);
         if let Source::Peer(p) = payload.from {
             self.nodes[p as usize].out_flows.push(id);
@@ -368,7 +369,7 @@ impl World<'_> {
 
     /// `n` gained chunk `c` of `blob`: each watcher that can verify it adds
     /// it to its view of `n`, and an idle one that lacks it looks for work
-    /// after `have_s`.
+    /// after half a round trip.
     fn tell_watchers(&mut self, n: u32, blob: u16, c: u32) {
         let max_down = self.sc.max_downloads;
         let b = blob as usize;
@@ -389,7 +390,7 @@ impl World<'_> {
             picker.peer_has(&n, c);
             // A chunk already on its way from elsewhere gives no new work.
             if idle && picker.is_unclaimed(c) {
-                self.schedule_poll(w, self.sc.have_s);
+                self.schedule_poll(w, self.sc.rtt_s / 2.0);
             }
         }
     }
@@ -754,7 +755,8 @@ impl World<'_> {
             // empty one (its chunks already arriving from peers) announcing at
             // once would be handed the same run again at the same instant.
             if !run.chunks.is_empty() {
-                self.schedule_announce(n, 0.0);
+                // The agent awaits the last hash's publication, then announces.
+                self.schedule_announce(n, 2.0 * self.sc.rtt_s);
             }
         }
     }
@@ -901,6 +903,7 @@ impl World<'_> {
                     self.flow_done(id);
                 }
             }
+            Ev::Begin(id, v) => self.net.begin(id, v),
             Ev::Start(n) => self.start_node(n),
             Ev::Announce(n, generation) => {
                 if self.nodes[n as usize].announce_gen == generation {
