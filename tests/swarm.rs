@@ -146,6 +146,75 @@ async fn every_agent_completes_when_the_tracker_dies_mid_pull_and_a_restart_reco
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tracker_restarted_mid_pull_relearns_partial_holders_hashes_and_ends_the_fallback() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Registry::start(None).await;
+    let size = 64u64 << 20;
+    let chunks = (size / u64::from(DEFAULT_CHUNK_SIZE)) as u32;
+    let digest = push_random(&registry, dir.path(), "test/restart", size);
+    // One copy takes the registry 8 s: nobody is complete when the tracker returns.
+    registry.throttle(8 << 20);
+    let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
+    let addr = tracker.addr.to_string();
+    let ca = ClusterCa::generate().unwrap();
+    let agents = start_agents(&ca, dir.path(), "node", 4, quick_swarm(vec![tracker.url()]));
+    let client = registry_client(&registry.url(), None);
+    let d: BlobDigest = digest.parse().unwrap();
+    let outage = async {
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        tracker.kill();
+        // Past the agents' 1.5 s grace: they fetch what no peer holds themselves.
+        tokio::time::sleep(Duration::from_millis(2_500)).await;
+        let restarted = TrackerProc::start(&quick_tracker(), &addr).await;
+        // The full announces bring back the holders and, from partial
+        // holders too, the hashes without which nobody else could verify
+        // what they hold.
+        let started = Instant::now();
+        loop {
+            let map = restarted.tracker.map(&d);
+            let held: Vec<u32> = (0..chunks)
+                .filter(|&i| restarted.tracker.holders(&d, i) > 0)
+                .collect();
+            let unvouched: Vec<u32> = held
+                .iter()
+                .copied()
+                .filter(|&i| {
+                    map.as_ref()
+                        .is_none_or(|m| m.hashes()[i as usize].is_none())
+                })
+                .collect();
+            if restarted.tracker.peer_count() == 4 && !held.is_empty() && unvouched.is_empty() {
+                assert!(held.len() < chunks as usize, "someone completed already");
+                eprintln!(
+                    "restarted tracker vouches for all {} held chunks after {:?}",
+                    held.len(),
+                    started.elapsed()
+                );
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(3),
+                "the restarted tracker has no hash for held chunks {unvouched:?} (held: {held:?})"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        restarted
+    };
+    let (reports, _restarted) =
+        tokio::join!(pull_all(&agents, &client, "test/restart", &digest), outage);
+    assert_identical(&agents, &digest);
+    assert!(reports.iter().any(|r| r.fell_back), "{reports:?}");
+    // The fallback took only what no peer had, and stopped when the tracker
+    // answered: not every node fetching every unclaimed chunk to the end.
+    let ratio = registry.egress() as f64 / size as f64;
+    eprintln!("registry egress {ratio:.2}x the blob");
+    assert!(
+        ratio < 1.8,
+        "registry served {ratio:.2}x the blob: {reports:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_killed_while_holding_registry_assignments_loses_them_and_the_others_complete() {
     let dir = tempfile::tempdir().unwrap();
     let registry = Registry::start(None).await;

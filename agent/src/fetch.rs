@@ -375,6 +375,16 @@ impl Transfer {
             .collect()
     }
 
+    /// Chunks neither held nor being fetched that no usable known peer holds
+    /// (or whose hash we lack, so no peer's copy could be verified).
+    pub fn unavailable(&self) -> Vec<u32> {
+        let sh = self.lock();
+        sh.picker
+            .unavailable()
+            .filter(|&i| sh.picker.is_unclaimed(i))
+            .collect()
+    }
+
     /// Chunk requests in flight (to peers or the registry).
     pub fn in_flight(&self) -> u32 {
         self.lock().picker.in_flight()

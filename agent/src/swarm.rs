@@ -7,9 +7,16 @@
 //! HTTP range requests, publishes their chunk hashes, and takes everything else
 //! from peers, verifying each chunk against the published hashes.
 //!
-//! Never worse than a direct pull: if the tracker stays unreachable, or no chunk
-//! arrives for a while, the agent keeps the peers it has and fetches every
-//! unclaimed chunk from the registry itself. If the assembled blob fails its
+//! Never worse than a direct pull: if no chunk arrives for a while, the agent
+//! keeps the peers it has and fetches every unclaimed chunk from the registry
+//! itself. While the tracker is silent it fetches only the chunks no known
+//! peer can give it, and stops (dropping those fetches) once the tracker
+//! answers again: in a large storm every node falls back at once, and
+//! fetching everything would turn the outage into a registry stampede that
+//! outlasts it. Fetched chunks' hashes are published (without holding up the
+//! fetch), and a node republishes the hashes of every chunk it holds when a
+//! tracker asks for a full announce, so a restarted tracker can again vouch
+//! for chunks only partial holders have. If the assembled blob fails its
 //! digest (a published hash was wrong), the agent reports it, so the tracker
 //! withdraws the map, and pulls the blob again from the registry alone.
 
@@ -28,6 +35,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, watch};
+use tokio_util::sync::CancellationToken;
 
 /// Swarm settings; every key optional.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -231,16 +239,35 @@ impl Swarm {
                         // A replica that needed a full announce has lost its maps
                         // (restart), and one that hears of a blob from us for the
                         // first time may have just taken it over from a dead
-                        // replica: give it the maps of blobs whose digest we verified.
+                        // replica: give it the hashes we can vouch for (the
+                        // whole map of a blob whose digest we verified, else
+                        // those of the chunks we hold). Without them, chunks
+                        // that only partial holders have could never again be
+                        // verified by anyone else, and their pulls would stall.
                         let new_here = |b: &&Arc<Blob>| {
                             full || previous
                                 .as_ref()
                                 .is_none_or(|p| !p.contains_key(&b.digest()))
                         };
-                        for b in blobs.iter().filter(new_here).filter(|b| b.is_complete()) {
+                        for b in blobs.iter().filter(new_here) {
+                            let map = b.map();
+                            let vouched = if b.is_complete() {
+                                map
+                            } else {
+                                match partial_map(&map, b.held().ones()) {
+                                    Ok(m) => m,
+                                    Err(e) => {
+                                        tracing::error!(error = %e, "bad geometry");
+                                        continue;
+                                    }
+                                }
+                            };
+                            if !vouched.hashes().iter().any(Option::is_some) {
+                                continue;
+                            }
                             let body = Body::Publish(pb::PublishChunkMap {
                                 peer_id: self.node.peer_id().to_string(),
-                                map: Some(b.map().to_pb()),
+                                map: Some(vouched.to_pb()),
                             });
                             if let Err(e) = self.tracker.send(&replica, body).await {
                                 tracing::warn!(error = %e, "could not republish a chunk map");
@@ -395,9 +422,12 @@ impl Swarm {
         let mut assigned = HashSet::new();
         let mut last_tracker = Instant::now();
         let mut progress = (Instant::now(), t.blob().held().count());
-        let mut fallback = alone;
+        // Without a tracker every chunk comes from the registry.
+        let mut fallback = if alone { Fallback::All } else { Fallback::Off };
+        // Cancels the registry fetches of the current tracker-silence fallback.
+        let mut silent_runs = CancellationToken::new();
         let mut woke = false;
-        let run = |first, count, publish| {
+        let run = |first, count, cancel| {
             fetch_run(
                 self.clone(),
                 t.clone(),
@@ -405,7 +435,7 @@ impl Swarm {
                 repo.to_string(),
                 first,
                 count,
-                publish,
+                cancel,
             )
         };
         let tracker_grace = Duration::from_millis(self.config.tracker_grace_ms);
@@ -427,6 +457,14 @@ impl Swarm {
                 }
                 if u.tracker_ok {
                     last_tracker = Instant::now();
+                    if fallback == Fallback::Unavailable {
+                        // Its runs take over: drop our own registry fetches,
+                        // whose chunks become pickable again.
+                        tracing::info!(%digest, "the tracker answers again: ending the fallback");
+                        fallback = Fallback::Off;
+                        silent_runs.cancel();
+                        silent_runs = CancellationToken::new();
+                    }
                 }
                 if !alone {
                     if let Some(m) = &u.map {
@@ -441,7 +479,7 @@ impl Swarm {
                     }
                     for (first, count) in u.runs {
                         if assigned.insert(first) {
-                            runs.spawn(run(first, count, true));
+                            runs.spawn(run(first, count, CancellationToken::new()));
                         }
                     }
                 }
@@ -452,29 +490,34 @@ impl Swarm {
             if held != progress.1 || t.in_flight() > 0 {
                 progress = (Instant::now(), held);
             }
-            let reason = if last_tracker.elapsed() > tracker_grace {
-                Some(FallbackReason::TrackerSilent)
+            let wanted = if progress.0.elapsed() > stall {
+                Some((Fallback::All, FallbackReason::Stall))
+            } else if last_tracker.elapsed() > tracker_grace {
+                Some((Fallback::Unavailable, FallbackReason::TrackerSilent))
             } else {
-                (progress.0.elapsed() > stall).then_some(FallbackReason::Stall)
+                None
             };
-            if let Some(reason) = reason.filter(|_| !fallback) {
-                tracing::warn!(%digest, ?reason, tracker_silent_s = last_tracker.elapsed().as_secs_f64(), "falling back to the registry for unclaimed chunks");
+            if let Some((mode, reason)) = wanted.filter(|&(mode, _)| mode > fallback) {
+                tracing::warn!(%digest, ?reason, tracker_silent_s = last_tracker.elapsed().as_secs_f64(), "falling back to the registry");
                 self.node.metrics().fell_back(reason);
-                fallback = true;
+                fallback = mode;
                 report.fell_back = true;
             }
-            if fallback {
-                let mut unclaimed = t.unclaimed().into_iter().peekable();
-                while runs.len() < self.config.registry_parallel {
-                    let Some(first) = unclaimed.next() else { break };
-                    let mut count = 1;
-                    while count < self.config.run_chunks
-                        && unclaimed.next_if_eq(&(first + count)).is_some()
-                    {
-                        count += 1;
-                    }
-                    runs.spawn(run(first, count, false));
+            let (chunks, cancel) = match fallback {
+                Fallback::Off => (Vec::new(), CancellationToken::new()),
+                Fallback::Unavailable => (t.unavailable(), silent_runs.clone()),
+                Fallback::All => (t.unclaimed(), CancellationToken::new()),
+            };
+            let mut chunks = chunks.into_iter().peekable();
+            while runs.len() < self.config.registry_parallel {
+                let Some(first) = chunks.next() else { break };
+                let mut count = 1;
+                while count < self.config.run_chunks
+                    && chunks.next_if_eq(&(first + count)).is_some()
+                {
+                    count += 1;
                 }
+                runs.spawn(run(first, count, cancel.clone()));
             }
             // `changed()` marks the value seen, so remember that it fired.
             woke = matches!(
@@ -499,24 +542,20 @@ impl Swarm {
     }
 
     /// Publishes the hash of one chunk this agent read from the registry.
-    async fn publish_chunk(&self, geometry: &ChunkMap, index: u32, blob: &Blob) {
+    async fn publish_chunk(&self, index: u32, blob: &Blob) {
         if !self.tracker.is_configured() {
             return;
         }
-        let Some(hash) = blob.map().hashes().get(index as usize).copied().flatten() else {
-            return;
+        let one = match partial_map(&blob.map(), [index]) {
+            Ok(m) => m,
+            Err(e) => return tracing::error!(error = %e, "bad geometry"),
         };
-        let mut one =
-            match ChunkMap::unhashed(geometry.digest(), geometry.size(), geometry.chunk_size()) {
-                Ok(m) => m,
-                Err(e) => return tracing::error!(error = %e, "bad geometry"),
-            };
-        if one.set_hash(index, hash).is_ok() {
+        if one.hashes().iter().any(Option::is_some) {
             let body = Body::Publish(pb::PublishChunkMap {
                 peer_id: self.node.peer_id().to_string(),
                 map: Some(one.to_pb()),
             });
-            if let Err(e) = self.tracker.send_for(&geometry.digest(), body).await {
+            if let Err(e) = self.tracker.send_for(&blob.digest(), body).await {
                 tracing::warn!(error = %e, "could not publish a chunk hash");
             }
         }
@@ -544,8 +583,34 @@ fn is_map_failure(e: &Error) -> bool {
     )
 }
 
-/// Fetches chunks `[first, first + count)` from the registry into the blob,
-/// publishing each chunk's hash when `publish`; returns (chunks, bytes).
+/// `map`'s geometry with only the hashes of `chunks` (those it has).
+fn partial_map(
+    map: &ChunkMap,
+    chunks: impl IntoIterator<Item = u32>,
+) -> std::result::Result<ChunkMap, VerifyError> {
+    let mut part = ChunkMap::unhashed(map.digest(), map.size(), map.chunk_size())?;
+    for i in chunks {
+        if let Some(hash) = map.hashes().get(i as usize).copied().flatten() {
+            part.set_hash(i, hash)?;
+        }
+    }
+    Ok(part)
+}
+
+/// What a pull fetches from the registry on its own, mildest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Fallback {
+    /// Only the tracker's runs.
+    Off,
+    /// The tracker is silent: chunks no known peer can give us, until it answers.
+    Unavailable,
+    /// No tracker, or the swarm stalled: every unclaimed chunk, to the end.
+    All,
+}
+
+/// Fetches chunks `[first, first + count)` from the registry into the blob
+/// and publishes each chunk's hash; stops (releasing the chunk it was
+/// fetching) when `cancel` fires.
 async fn fetch_run(
     swarm: Arc<Swarm>,
     t: Arc<Transfer>,
@@ -553,23 +618,29 @@ async fn fetch_run(
     repo: String,
     first: u32,
     count: u32,
-    publish: bool,
+    cancel: CancellationToken,
 ) -> Result<()> {
     let map = t.blob().map();
     for index in first..first.saturating_add(count).min(map.chunk_count()) {
+        if cancel.is_cancelled() {
+            return Ok(());
+        }
         if !t.claim(index) {
             continue;
         }
         tracing::debug!(index, "requesting registry chunk");
-        let data = match registry
-            .blob_range(
-                &repo,
-                &map.digest(),
-                map.offset(index),
-                map.chunk_len(index) as u64,
-            )
-            .await
-        {
+        let digest = map.digest();
+        let range = registry.blob_range(
+            &repo,
+            &digest,
+            map.offset(index),
+            map.chunk_len(index) as u64,
+        );
+        let Some(fetched) = cancel.run_until_cancelled(range).await else {
+            t.settle(index, false);
+            return Ok(());
+        };
+        let data = match fetched {
             Ok(d) => d,
             Err(e) => {
                 t.settle(index, false);
@@ -580,11 +651,15 @@ async fn fetch_run(
             Ok(PutOutcome::Stored | PutOutcome::Completed) => {
                 tracing::debug!(index, "registry chunk stored");
                 t.settle(index, true);
-                if publish {
-                    // Peers can take the chunk only once its hash is published.
-                    swarm.publish_chunk(&map, index, t.blob()).await;
+                // Peers can take the chunk only once its hash is published;
+                // the next chunk need not wait for that (nor for a dead
+                // tracker's timeout). The announce that follows the
+                // publication tells the tracker we hold the chunk.
+                let (swarm, blob) = (swarm.clone(), t.blob().clone());
+                tokio::spawn(async move {
+                    swarm.publish_chunk(index, &blob).await;
                     swarm.poke.notify_one();
-                }
+                });
             }
             Ok(PutOutcome::Duplicate) => t.settle(index, true),
             Err(e) => {

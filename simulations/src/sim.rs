@@ -46,11 +46,18 @@ struct RunState {
     flow: Option<FlowId>,
 }
 
+/// Registry fetches a node in fallback keeps going at once (the agent's
+/// `swarm.registry_parallel`).
+const REGISTRY_PARALLEL: usize = 4;
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Fallback {
-    /// Nothing arrived for `stall_s`: runs until no unclaimed chunk lacks a holder.
+    /// Nothing arrived or was in flight for `stall_s`: every unclaimed chunk
+    /// comes from the registry, until the blob is complete.
     Stall,
-    /// The tracker has been silent for `tracker_grace_s`: runs until it answers.
+    /// The tracker has been silent for `tracker_grace_s`: chunks no known
+    /// peer holds come from the registry until it answers; then its runs
+    /// take over and the fetches still in flight are dropped.
     Tracker,
 }
 
@@ -91,7 +98,8 @@ struct Node {
     need_full: bool,
     runs: Vec<RunState>,
     fallback: Option<Fallback>,
-    fallback_flow: Option<FlowId>,
+    /// Registry fetches of the fallback in flight.
+    fallback_flows: Vec<FlowId>,
     rotor: usize,
 }
 
@@ -427,7 +435,11 @@ impl World<'_> {
                 }
             }
             Purpose::FallbackChunk => {
-                self.nodes[to as usize].fallback_flow = None;
+                remove_item(&mut self.nodes[to as usize].fallback_flows, id);
+                // Published as a run's chunk is, if the tracker is there to hear it.
+                if self.tracker_up {
+                    self.published[p.blob as usize].set(p.chunk);
+                }
                 self.receive(to, p.blob, Some(p.chunk));
                 self.continue_fallback(to);
             }
@@ -602,7 +614,7 @@ impl World<'_> {
             let d = self.sched.announce(a, now);
             self.nodes[nu].last_tracker_ok = self.net.now();
             if self.nodes[nu].fallback == Some(Fallback::Tracker) {
-                self.nodes[nu].fallback = None;
+                self.end_tracker_fallback(n);
             }
             if d.resend_full {
                 self.nodes[nu].need_full = true;
@@ -610,14 +622,17 @@ impl World<'_> {
             }
             self.nodes[nu].need_full = false;
             // The answer carries the tracker's maps of the wanted blobs; a full
-            // announce republishes the maps of complete ones (after a restart).
+            // announce republishes the hashes of the chunks the node holds
+            // (after a restart the tracker has none: without them, chunks only
+            // partial holders have could never be verified by anyone else).
             for b in 0..self.blobs.len() {
                 let nb = &mut self.nodes[nu].blobs[b];
-                if nb.complete {
-                    if full {
-                        fill(&mut self.published[b]);
+                if full {
+                    for c in nb.held.ones() {
+                        self.published[b].set(c);
                     }
-                } else {
+                }
+                if !nb.complete {
                     let fresh: Vec<u32> = self.published[b]
                         .ones()
                         .filter(|&c| nb.known.set(c))
@@ -775,6 +790,7 @@ impl World<'_> {
                     self.nodes[nu].fallback = Some(Fallback::Tracker);
                 } else if node.downloads == 0
                     && node.runs.iter().all(|r| r.flow.is_none())
+                    && node.fallback_flows.is_empty()
                     && now - node.last_progress >= self.sc.stall_s
                 {
                     self.nodes[nu].fallback = Some(Fallback::Stall);
@@ -785,32 +801,49 @@ impl World<'_> {
         self.try_fill(n);
     }
 
-    /// Keeps one registry fetch going for a chunk no known peer holds.
+    /// Keeps [`REGISTRY_PARALLEL`] registry fetches going for the chunks the
+    /// fallback wants: every unclaimed one after a stall, those no known peer
+    /// holds while the tracker is silent.
     fn continue_fallback(&mut self, n: u32) {
         let nu = n as usize;
-        if self.nodes[nu].fallback.is_none()
-            || self.nodes[nu].fallback_flow.is_some()
-            || !self.nodes[nu].alive
-        {
+        let Some(why) = self.nodes[nu].fallback else {
+            return;
+        };
+        if !self.nodes[nu].alive {
             return;
         }
         for b in 0..self.blobs.len() {
             self.look_all(n, b);
-            let nb = &mut self.nodes[nu].blobs[b];
-            let Some(p) = nb.picker.as_mut() else {
-                continue;
-            };
-            let candidate = p.unavailable().find(|&c| p.is_unclaimed(c));
-            if let Some(c) = candidate {
+            let chunks = self.blobs[b].chunks;
+            while self.nodes[nu].fallback_flows.len() < REGISTRY_PARALLEL {
+                let Some(p) = self.nodes[nu].blobs[b].picker.as_mut() else {
+                    break;
+                };
+                let candidate = match why {
+                    Fallback::Stall => (p.cursor()..chunks).find(|&c| p.is_unclaimed(c)),
+                    Fallback::Tracker => p.unavailable().find(|&c| p.is_unclaimed(c)),
+                };
+                let Some(c) = candidate else {
+                    break;
+                };
                 p.claim(c);
                 let id = self.registry_chunk(n, b as u16, c, Purpose::FallbackChunk);
-                self.nodes[nu].fallback_flow = Some(id);
-                return;
+                self.nodes[nu].fallback_flows.push(id);
             }
         }
-        if self.nodes[nu].fallback == Some(Fallback::Stall) {
-            self.nodes[nu].fallback = None;
-            self.nodes[nu].last_progress = self.net.now();
+    }
+
+    /// The tracker answered: its runs take over from the fallback's registry
+    /// fetches, whose chunks become pickable again.
+    fn end_tracker_fallback(&mut self, n: u32) {
+        let nu = n as usize;
+        self.nodes[nu].fallback = None;
+        for id in std::mem::take(&mut self.nodes[nu].fallback_flows) {
+            let (p, _) = self.net.remove(id);
+            remove_item(&mut self.nodes[nu].in_flows, id);
+            if let Some(picker) = self.nodes[nu].blobs[p.blob as usize].picker.as_mut() {
+                picker.failed(p.chunk);
+            }
         }
     }
 
@@ -853,7 +886,7 @@ impl World<'_> {
             }
         }
         self.nodes[nu].runs.clear();
-        self.nodes[nu].fallback_flow = None;
+        self.nodes[nu].fallback_flows.clear();
         let mut receivers = Vec::new();
         for id in std::mem::take(&mut self.nodes[nu].out_flows) {
             let (p, left) = self.net.remove(id);
@@ -1033,7 +1066,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             need_full: true,
             runs: Vec::new(),
             fallback: None,
-            fallback_flow: None,
+            fallback_flows: Vec::new(),
             rotor: 0,
         })
         .collect();
