@@ -159,6 +159,11 @@ impl Swarm {
                 } else {
                     swarm.config.idle_announce_ms
                 };
+                // ±10%: agents started together (a rollout, a scale-out)
+                // would otherwise announce in lockstep, reaching the tracker
+                // in bursts and learning its news (hashes, holders) all at
+                // the same instants.
+                let wait = (wait as f64 * (0.9 + 0.2 * fastrand::f64())) as u64;
                 let _ =
                     tokio::time::timeout(Duration::from_millis(wait), swarm.poke.notified()).await;
             }
@@ -653,13 +658,12 @@ async fn fetch_run(
                 t.settle(index, true);
                 // Peers can take the chunk only once its hash is published;
                 // the next chunk need not wait for that (nor for a dead
-                // tracker's timeout). The announce that follows the
-                // publication tells the tracker we hold the chunk.
-                let (swarm, blob) = (swarm.clone(), t.blob().clone());
-                tokio::spawn(async move {
-                    swarm.publish_chunk(index, &blob).await;
-                    swarm.poke.notify_one();
-                });
+                // tracker's timeout), and neither need the announce that
+                // tells the tracker we hold it and brings our next run: the
+                // two round trips overlap.
+                let (publisher, blob) = (swarm.clone(), t.blob().clone());
+                tokio::spawn(async move { publisher.publish_chunk(index, &blob).await });
+                swarm.poke.notify_one();
             }
             Ok(PutOutcome::Duplicate) => t.settle(index, true),
             Err(e) => {

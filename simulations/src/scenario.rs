@@ -96,8 +96,8 @@ pub struct Scenario {
     /// request's first byte arrives this long after it is sent, whether it
     /// asks a peer for a chunk or the registry for a range; a peer's news (a
     /// chunk it gained) reaches its watchers after half of it; a registry
-    /// fetcher's next run starts two round trips after its last chunk (the
-    /// agent awaits the chunk hash's publication, then announces).
+    /// fetcher's next run starts a round trip after its last chunk (the
+    /// agent publishes the chunk's hash and announces at once).
     pub rtt_s: f64,
     /// Nothing arriving and nothing in flight this long: fetch unheld chunks from the registry.
     pub stall_s: f64,

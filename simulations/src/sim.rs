@@ -571,6 +571,9 @@ impl World<'_> {
         } else {
             self.sched_config.announce_interval.as_secs_f64()
         };
+        // The agent spreads its announces (±10%), so that nodes started
+        // together do not all reach the tracker, or learn its news, at once.
+        let every = every * (0.9 + 0.2 * self.rng.unit());
         self.schedule_announce(n, every);
         if !self.tracker_up {
             return;
@@ -770,8 +773,9 @@ impl World<'_> {
             // empty one (its chunks already arriving from peers) announcing at
             // once would be handed the same run again at the same instant.
             if !run.chunks.is_empty() {
-                // The agent awaits the last hash's publication, then announces.
-                self.schedule_announce(n, 2.0 * self.sc.rtt_s);
+                // The agent announces as it publishes the last hash; the
+                // answer (the next run) comes a round trip later.
+                self.schedule_announce(n, self.sc.rtt_s);
             }
         }
     }
