@@ -106,7 +106,8 @@ pub struct PeerConfig {
     /// When it names one past this many, the oldest is retired (after the
     /// chunks it is sending). In `simulations` (4 downloads and 4 uploads per
     /// node), 16 peers rotated this way take `kraken-2600` to 1.21x the bound,
-    /// against 2.59x keeping the first 16 and 1.17x with no cap. Fetches from a fixed list of peers are not capped.
+    /// against 2.59x keeping the first 16 and 1.17x with no cap. Fetches from
+    /// a fixed list of peers are not capped.
     pub max_peers_per_blob: usize,
     /// A request unanswered, or a chunk transfer that moves no byte, for this
     /// long is abandoned.

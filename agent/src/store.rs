@@ -206,6 +206,19 @@ impl Blob {
         self.read_map().known()
     }
 
+    /// The blob's geometry with only the known hashes of `chunks`, without
+    /// copying the whole map: what a publication to the tracker carries.
+    pub fn map_of(&self, chunks: impl IntoIterator<Item = u32>) -> Result<ChunkMap> {
+        let map = self.read_map();
+        let mut part = ChunkMap::unhashed(map.digest(), map.size(), map.chunk_size())?;
+        for i in chunks {
+            if let Some(hash) = map.hashes().get(i as usize).copied().flatten() {
+                part.set_hash(i, hash)?;
+            }
+        }
+        Ok(part)
+    }
+
     /// Takes the chunk hashes `map` knows that this blob lacks; returns how many.
     pub fn learn(&self, map: &ChunkMap) -> Result<u32> {
         Ok(self.write_map().merge(map)?)

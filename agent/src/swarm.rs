@@ -255,11 +255,10 @@ impl Swarm {
                                 .is_none_or(|p| !p.contains_key(&b.digest()))
                         };
                         for b in blobs.iter().filter(new_here) {
-                            let map = b.map();
                             let vouched = if b.is_complete() {
-                                map
+                                b.map()
                             } else {
-                                match partial_map(&map, b.held().ones()) {
+                                match b.map_of(b.held().ones()) {
                                     Ok(m) => m,
                                     Err(e) => {
                                         tracing::error!(error = %e, "bad geometry");
@@ -508,21 +507,26 @@ impl Swarm {
                 fallback = mode;
                 report.fell_back = true;
             }
-            let (chunks, cancel) = match fallback {
-                Fallback::Off => (Vec::new(), CancellationToken::new()),
-                Fallback::Unavailable => (t.unavailable(), silent_runs.clone()),
-                Fallback::All => (t.unclaimed(), CancellationToken::new()),
+            // Only when a registry slot is free: listing the chunks is a
+            // pass over the whole blob.
+            let todo = match fallback {
+                _ if runs.len() >= self.config.registry_parallel => None,
+                Fallback::Off => None,
+                Fallback::Unavailable => Some((t.unavailable(), silent_runs.clone())),
+                Fallback::All => Some((t.unclaimed(), CancellationToken::new())),
             };
-            let mut chunks = chunks.into_iter().peekable();
-            while runs.len() < self.config.registry_parallel {
-                let Some(first) = chunks.next() else { break };
-                let mut count = 1;
-                while count < self.config.run_chunks
-                    && chunks.next_if_eq(&(first + count)).is_some()
-                {
-                    count += 1;
+            if let Some((chunks, cancel)) = todo {
+                let mut chunks = chunks.into_iter().peekable();
+                while runs.len() < self.config.registry_parallel {
+                    let Some(first) = chunks.next() else { break };
+                    let mut count = 1;
+                    while count < self.config.run_chunks
+                        && chunks.next_if_eq(&(first + count)).is_some()
+                    {
+                        count += 1;
+                    }
+                    runs.spawn(run(first, count, cancel.clone()));
                 }
-                runs.spawn(run(first, count, cancel.clone()));
             }
             // `changed()` marks the value seen, so remember that it fired.
             woke = matches!(
@@ -551,7 +555,7 @@ impl Swarm {
         if !self.tracker.is_configured() {
             return;
         }
-        let one = match partial_map(&blob.map(), [index]) {
+        let one = match blob.map_of([index]) {
             Ok(m) => m,
             Err(e) => return tracing::error!(error = %e, "bad geometry"),
         };
@@ -586,20 +590,6 @@ fn is_map_failure(e: &Error) -> bool {
         Error::Withdrawn(_)
             | Error::Verify(VerifyError::BlobDigest { .. } | VerifyError::HashConflict { .. })
     )
-}
-
-/// `map`'s geometry with only the hashes of `chunks` (those it has).
-fn partial_map(
-    map: &ChunkMap,
-    chunks: impl IntoIterator<Item = u32>,
-) -> std::result::Result<ChunkMap, VerifyError> {
-    let mut part = ChunkMap::unhashed(map.digest(), map.size(), map.chunk_size())?;
-    for i in chunks {
-        if let Some(hash) = map.hashes().get(i as usize).copied().flatten() {
-            part.set_hash(i, hash)?;
-        }
-    }
-    Ok(part)
 }
 
 /// What a pull fetches from the registry on its own, mildest first.

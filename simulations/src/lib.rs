@@ -15,7 +15,7 @@
 //! same numbers on every run.
 //!
 //! Nodes behave like the agent (see `sim` for the details): announce every
-//! 0.5 s while pulling and after each registry run, fetch assigned runs from the
+//! 0.5 s (±10%) while pulling and after each registry run, fetch assigned runs from the
 //! registry, take everything else from peers (8 chunk downloads and 8
 //! uploads at a time per node, the agent's defaults; a request to a peer with
 //! no free upload slot is refused and tried again after 200 ms), pick chunks

@@ -3,10 +3,10 @@
 //!
 //! `dray` nodes drive the real [`Scheduler`] and one real [`ChunkPicker`] per
 //! blob, as the agent does: announce (full, then `Held::Added` deltas) every
-//! `announce_interval_s` while pulling and right after each registry run,
-//! fetch assigned runs chunk by chunk from the registry, take the rest from
-//! the peers the tracker named, and fall back to the registry for chunks no
-//! known peer holds after a stall or while the tracker is silent. A node sees
+//! `announce_interval_s` (±10%) while pulling and right after each registry
+//! run, fetch assigned runs chunk by chunk from the registry, take the rest
+//! from the peers the tracker named, and fall back to the registry (see
+//! [`Fallback`]) after a stall or while the tracker is silent. A node sees
 //! a peer's chunks as its lanes do: the bitfield when it first looks, then
 //! each chunk the peer gains (the long-polled bitfield), and only the chunks
 //! whose hashes it has (its own, and the tracker's map as of its last
