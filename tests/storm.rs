@@ -2,15 +2,17 @@
 //! cluster (network namespaces, tbf-capped links, real registry, tracker and
 //! agents) must finish where the simulator, given the same cluster
 //! (`Scenario::emulated`, with the round trip measured under load), says it
-//! will. Needs root; about a minute (two runs).
+//! will. Needs root; about a minute (three runs).
 
 use std::process::Command;
 
 /// How far the simulator's p50 and last-node times may be from the emulation's.
 const TOLERANCE: f64 = 0.20;
-/// Emulated runs averaged: one run's times vary by about 5% on this shared
-/// 2-core machine.
-const RUNS: usize = 2;
+/// Emulated runs, of which the median counts: on this shared 2-core machine
+/// one run's times vary by about 5%, and now and then one is 10% slower
+/// (seen in CI: p50 8.49 s beside 7.5-7.9 s), which a mean of two carried
+/// past the tolerance.
+const RUNS: usize = 3;
 
 /// One `dray bench storm` run at 4 nodes and 64 MiB, as its JSON result.
 fn bench() -> serde_json::Value {
@@ -48,12 +50,14 @@ fn the_simulator_predicts_the_emulated_storm_within_20_percent() {
         ("swarm_p50_s", "predicted_p50_s"),
         ("swarm_last_s", "predicted_last_s"),
     ] {
-        let e = runs.iter().map(|r| get(r, emulated)).sum::<f64>() / RUNS as f64;
+        let mut times: Vec<f64> = runs.iter().map(|r| get(r, emulated)).collect();
+        times.sort_by(f64::total_cmp);
+        let e = times[RUNS / 2];
         // The simulator is deterministic: every run predicts the same.
         let p = get(&runs[0], predicted);
         assert!(
             (p - e).abs() <= TOLERANCE * e,
-            "{predicted} = {p:.2} s is more than {:.0}% from the mean {emulated} = {e:.2} s: {runs:?}",
+            "{predicted} = {p:.2} s is more than {:.0}% from the median {emulated} = {e:.2} s: {runs:?}",
             TOLERANCE * 100.0
         );
     }
