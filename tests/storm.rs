@@ -1,7 +1,8 @@
 //! The simulator against the emulation: `dray bench storm` on a small emulated
 //! cluster (network namespaces, tbf-capped links, real registry, tracker and
 //! agents) must finish where the simulator, given the same cluster
-//! (`Scenario::emulated`, with the round trip measured under load), says it
+//! (`Scenario::emulated`, with the round trip measured under load and the
+//! uneven link shares fitted to the spread of chunk transfer times), says it
 //! will. Needs root; about a minute (three runs).
 
 use std::process::Command;

@@ -9,8 +9,9 @@
 //! A fluid-flow, chunk-granular model: every transfer
 //! is a flow over the links it crosses (sender uplink, rack uplinks when it
 //! leaves a rack, receiver downlink; the registry's egress is one more link).
-//! Each link splits its capacity equally among its flows; a flow moves at the
-//! smallest share on its path. The clock is simulated: the scheduler is handed
+//! Each link splits its capacity among its flows in proportion to their
+//! weights (equally in the named storms; `Scenario::emulated` draws them, see
+//! below); a flow moves at the smallest share on its path. The clock is simulated: the scheduler is handed
 //! `Instant`s that are a fixed base plus simulated time, so a seed gives the
 //! same numbers on every run.
 //!
@@ -103,7 +104,12 @@
 //! request's first byte comes a round trip after it, a peer's news half a
 //! round trip after the chunk lands, a registry fetcher's next run a round
 //! trip after its last chunk (the agent publishes the hash and announces at
-//! once); periodic announces are answered at once. No max-min fair
+//! once); periodic announces are answered at once. Congestion control is
+//! one number: how unevenly flows share a link (`flow_weight_sigma`: lognormal
+//! weights, 0 in the named storms, 0.5 fitted to the spread of chunk
+//! transfer times in `dray bench storm`, where equal shares predicted 11-25%
+//! too fast: every round's chunks landed together, so no node ever waited on
+//! one slow transfer). No max-min fair
 //! sharing (equal split per link, then the minimum along the path, which
 //! leaves capacity idle where a real network would redistribute it). Big
 //! scenarios move chunks in batches (`Scenario::sim_chunk_bytes`: 16 MiB for

@@ -2,8 +2,10 @@
 //!
 //! Every transfer is a flow of bytes over up to four links (sender uplink,
 //! sender rack uplink, receiver rack downlink, receiver downlink; the registry
-//! is one more link). A link splits its capacity equally among its flows and a
-//! flow moves at the smallest share along its path. Rates are constant between
+//! is one more link). A link splits its capacity among its flows in proportion
+//! to their weights (all 1, an equal split, unless the scenario draws them:
+//! congestion control over a drop-tail queue shares unevenly) and a flow moves
+//! at the smallest share along its path. Rates are constant between
 //! events, so a flow's finish time is exact until some link on its path gains
 //! or loses a flow; then the flow's progress is banked and a new finish event
 //! is queued (older events for it carry a stale version and are skipped).
@@ -12,7 +14,8 @@
 //! recomputes each once before time advances. A link whose flow count shrinks
 //! by less than 3% keeps its old (smaller) share until the next rebalance, so
 //! a registry serving 100,000 whole-blob downloads is not rebalanced on every
-//! completion; it never oversubscribes and idles at most 3% of its capacity.
+//! completion; it never oversubscribes and, with equal weights, idles at most
+//! 3% of its capacity.
 
 use crate::queue::Queue;
 
@@ -80,6 +83,8 @@ struct Flow {
     /// place (it re-queues itself on firing early) rather than queueing another.
     due: u64,
     version: u32,
+    /// Its claim on each link's capacity, relative to the other flows'.
+    weight: f64,
     links: [LinkId; 4],
     pos: [u32; 4],
     nlinks: u8,
@@ -94,8 +99,12 @@ struct Flow {
 struct Link {
     cap: f64,
     members: Vec<FlowId>,
+    /// The members' weights, summed.
+    weight: f64,
+    /// Capacity per unit of weight.
     share: f64,
-    /// Member count the share was computed for (>= members.len()).
+    /// Member count the share was computed for (>= members.len()): flows
+    /// only left since, so the members' weight is at most what it was.
     sized_for: usize,
     dirty: bool,
 }
@@ -126,6 +135,7 @@ impl Net {
                 .map(|cap| Link {
                     cap,
                     members: Vec::new(),
+                    weight: 0.0,
                     share: cap,
                     sized_for: 0,
                     dirty: false,
@@ -205,10 +215,17 @@ impl Net {
         false
     }
 
-    /// Requests a flow of `bytes` over `links` (at most 4) whose first byte
-    /// moves after `delay` seconds (a request's round trip); until then it
-    /// holds no share of any link.
-    pub fn start(&mut self, payload: Payload, bytes: f64, links: &[LinkId], delay: f64) -> FlowId {
+    /// Requests a flow of `bytes` over `links` (at most 4) with `weight`,
+    /// whose first byte moves after `delay` seconds (a request's round trip);
+    /// until then it holds no share of any link.
+    pub fn start(
+        &mut self,
+        payload: Payload,
+        bytes: f64,
+        links: &[LinkId],
+        delay: f64,
+        weight: f64,
+    ) -> FlowId {
         let now = self.now();
         let mut flow_links = [0; 4];
         let n = links.len().min(4);
@@ -223,6 +240,7 @@ impl Net {
                     updated: now,
                     due: 0,
                     version: 0,
+                    weight: 1.0,
                     links: [0; 4],
                     pos: [0; 4],
                     nlinks: 0,
@@ -239,6 +257,7 @@ impl Net {
         f.left = bytes.max(0.0);
         f.rate = 0.0;
         f.updated = now;
+        f.weight = weight;
         f.links = flow_links;
         f.nlinks = n as u8;
         f.live = true;
@@ -268,12 +287,13 @@ impl Net {
 
     fn join_links(&mut self, id: FlowId) {
         let f = &self.flows[id as usize];
-        let (flow_links, n) = (f.links, f.nlinks as usize);
+        let (flow_links, n, weight) = (f.links, f.nlinks as usize, f.weight);
         let mut pos = [0u32; 4];
         for (k, &l) in flow_links[..n].iter().enumerate() {
             let link = &mut self.links[l as usize];
             pos[k] = link.members.len() as u32;
             link.members.push(id);
+            link.weight += weight;
             if !link.dirty {
                 link.dirty = true;
                 self.dirty_links.push(l);
@@ -312,12 +332,18 @@ impl Net {
         f.version = f.version.wrapping_add(1);
         // A flow still waiting for its first byte is on no link.
         let n = if f.waiting { 0 } else { f.nlinks as usize };
-        let (links, pos) = (f.links, f.pos);
+        let (links, pos, weight) = (f.links, f.pos, f.weight);
         let out = (f.payload, f.left);
         for k in 0..n {
             let l = links[k];
             let link = &mut self.links[l as usize];
             link.members.swap_remove(pos[k] as usize);
+            // An empty link drops the rounding its sum gathered.
+            link.weight = if link.members.is_empty() {
+                0.0
+            } else {
+                link.weight - weight
+            };
             if let Some(&moved) = link.members.get(pos[k] as usize) {
                 let m = &mut self.flows[moved as usize];
                 if let Some(j) = m.links[..m.nlinks as usize].iter().position(|&x| x == l) {
@@ -346,7 +372,11 @@ impl Net {
             let shrunk_enough = n + (link.sized_for / 33).max(1) <= link.sized_for;
             if n > link.sized_for || shrunk_enough {
                 link.sized_for = n;
-                link.share = link.cap / n.max(1) as f64;
+                link.share = if n > 0 {
+                    link.cap / link.weight
+                } else {
+                    link.cap
+                };
                 for k in 0..n {
                     let id = self.links[l as usize].members[k];
                     let f = &mut self.flows[id as usize];
@@ -364,10 +394,11 @@ impl Net {
             }
             self.advance(id, now);
             let f = &self.flows[id as usize];
-            let rate = f.links[..f.nlinks as usize]
-                .iter()
-                .map(|&l| self.links[l as usize].share)
-                .fold(f64::INFINITY, f64::min);
+            let rate = f.weight
+                * f.links[..f.nlinks as usize]
+                    .iter()
+                    .map(|&l| self.links[l as usize].share)
+                    .fold(f64::INFINITY, f64::min);
             if f.fresh || rate != f.rate {
                 let f = &mut self.flows[id as usize];
                 let fresh = std::mem::take(&mut f.fresh);
@@ -420,6 +451,14 @@ impl Rng {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 
+    /// Lognormal with mean 1: `exp(sigma·Z - sigma²/2)`, Z standard normal
+    /// (Box-Muller).
+    pub fn lognormal(&mut self, sigma: f64) -> f64 {
+        let u = 1.0 - self.unit();
+        let z = (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * self.unit()).cos();
+        (sigma * z - sigma * sigma / 2.0).exp()
+    }
+
     /// Uniform in `0..n` (n > 0).
     pub fn below(&mut self, n: usize) -> usize {
         ((u128::from(self.next_u64()) * n as u128) >> 64) as usize
@@ -451,8 +490,8 @@ mod tests {
     #[test]
     fn two_flows_share_a_link_and_the_survivor_speeds_up() {
         let mut net = Net::new(vec![100.0, 1000.0, 1000.0], 0);
-        let a = net.start(payload(1), 100.0, &[0, 1], 0.0);
-        net.start(payload(2), 300.0, &[0, 2], 0.0);
+        let a = net.start(payload(1), 100.0, &[0, 1], 0.0, 1.0);
+        net.start(payload(2), 300.0, &[0, 2], 0.0, 1.0);
         net.settle();
         // 50 B/s each: a is done at 2 s, then b runs alone at 100 B/s for its last 200 B.
         assert_eq!(net.pop(), Some(Ev::Flow(a, 1)));
@@ -469,14 +508,44 @@ mod tests {
     }
 
     #[test]
+    fn flows_share_a_link_in_proportion_to_their_weights() {
+        let mut net = Net::new(vec![100.0, 1000.0, 1000.0], 0);
+        let a = net.start(payload(1), 100.0, &[0, 1], 0.0, 1.0);
+        let b = net.start(payload(2), 100.0, &[0, 2], 0.0, 3.0);
+        net.settle();
+        // b moves at 75 B/s and is done at 4/3 s; a has moved 33 B at 25 B/s,
+        // then has the link alone: done at 2 s.
+        assert_eq!(net.pop(), Some(Ev::Flow(b, 1)));
+        assert!((net.now() - 4.0 / 3.0).abs() < 1e-6, "{}", net.now());
+        net.remove(b);
+        net.settle();
+        let Some(Ev::Flow(id, v)) = net.pop() else {
+            panic!("a must finish");
+        };
+        assert_eq!(id, a);
+        assert!(net.finishes(a, v));
+        assert!((net.now() - 2.0).abs() < 1e-6, "{}", net.now());
+    }
+
+    #[test]
+    fn lognormal_weights_average_one() {
+        let mut rng = Rng::new(7);
+        let n = 20_000;
+        let draws: Vec<f64> = (0..n).map(|_| rng.lognormal(0.5)).collect();
+        let mean = draws.iter().sum::<f64>() / f64::from(n);
+        assert!((mean - 1.0).abs() < 0.02, "mean {mean}");
+        assert!(draws.iter().all(|w| w.is_finite() && *w > 0.0));
+    }
+
+    #[test]
     fn a_flow_slowed_after_queueing_finishes_at_its_true_time() {
         let mut net = Net::new(vec![100.0, 1000.0, 1000.0], 0);
-        let a = net.start(payload(1), 100.0, &[0, 1], 0.0);
+        let a = net.start(payload(1), 100.0, &[0, 1], 0.0, 1.0);
         net.settle();
         net.at_secs(0.5, Ev::Tick);
         assert_eq!(net.pop(), Some(Ev::Tick));
         // From 0.5 s a shares the link: 50 B left at 50 B/s, done at 1.5 s.
-        net.start(payload(2), 1000.0, &[0, 2], 0.0);
+        net.start(payload(2), 1000.0, &[0, 2], 0.0, 1.0);
         net.settle();
         let Some(Ev::Flow(id, v)) = net.pop() else {
             panic!("a's first finish event");
@@ -495,9 +564,9 @@ mod tests {
     #[test]
     fn a_requested_flow_takes_no_share_until_its_first_byte() {
         let mut net = Net::new(vec![100.0, 1000.0, 1000.0], 0);
-        let a = net.start(payload(1), 100.0, &[0, 1], 0.0);
+        let a = net.start(payload(1), 100.0, &[0, 1], 0.0, 1.0);
         // b's first byte is due at 0.5 s: until then a has the link alone.
-        let b = net.start(payload(2), 100.0, &[0, 2], 0.5);
+        let b = net.start(payload(2), 100.0, &[0, 2], 0.5, 1.0);
         let Some(Ev::Begin(id, v)) = net.pop() else {
             panic!("b's first byte");
         };
@@ -519,7 +588,7 @@ mod tests {
         assert!((net.now() - 1.5).abs() < 1e-6);
         net.remove(a);
         // A request given up before its first byte never starts.
-        let c = net.start(payload(1), 100.0, &[0, 1], 0.1);
+        let c = net.start(payload(1), 100.0, &[0, 1], 0.1, 1.0);
         net.remove(c);
         let Some(Ev::Begin(id, v)) = net.pop() else {
             panic!("c's stale first byte");

@@ -231,8 +231,16 @@ impl World<'_> {
 
     fn start_flow(&mut self, payload: Payload, bytes: f64) -> FlowId {
         let links = self.path(payload.from, payload.to);
+        let sigma = self.sc.flow_weight_sigma;
+        let weight = if sigma > 0.0 {
+            self.rng.lognormal(sigma)
+        } else {
+            1.0
+        };
         // Every transfer is a request: its first byte comes a round trip later.
-        let id = self.net.start(payload, bytes, &links, self.sc.rtt_s);
+        let id = self
+            .net
+            .start(payload, bytes, &links, self.sc.rtt_s, weight);
         self.nodes[payload.to as usize].in_flows.push(id);
         if let Source::Peer(p) = payload.from {
             self.nodes[p as usize].out_flows.push(id);

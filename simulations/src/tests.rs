@@ -49,6 +49,25 @@ fn peers_take_a_registry_chunk_only_once_they_have_learned_its_hash() {
 }
 
 #[test]
+fn uneven_link_shares_spread_the_finish_times() {
+    // Equal shares: every round's chunks land together, and so do the nodes.
+    let mut even = Scenario::emulated(4, 64 << 20, 100, 200, 90, 8, 8);
+    even.flow_weight_sigma = 0.0;
+    let even = run(&even, Strategy::Dray, 1).unwrap();
+    assert!((even.max_s - even.p50_s).abs() < 1e-3, "{even:?}");
+    // The emulation's uneven shares: slower, spread, and the same for a seed.
+    let uneven = Scenario::emulated(4, 64 << 20, 100, 200, 90, 8, 8);
+    let r = run(&uneven, Strategy::Dray, 1).unwrap();
+    assert_eq!(r.completed, 4, "{r:?}");
+    assert!(
+        r.max_s > r.p50_s && r.p50_s > even.p50_s,
+        "{r:?} vs {even:?}"
+    );
+    let again = run(&uneven, Strategy::Dray, 1).unwrap();
+    assert_eq!((r.p50_s, r.max_s), (again.p50_s, again.max_s));
+}
+
+#[test]
 fn direct_pulls_the_image_once_per_node() {
     let r = run(&small(), Strategy::Direct, 1).unwrap();
     assert_eq!(r.completed, 16);
