@@ -173,6 +173,11 @@ struct SimArgs {
     /// Random seed; the same seed gives the same results.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// How unevenly flows share a link: the sigma of their lognormal weights
+    /// (0: equal shares; `dray bench storm`'s links fit 0.5). Default: the
+    /// scenario's own.
+    #[arg(long)]
+    flow_weight_sigma: Option<f64>,
     /// Print JSON lines (time series included) instead of a table.
     #[arg(long)]
     json: bool,
@@ -610,7 +615,10 @@ async fn snapshotter(args: SnapshotterArgs) -> Result<()> {
 
 fn sim(args: SimArgs) -> Result<()> {
     use dray_simulations::Strategy;
-    let scenario = dray_simulations::scenario(&args.scenario)?;
+    let mut scenario = dray_simulations::scenario(&args.scenario)?;
+    if let Some(sigma) = args.flow_weight_sigma {
+        scenario.flow_weight_sigma = sigma;
+    }
     let strategies: &[Strategy] = if args.compare {
         &Strategy::ALL
     } else {
