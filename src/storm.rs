@@ -59,6 +59,12 @@ pub struct StormBench {
     /// The registry's link rate, each direction, Mbit/s.
     #[arg(long, default_value_t = 200)]
     registry_mbit: u64,
+    /// Every link's MTU, bytes: 1500 is plain Ethernet; 9000 (jumbo frames,
+    /// common inside data centres) moves the same bytes in a sixth of the
+    /// packets, and per-packet work is what saturates this machine's CPU
+    /// when it emulates many nodes.
+    #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u16).range(1280..=9000))]
+    mtu: u16,
     /// Each agent's upload cap, in percent of its link rate (0: uncapped).
     /// Just under 100 keeps the link's queue short, so the acknowledgements of
     /// the node's own downloads are not stuck behind its uploads.
@@ -185,7 +191,9 @@ async fn storm(
     exe: &Path,
     cluster: &mut Cluster,
 ) -> Result<(StormResult, Phase, Phase)> {
-    cluster.build(b.nodes, b.node_mbit, b.registry_mbit).await?;
+    cluster
+        .build(b.nodes, b.node_mbit, b.registry_mbit, b.mtu)
+        .await?;
     let dir = cluster.dir.path().to_path_buf();
 
     // The registry, holding one random blob, pushed over its own namespace's
@@ -310,15 +318,16 @@ async fn storm(
 /// share its links unevenly at random, so each is the median over
 /// [`PREDICTION_SEEDS`] seeds.
 fn predict(b: &StormBench) -> Result<(f64, f64)> {
-    let scenario = dray_simulations::Scenario::emulated(
-        b.nodes as u32,
-        b.size,
-        b.node_mbit,
-        b.registry_mbit,
-        b.upload_percent,
-        b.max_uploads as u32,
-        b.max_downloads as u32,
-    );
+    let scenario = dray_simulations::Scenario::emulated(&dray_simulations::Emulated {
+        nodes: b.nodes as u32,
+        image_bytes: b.size,
+        node_mbit: b.node_mbit,
+        registry_mbit: b.registry_mbit,
+        upload_percent: b.upload_percent,
+        max_uploads: b.max_uploads as u32,
+        max_downloads: b.max_downloads as u32,
+        mtu: b.mtu,
+    });
     let (mut p50, mut last) = (Vec::new(), Vec::new());
     for seed in 1..=PREDICTION_SEEDS {
         let r = dray_simulations::run(&scenario, dray_simulations::Strategy::Dray, seed)
@@ -513,7 +522,15 @@ struct Cluster {
 impl Cluster {
     /// Removes what an interrupted run left, then creates the bridge and one
     /// namespace per registry, tracker and node, with capped links.
-    async fn build(&mut self, nodes: usize, node_mbit: u64, registry_mbit: u64) -> Result<()> {
+    async fn build(
+        &mut self,
+        nodes: usize,
+        node_mbit: u64,
+        registry_mbit: u64,
+        mtu: u16,
+    ) -> Result<()> {
+        let mtu_bytes = u32::from(mtu);
+        let mtu = mtu.to_string();
         remove_leftovers();
         // Bridged frames skip iptables (br_netfilter would otherwise run every
         // frame through it: CPU this 2-core machine needs for the agents).
@@ -557,14 +574,18 @@ impl Cluster {
                 "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns,
             ])
             .await?;
-            run_ip(&["link", "set", veth, "master", BRIDGE, "up"]).await?;
+            run_ip(&["link", "set", veth, "mtu", &mtu, "master", BRIDGE, "up"]).await?;
+            run_ip(&["-n", ns, "link", "set", "eth0", "mtu", &mtu]).await?;
             run_ip(&["-n", ns, "addr", "add", &format!("{ip}/24"), "dev", "eth0"]).await?;
             run_ip(&["-n", ns, "link", "set", "eth0", "up"]).await?;
             run_ip(&["-n", ns, "link", "set", "lo", "up"]).await?;
             if let Some(mbit) = mbit {
                 let rate = format!("{mbit}mbit");
+                // 4,000 bytes (32 kbit), or two frames if they are bigger: a
+                // bucket smaller than a frame never lets it through.
+                let burst = (2 * mtu_bytes).max(4000).to_string();
                 let tbf = [
-                    "root", "tbf", "rate", &rate, "burst", "32kbit", "latency", "50ms",
+                    "root", "tbf", "rate", &rate, "burst", &burst, "latency", "50ms",
                 ];
                 // Egress from the namespace, and into it (the host side's egress).
                 let mut out = vec!["-n", ns, "qdisc", "add", "dev", "eth0"];

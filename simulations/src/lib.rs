@@ -125,7 +125,9 @@ mod scenario;
 mod sim;
 
 pub use report::{EgressBucket, SimReport, write_svg};
-pub use scenario::{CHUNK_BYTES, Churn, LateJoiners, Outage, Racks, SCENARIOS, Scenario, scenario};
+pub use scenario::{
+    CHUNK_BYTES, Churn, Emulated, LateJoiners, Outage, Racks, SCENARIOS, Scenario, scenario,
+};
 
 use serde::Serialize;
 

@@ -32,7 +32,11 @@ fn peers_take_a_registry_chunk_only_once_they_have_learned_its_hash() {
     // The tracker-silence grace outlasts the slow period, so no node falls
     // back to the registry between its announces.
     let run_every = |s: f64| {
-        let mut sc = Scenario::emulated(64, 64 << 20, 100, 200, 90, 8, 8);
+        let mut sc = Scenario::emulated(&Emulated {
+            nodes: 64,
+            image_bytes: 64 << 20,
+            ..Emulated::default()
+        });
         sc.announce_interval_s = s;
         sc.tracker_grace_s = 20.0;
         run(&sc, Strategy::Dray, 1).unwrap()
@@ -51,12 +55,17 @@ fn peers_take_a_registry_chunk_only_once_they_have_learned_its_hash() {
 #[test]
 fn uneven_link_shares_spread_the_finish_times() {
     // Equal shares: every round's chunks land together, and so do the nodes.
-    let mut even = Scenario::emulated(4, 64 << 20, 100, 200, 90, 8, 8);
+    let cluster = Emulated {
+        nodes: 4,
+        image_bytes: 64 << 20,
+        ..Emulated::default()
+    };
+    let mut even = Scenario::emulated(&cluster);
     even.flow_weight_sigma = 0.0;
     let even = run(&even, Strategy::Dray, 1).unwrap();
     assert!((even.max_s - even.p50_s).abs() < 1e-3, "{even:?}");
     // The emulation's uneven shares: slower, spread, and the same for a seed.
-    let uneven = Scenario::emulated(4, 64 << 20, 100, 200, 90, 8, 8);
+    let uneven = Scenario::emulated(&cluster);
     let r = run(&uneven, Strategy::Dray, 1).unwrap();
     assert_eq!(r.completed, 4, "{r:?}");
     assert!(
