@@ -14,6 +14,16 @@ use rustc_hash::{FxHashMap, FxHashSet};
 /// Chunks past the cursor that are fetched in order before rarest-first applies.
 pub const DEFAULT_WINDOW: u32 = 8;
 
+/// What a peer holds, as far as the picker knows.
+#[derive(Debug, Clone)]
+struct Known {
+    bits: Bitfield,
+    /// The last pick found nothing wanted here and nothing has made any of
+    /// its chunks wanted since: the next pick can skip the scan. Most picks
+    /// in a busy swarm ask peers with nothing new.
+    spent: bool,
+}
+
 /// Picks chunks of one blob for the peers that hold them.
 #[derive(Debug, Clone)]
 pub struct ChunkPicker<P> {
@@ -21,7 +31,7 @@ pub struct ChunkPicker<P> {
     in_flight: Bitfield,
     /// How many usable peers hold each chunk.
     availability: Vec<u32>,
-    peers: FxHashMap<P, Bitfield>,
+    peers: FxHashMap<P, Known>,
     banned: FxHashSet<P>,
     window: u32,
     /// The first chunk not held.
@@ -87,6 +97,8 @@ impl<P: Clone + Eq + std::hash::Hash> ChunkPicker<P> {
             // Only the chunks whose bit changed move the counts: a peer's
             // bitfield mostly grows by a few chunks between looks.
             Some(old) => {
+                old.spent = false;
+                let old = &mut old.bits;
                 let mut moves = Vec::new();
                 for (byte, (&was, &now)) in old.as_bytes().iter().zip(bits.as_bytes()).enumerate() {
                     let mut changed = was ^ now;
@@ -105,23 +117,25 @@ impl<P: Clone + Eq + std::hash::Hash> ChunkPicker<P> {
                 for i in bits.ones() {
                     self.shift(i, true);
                 }
-                self.peers.insert(peer, bits);
+                self.peers.insert(peer, Known { bits, spent: false });
             }
         }
     }
 
     /// A peer announced a chunk it verified.
     pub fn peer_has(&mut self, peer: &P, index: u32) {
-        if let Some(bits) = self.peers.get_mut(peer)
-            && bits.set(index)
+        let open = self.is_unclaimed(index);
+        if let Some(known) = self.peers.get_mut(peer)
+            && known.bits.set(index)
         {
+            known.spent &= !open;
             self.shift(index, true);
         }
     }
 
     pub fn remove_peer(&mut self, peer: &P) {
-        if let Some(bits) = self.peers.remove(peer) {
-            for i in bits.ones() {
+        if let Some(known) = self.peers.remove(peer) {
+            for i in known.bits.ones() {
                 self.shift(i, false);
             }
         }
@@ -145,7 +159,11 @@ impl<P: Clone + Eq + std::hash::Hash> ChunkPicker<P> {
     /// The next chunk to ask `peer` for, marked in flight; `None` if it holds
     /// nothing we still need.
     pub fn pick(&mut self, peer: &P) -> Option<u32> {
-        let theirs = self.peers.get(peer)?.as_bytes();
+        let known = self.peers.get_mut(peer)?;
+        if known.spent {
+            return None;
+        }
+        let theirs = known.bits.as_bytes();
         let (held, busy) = (self.held.as_bytes(), self.in_flight.as_bytes());
         let window_end = self.cursor.saturating_add(self.window);
         // The lowest wanted chunk in the window, else the rarest wanted one
@@ -171,7 +189,10 @@ impl<P: Clone + Eq + std::hash::Hash> ChunkPicker<P> {
                 }
             }
         }
-        let (_, pick) = best?;
+        let Some((_, pick)) = best else {
+            known.spent = true;
+            return None;
+        };
         self.in_flight.set(pick);
         self.reopen(pick, false);
         Some(pick)
@@ -209,6 +230,10 @@ impl<P: Clone + Eq + std::hash::Hash> ChunkPicker<P> {
     pub fn failed(&mut self, index: u32) {
         if self.in_flight.clear(index) && !self.held.get(index) {
             self.reopen(index, true);
+            // Wanted again: worth a look at every peer that holds it.
+            for known in self.peers.values_mut() {
+                known.spent &= !known.bits.get(index);
+            }
         }
     }
 
