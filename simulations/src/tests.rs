@@ -77,6 +77,23 @@ fn uneven_link_shares_spread_the_finish_times() {
 }
 
 #[test]
+fn a_registry_too_slow_for_the_runs_sharing_it_is_not_stampeded() {
+    // 16 runs share 50 Mbit/s: each 4 MiB chunk takes 11 s, past its 5 s
+    // deadline. Taking such runs back had other nodes fetch the same chunks
+    // while the first still did: 18x the blob, 219 s.
+    let sc = Scenario::emulated(&Emulated {
+        nodes: 16,
+        image_bytes: 64 << 20,
+        registry_mbit: 50,
+        ..Emulated::default()
+    });
+    let r = run(&sc, Strategy::Dray, 1).unwrap();
+    assert_eq!(r.completed, 16, "{r:?}");
+    assert!(r.registry_egress_ratio < 1.05, "{r:?}");
+    assert!(r.bound_ratio < 2.0, "{r:?}");
+}
+
+#[test]
 fn direct_pulls_the_image_once_per_node() {
     let r = run(&small(), Strategy::Direct, 1).unwrap();
     assert_eq!(r.completed, 16);
