@@ -66,6 +66,24 @@
 //! same for seeds 1-4), `storm-10k` from 1.30x to 1.25x, `churn-10k` from
 //! 1.33x to 1.28x, `rack-oversub` from 4.07x to 3.86x.
 //!
+//! # A finding: taking back late runs stampedes a slow registry
+//!
+//! The tracker took a registry run back once past its deadline (the chunk's
+//! size at 1 MiB/s, at least 5 s) and handed the chunk to another node; the
+//! first kept fetching. With 16 runs sharing a 50 Mbit/s registry every run
+//! took 11 s, all were taken back, twice as many fetches shared the
+//! registry, and so on: 16 nodes pulling 256 MiB took 808 s and 17.7x the
+//! image from the registry (64 nodes: 3,026 s, 66.6x, worse than direct
+//! pulls); at 100 Mbit/s 64 nodes took 4.9x. Found once links shared
+//! unevenly (`flow_weight_sigma`), which made the default 16-node cluster
+//! fetch 1.08x. A late run is now taken back only once it is also 3x slower
+//! than the blob's finished runs (before any finishes, 3x its deadline per
+//! live run): the same storms take 52 s, 56 s and 40 s at 1.00x. The
+//! emulation agreed (16 nodes, 64 MiB, 50 Mbit/s registry: 2.22 copies of the
+//! blob, 25.4 s; now 0.99, 20.0 s). Left: at 10 Mbit/s and 64 nodes a first
+//! chunk takes 54 s, past the agents' 30 s stall rule, and the stalled nodes'
+//! own registry fetches send 25x the image (direct pulls: 64x).
+//!
 //! # A finding: a 5 s stall rule collapses registry-bound storms
 //!
 //! In a storm the registry needs F/u_s (10 s for `kraken-2600`) to emit the
