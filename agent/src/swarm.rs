@@ -103,6 +103,9 @@ pub struct PullReport {
 #[derive(Clone, Debug, Default)]
 struct Update {
     tracker_ok: bool,
+    /// The tracker sees registry runs of the blob live: the swarm waits on
+    /// the registry, so a long wait is not a stall.
+    fetching: bool,
     peers: Vec<PeerAddr>,
     runs: Vec<(u32, u32)>,
     map: Option<ChunkMap>,
@@ -331,6 +334,7 @@ impl Swarm {
                 });
             let update = Update {
                 tracker_ok: true,
+                fetching: resp.fetching.contains(&key),
                 peers,
                 runs,
                 map,
@@ -458,6 +462,12 @@ impl Swarm {
                 let u = rx.borrow_and_update().clone();
                 if u.withdrawn && !alone {
                     return Err(Error::Withdrawn(digest));
+                }
+                if u.tracker_ok && u.fetching {
+                    // A registry slower than the stall rule (a first chunk
+                    // can take minutes when many runs share a slow link)
+                    // would otherwise send every waiting node to it too.
+                    progress.0 = Instant::now();
                 }
                 if u.tracker_ok {
                     last_tracker = Instant::now();

@@ -146,6 +146,10 @@ pub struct AnnounceDecision {
     pub resend_full: bool,
     /// Blobs whose chunk map was withdrawn: drop chunks verified against it.
     pub withdrawn: Vec<BlobDigest>,
+    /// Wanted blobs with registry runs live (this peer's or others'): the
+    /// swarm is waiting on the registry, not stalled, however long a chunk
+    /// takes.
+    pub fetching: Vec<BlobDigest>,
     /// Blob entries of the announce that were ignored, and why.
     pub rejected: Vec<ScheduleError>,
 }
@@ -592,6 +596,7 @@ impl Scheduler {
             interval: self.config.announce_interval,
             resend_full: false,
             withdrawn: Vec::new(),
+            fetching: Vec::new(),
             rejected: Vec::new(),
         };
         let key = match self.index.get(&announce.peer) {
@@ -640,11 +645,16 @@ impl Scheduler {
             .map(|p| p.blobs.iter().copied().collect())
             .unwrap_or_default();
         for digest in wanted {
-            let pulling = self
-                .swarms
-                .get(&digest)
-                .and_then(|s| s.members.get(&key))
+            let Some(swarm) = self.swarms.get(&digest) else {
+                continue;
+            };
+            let pulling = swarm
+                .members
+                .get(&key)
                 .is_some_and(|m| m.wants && !m.held.is_full());
+            if pulling && !swarm.runs.is_empty() {
+                decision.fetching.push(digest);
+            }
             if pulling {
                 decision
                     .peers
@@ -1319,6 +1329,18 @@ mod tests {
         );
         let b = s.announce(added("b", 8, vec![]), after).assignments;
         assert_eq!(chunks_of(&b), (0..8).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn pullers_hear_that_the_registry_is_being_fetched_while_runs_are_live() {
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        let t0 = Instant::now();
+        // One chunk: a gets the only run; b waits on it.
+        assert_eq!(s.announce(wants("a", 1, &[]), t0).fetching, vec![blob()]);
+        assert_eq!(s.announce(wants("b", 1, &[]), t0).fetching, vec![blob()]);
+        // a's chunk lands: no run is live, and a wants nothing more.
+        assert!(s.announce(added("a", 1, vec![0]), t0).fetching.is_empty());
+        assert!(s.announce(added("b", 1, vec![]), t0).fetching.is_empty());
     }
 
     #[test]

@@ -661,6 +661,10 @@ impl World<'_> {
 
     fn apply_decision(&mut self, n: u32, d: AnnounceDecision) {
         let nu = n as usize;
+        if !d.fetching.is_empty() {
+            // The swarm waits on the registry: not a stall (the agent's rule).
+            self.nodes[nu].last_progress = self.net.now();
+        }
         for (digest, contacts) in &d.peers {
             let Some(&b) = self.digest_index.get(digest) else {
                 continue;

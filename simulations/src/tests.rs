@@ -94,6 +94,22 @@ fn a_registry_too_slow_for_the_runs_sharing_it_is_not_stampeded() {
 }
 
 #[test]
+fn a_registry_slower_than_the_stall_rule_is_waited_for() {
+    // 16 runs share 10 Mbit/s: a first chunk takes 54 s, past the agents'
+    // 30 s stall rule. Nodes that counted that as a stall fetched from the
+    // registry themselves: 25x the image at 64 nodes.
+    let sc = Scenario::emulated(&Emulated {
+        nodes: 64,
+        image_bytes: 64 << 20,
+        registry_mbit: 10,
+        ..Emulated::default()
+    });
+    let r = run(&sc, Strategy::Dray, 1).unwrap();
+    assert_eq!(r.completed, 64, "{r:?}");
+    assert!(r.registry_egress_ratio < 1.05, "{r:?}");
+}
+
+#[test]
 fn direct_pulls_the_image_once_per_node() {
     let r = run(&small(), Strategy::Direct, 1).unwrap();
     assert_eq!(r.completed, 16);

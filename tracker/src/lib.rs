@@ -341,6 +341,7 @@ impl TrackerState {
                 .collect(),
             resend_full: decision.resend_full,
             withdrawn: decision.withdrawn.iter().map(ToString::to_string).collect(),
+            fetching: decision.fetching.iter().map(ToString::to_string).collect(),
         })
     }
 }
