@@ -53,8 +53,9 @@ pub struct SwarmConfig {
     pub idle_announce_ms: u64,
     /// Tracker silent this long during a pull: carry on with known peers and the registry, ms.
     pub tracker_grace_ms: u64,
-    /// Nothing arrived and nothing was in flight for this long: fetch unclaimed
-    /// chunks from the registry, ms.
+    /// Nothing arrived and nothing was in flight for this long, and the
+    /// tracker reported no registry fetch of the blob under way: fetch
+    /// unclaimed chunks from the registry, ms.
     pub stall_ms: u64,
     /// Registry runs in flight at once when falling back to the registry.
     pub registry_parallel: usize,
