@@ -76,18 +76,23 @@ fn uneven_link_shares_spread_the_finish_times() {
     assert_eq!((r.p50_s, r.max_s), (again.p50_s, again.max_s));
 }
 
+/// `nodes` pulling 64 MiB from a registry capped at `registry_mbit`.
+fn slow_registry(nodes: u32, registry_mbit: u64) -> SimReport {
+    let sc = Scenario::emulated(&Emulated {
+        nodes,
+        image_bytes: 64 << 20,
+        registry_mbit,
+        ..Emulated::default()
+    });
+    run(&sc, Strategy::Dray, 1).unwrap()
+}
+
 #[test]
 fn a_registry_too_slow_for_the_runs_sharing_it_is_not_stampeded() {
     // 16 runs share 50 Mbit/s: each 4 MiB chunk takes 11 s, past its 5 s
     // deadline. Taking such runs back had other nodes fetch the same chunks
     // while the first still did: 18x the blob, 219 s.
-    let sc = Scenario::emulated(&Emulated {
-        nodes: 16,
-        image_bytes: 64 << 20,
-        registry_mbit: 50,
-        ..Emulated::default()
-    });
-    let r = run(&sc, Strategy::Dray, 1).unwrap();
+    let r = slow_registry(16, 50);
     assert_eq!(r.completed, 16, "{r:?}");
     assert!(r.registry_egress_ratio < 1.05, "{r:?}");
     assert!(r.bound_ratio < 2.0, "{r:?}");
@@ -98,13 +103,7 @@ fn a_registry_slower_than_the_stall_rule_is_waited_for() {
     // 16 runs share 10 Mbit/s: a first chunk takes 54 s, past the agents'
     // 30 s stall rule. Nodes that counted that as a stall fetched from the
     // registry themselves: 25x the image at 64 nodes.
-    let sc = Scenario::emulated(&Emulated {
-        nodes: 64,
-        image_bytes: 64 << 20,
-        registry_mbit: 10,
-        ..Emulated::default()
-    });
-    let r = run(&sc, Strategy::Dray, 1).unwrap();
+    let r = slow_registry(64, 10);
     assert_eq!(r.completed, 64, "{r:?}");
     assert!(r.registry_egress_ratio < 1.05, "{r:?}");
 }
