@@ -129,7 +129,7 @@ impl Bitfield {
 /// significant bit first), skipping whole bytes with none set: chunk maps and
 /// their combinations are mostly full or mostly empty, so this is far cheaper
 /// than testing bit by bit.
-fn set_bits(bytes: impl Iterator<Item = u8>) -> impl Iterator<Item = u32> {
+pub(crate) fn set_bits(bytes: impl Iterator<Item = u8>) -> impl Iterator<Item = u32> {
     bytes.enumerate().flat_map(move |(i, b)| {
         let mut left = b;
         std::iter::from_fn(move || {
