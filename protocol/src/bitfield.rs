@@ -118,6 +118,17 @@ impl Bitfield {
         found.unwrap_or(self.len).min(self.len)
     }
 
+    /// Whether this holds a chunk `other` lacks (compared a word at a time:
+    /// the tracker asks this of every candidate peer it scores).
+    pub fn has_any_missing_from(&self, other: &Bitfield) -> bool {
+        let (mut mine, mut theirs) = (self.bits.chunks_exact(8), other.bits.chunks_exact(8));
+        let word = |b: &[u8]| u64::from_ne_bytes(b.try_into().expect("chunks of 8 bytes"));
+        (mine.by_ref().zip(theirs.by_ref())).any(|(m, t)| word(m) & !word(t) != 0)
+            || (mine.remainder().iter())
+                .zip(theirs.remainder())
+                .any(|(m, t)| m & !t != 0)
+    }
+
     /// Indices of the chunks missing, ascending.
     pub fn zeros(&self) -> impl Iterator<Item = u32> + '_ {
         let len = self.len;
@@ -156,6 +167,29 @@ mod tests {
             for from in 0..=len + 9 {
                 let want = b.zeros().find(|&i| i >= from).unwrap_or(len);
                 assert_eq!(b.next_zero(from), want, "len {len} from {from}");
+            }
+        }
+    }
+
+    #[test]
+    fn finds_a_chunk_missing_from_another_at_any_position() {
+        for len in [1, 8, 63, 64, 70, 640] {
+            let full = Bitfield::from_bytes(len, &{
+                let mut f = Bitfield::new(len);
+                (0..len).for_each(|i| _ = f.set(i));
+                f.bits
+            })
+            .unwrap();
+            assert!(!Bitfield::new(len).has_any_missing_from(&Bitfield::new(len)));
+            for i in 0..len {
+                let mut one = Bitfield::new(len);
+                one.set(i);
+                let mut all_but = full.clone();
+                all_but.clear(i);
+                assert!(one.has_any_missing_from(&Bitfield::new(len)), "{len} {i}");
+                assert!(one.has_any_missing_from(&all_but), "{len} {i}");
+                assert!(!one.has_any_missing_from(&one), "{len} {i}");
+                assert!(!all_but.has_any_missing_from(&full), "{len} {i}");
             }
         }
     }

@@ -887,7 +887,7 @@ impl Scheduler {
         let Some(me) = peer_ref(&self.slots, asker) else {
             return Vec::new();
         };
-        let mine = swarm.members.get(&asker).map(|m| m.held.as_bytes());
+        let mine = swarm.members.get(&asker).map(|m| &m.held);
         // Rotating the sample windows spreads askers over all holders and
         // members when there are more than we score per answer.
         let holders = rotated_sample(&swarm.sources, &mut swarm.rotation, self.config.peer_sample);
@@ -906,11 +906,11 @@ impl Scheduler {
                 if p.banned {
                     return None;
                 }
-                let theirs = swarm.members.get(&k)?.held.as_bytes();
-                let useful = match mine {
-                    Some(mine) => theirs.iter().zip(mine).any(|(t, m)| t & !m != 0),
-                    None => true,
-                };
+                let theirs = &swarm.members.get(&k)?.held;
+                // Holding more chunks than the asker, they hold one it lacks.
+                let useful = mine.is_none_or(|mine| {
+                    theirs.count() > mine.count() || theirs.has_any_missing_from(mine)
+                });
                 let locality = me
                     .labels
                     .iter()
