@@ -35,6 +35,8 @@ pub(crate) enum Ev {
     Announce(u32, u32),
     /// An idle node looks at its peers again (and checks its fallbacks).
     Poll(u32),
+    /// The tracker's answer to a node's announce (full or not) arrives.
+    Answer(u32, bool),
     /// The tracker's ticker.
     Tick,
     /// Registry egress is sampled for the time series.

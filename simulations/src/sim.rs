@@ -16,10 +16,9 @@ use crate::Strategy;
 use crate::net::{Ev, FlowId, LinkId, Net, Payload, Purpose, Rng, Source, to_ns};
 use crate::report::{Outcome, Samples, SimReport};
 use crate::scenario::Scenario;
+use crate::tracker::Tracker;
 use dray_protocol::picker::{ChunkPicker, DEFAULT_WINDOW};
-use dray_protocol::scheduler::{
-    Announce, AnnounceDecision, BlobAnnounce, Held, Scheduler, SchedulerConfig,
-};
+use dray_protocol::scheduler::{Announce, AnnounceDecision, BlobAnnounce, Held, SchedulerConfig};
 use dray_protocol::{Bitfield, BlobDigest};
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -127,7 +126,9 @@ struct World<'a> {
     pullers: u32,
     blobs: Vec<BlobInfo>,
     digest_index: HashMap<BlobDigest, u16>,
-    sched: Scheduler,
+    /// The real scheduler, on its own thread: answers arrive a round trip
+    /// after their announce (`Ev::Answer`), in the order asked.
+    sched: Tracker,
     sched_config: SchedulerConfig,
     tracker_up: bool,
     base: Instant,
@@ -614,76 +615,93 @@ impl World<'_> {
         if !self.tracker_up {
             return;
         }
-        // A restarted tracker asks for a full announce; send it straight away.
-        for _ in 0..2 {
-            let full = self.nodes[nu].need_full;
-            let blobs = (0..self.blobs.len())
-                .map(|b| {
-                    let info = &self.blobs[b];
-                    let nb = &mut self.nodes[nu].blobs[b];
-                    let held = if full {
-                        nb.added.clear();
-                        Held::Bits(nb.held.clone())
-                    } else {
-                        Held::Added(std::mem::take(&mut nb.added))
-                    };
-                    BlobAnnounce {
-                        digest: info.digest,
-                        chunk_count: info.chunks,
-                        size: info.bytes,
-                        held,
-                        wanted: !nb.complete,
-                    }
-                })
-                .collect();
-            let mut labels = BTreeMap::new();
-            if let Some(r) = self.rack(n) {
-                labels.insert("rack".to_owned(), r.to_string());
-            }
-            let a = Announce {
-                peer: self.names[nu].clone(),
-                address: String::new(),
-                upload_bytes_per_s: self.sc.node_up_bps as u64,
-                active_uploads: self.uploads[nu],
-                labels,
-                blobs,
-                full,
-            };
-            let now = self.instant();
-            let d = self.sched.announce(a, now);
-            self.nodes[nu].last_tracker_ok = self.net.now();
-            if self.nodes[nu].fallback == Some(Fallback::Tracker) {
-                self.end_tracker_fallback(n);
-            }
-            if d.resend_full {
-                self.nodes[nu].need_full = true;
-                continue;
-            }
-            self.nodes[nu].need_full = false;
-            // The answer carries the tracker's maps of the wanted blobs; a full
-            // announce republishes the hashes of the chunks the node holds
-            // (after a restart the tracker has none: without them, chunks only
-            // partial holders have could never be verified by anyone else).
-            for b in 0..self.blobs.len() {
+        self.send_announce(n);
+    }
+
+    /// Sends `n`'s announce (full if the tracker asked for one, else what
+    /// it gained since); the answer comes a round trip later.
+    fn send_announce(&mut self, n: u32) {
+        let nu = n as usize;
+        let full = self.nodes[nu].need_full;
+        let blobs = (0..self.blobs.len())
+            .map(|b| {
+                let info = &self.blobs[b];
                 let nb = &mut self.nodes[nu].blobs[b];
-                if full {
-                    for c in nb.held.ones() {
-                        self.published[b].set(c);
-                    }
+                let held = if full {
+                    nb.added.clear();
+                    Held::Bits(nb.held.clone())
+                } else {
+                    Held::Added(std::mem::take(&mut nb.added))
+                };
+                BlobAnnounce {
+                    digest: info.digest,
+                    chunk_count: info.chunks,
+                    size: info.bytes,
+                    held,
+                    wanted: !nb.complete,
                 }
-                if !nb.complete {
-                    let fresh: Vec<u32> = self.published[b]
-                        .ones()
-                        .filter(|&c| nb.known.set(c))
-                        .collect();
-                    if !fresh.is_empty() {
-                        self.learn_hashes(n, b, &fresh);
-                    }
+            })
+            .collect();
+        let mut labels = BTreeMap::new();
+        if let Some(r) = self.rack(n) {
+            labels.insert("rack".to_owned(), r.to_string());
+        }
+        let a = Announce {
+            peer: self.names[nu].clone(),
+            address: String::new(),
+            upload_bytes_per_s: self.sc.node_up_bps as u64,
+            active_uploads: self.uploads[nu],
+            labels,
+            blobs,
+            full,
+        };
+        self.sched.announce(a, self.instant());
+        self.net.after(self.sc.rtt_s, Ev::Answer(n, full));
+    }
+
+    /// The tracker's answer to `n`'s announce (`full` if it was) arrives.
+    fn answered(&mut self, n: u32, full: bool) {
+        let nu = n as usize;
+        let d = self.sched.answer();
+        // Lost with the connection if the tracker or the node went down.
+        if !self.tracker_up || !self.nodes[nu].alive {
+            return;
+        }
+        self.nodes[nu].last_tracker_ok = self.net.now();
+        if self.nodes[nu].fallback == Some(Fallback::Tracker) {
+            self.end_tracker_fallback(n);
+        }
+        if d.resend_full {
+            // A restarted tracker asks for a full announce; send it straight away.
+            self.nodes[nu].need_full = true;
+            self.send_announce(n);
+            return;
+        }
+        if full {
+            self.nodes[nu].need_full = false;
+        }
+        // The answer carries the tracker's maps of the wanted blobs; a full
+        // announce republishes the hashes of the chunks the node holds
+        // (after a restart the tracker has none: without them, chunks only
+        // partial holders have could never be verified by anyone else).
+        for b in 0..self.blobs.len() {
+            let nb = &mut self.nodes[nu].blobs[b];
+            if full {
+                for c in nb.held.ones() {
+                    self.published[b].set(c);
                 }
             }
-            self.apply_decision(n, d);
-            break;
+            if !nb.complete {
+                let fresh: Vec<u32> = self.published[b]
+                    .ones()
+                    .filter(|&c| nb.known.set(c))
+                    .collect();
+                if !fresh.is_empty() {
+                    self.learn_hashes(n, b, &fresh);
+                }
+            }
         }
+        self.apply_decision(n, d);
         self.try_fill(n);
     }
 
@@ -1018,6 +1036,7 @@ impl World<'_> {
                     self.poll(n);
                 }
             }
+            Ev::Answer(n, full) => self.answered(n, full),
             Ev::Tick => {
                 if self.tracker_up {
                     let now = self.instant();
@@ -1032,7 +1051,7 @@ impl World<'_> {
                 // Modelled as a restart: the tracker comes back empty and
                 // rebuilds from the full announces its resend_full asks for.
                 self.tracker_up = true;
-                self.sched = Scheduler::new(self.sched_config.clone());
+                self.sched.restart();
                 for published in &mut self.published {
                     *published = Bitfield::new(published.len());
                 }
@@ -1155,7 +1174,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             .map(|(b, info)| (info.digest, b as u16))
             .collect(),
         blobs,
-        sched: Scheduler::new(sched_config.clone()),
+        sched: Tracker::new(sched_config.clone()),
         sched_config,
         tracker_up: true,
         base: Instant::now(),
