@@ -613,8 +613,24 @@ async fn snapshotter(args: SnapshotterArgs) -> Result<()> {
     Ok(())
 }
 
+/// `dray sim`. A reader that goes away early (`dray sim | head -1`) ends it
+/// quietly, as it would any Unix filter.
 fn sim(args: SimArgs) -> Result<()> {
+    match sim_report(args) {
+        Err(e)
+            if e.downcast_ref::<std::io::Error>()
+                .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) =>
+        {
+            Ok(())
+        }
+        done => done,
+    }
+}
+
+fn sim_report(args: SimArgs) -> Result<()> {
     use dray_simulations::Strategy;
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
     let mut scenario = dray_simulations::scenario(&args.scenario)?;
     if let Some(sigma) = args.flow_weight_sigma {
         scenario.flow_weight_sigma = sigma;
@@ -626,7 +642,8 @@ fn sim(args: SimArgs) -> Result<()> {
     };
     let mut reports = Vec::new();
     if !args.json {
-        println!(
+        writeln!(
+            out,
             "{:<12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>7} {:>11} {:>7}",
             "strategy",
             "nodes",
@@ -637,14 +654,15 @@ fn sim(args: SimArgs) -> Result<()> {
             "p99/T*",
             "egress/img",
             "wall s"
-        );
+        )?;
     }
     for &strategy in strategies {
         let r = dray_simulations::run(&scenario, strategy, args.seed)?;
         if args.json {
-            println!("{}", serde_json::to_string(&r)?);
+            writeln!(out, "{}", serde_json::to_string(&r)?)?;
         } else {
-            println!(
+            writeln!(
+                out,
                 "{:<12} {:>7} {:>9.1} {:>9.1} {:>9.1} {:>9.2} {:>7.2} {:>11.2} {:>7.1}",
                 r.strategy,
                 r.nodes,
@@ -655,7 +673,7 @@ fn sim(args: SimArgs) -> Result<()> {
                 r.bound_ratio,
                 r.registry_egress_ratio,
                 r.wall_s
-            );
+            )?;
         }
         reports.push(r);
     }

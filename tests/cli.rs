@@ -120,3 +120,22 @@ async fn dray_pull_fetches_every_layer_and_dray_status_shows_them() {
         "{err}"
     );
 }
+
+#[test]
+fn dray_sim_stops_quietly_when_its_reader_goes_away() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dray"))
+        .args(["sim", "--scenario", "small", "--compare"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The reader leaves before the first line (as `| head -0` would).
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && err.is_empty(),
+        "{:?}: {err}",
+        out.status
+    );
+}
