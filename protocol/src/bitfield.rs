@@ -68,7 +68,8 @@ impl Bitfield {
     }
 
     pub fn get(&self, i: u32) -> bool {
-        i < self.len && self.bits[(i / 8) as usize] & (0x80 >> (i % 8)) != 0
+        let (byte, mask) = bit(i);
+        i < self.len && self.bits[byte] & mask != 0
     }
 
     /// Sets bit `i`; returns whether it was newly set. Out-of-range is ignored.
@@ -76,7 +77,8 @@ impl Bitfield {
         if i >= self.len || self.get(i) {
             return false;
         }
-        self.bits[(i / 8) as usize] |= 0x80 >> (i % 8);
+        let (byte, mask) = bit(i);
+        self.bits[byte] |= mask;
         self.ones += 1;
         true
     }
@@ -86,7 +88,8 @@ impl Bitfield {
         if !self.get(i) {
             return false;
         }
-        self.bits[(i / 8) as usize] &= !(0x80 >> (i % 8));
+        let (byte, mask) = bit(i);
+        self.bits[byte] &= !mask;
         self.ones -= 1;
         true
     }
@@ -118,9 +121,13 @@ impl Bitfield {
         found.unwrap_or(self.len).min(self.len)
     }
 
-    /// Whether this holds a chunk `other` lacks (compared a word at a time:
-    /// the tracker asks this of every candidate peer it scores).
+    /// Whether this holds a chunk `other` lacks: at once if it holds more
+    /// chunks, else compared a word at a time (the tracker asks this of
+    /// every candidate peer it scores).
     pub fn has_any_missing_from(&self, other: &Bitfield) -> bool {
+        if self.ones > other.ones {
+            return true;
+        }
         let (mut mine, mut theirs) = (self.bits.chunks_exact(8), other.bits.chunks_exact(8));
         let word = |b: &[u8]| u64::from_ne_bytes(b.try_into().expect("chunks of 8 bytes"));
         (mine.by_ref().zip(theirs.by_ref())).any(|(m, t)| word(m) & !word(t) != 0)
@@ -134,6 +141,11 @@ impl Bitfield {
         let len = self.len;
         set_bits(self.bits.iter().map(|&b| !b)).take_while(move |&i| i < len)
     }
+}
+
+/// The byte of a packed bitfield that holds bit `i`, and its mask.
+pub(crate) fn bit(i: u32) -> (usize, u8) {
+    ((i / 8) as usize, 0x80 >> (i % 8))
 }
 
 /// Indices of the bits set in `bytes` (packed as in a [`Bitfield`], most

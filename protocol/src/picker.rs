@@ -6,6 +6,7 @@
 //! rarest-first beyond that window so that scarce chunks spread early.
 
 use crate::Bitfield;
+use crate::bitfield::{bit, set_bits};
 // Fx hashing: banned peer keys are authenticated identities (or node numbers
 // in the simulator), not input an attacker can pick to collide.
 use rustc_hash::FxHashSet;
@@ -42,11 +43,6 @@ pub struct ChunkPicker<P> {
     cursor: u32,
     /// Chunks some usable peer holds that are neither held nor in flight.
     offered: u32,
-}
-
-/// The byte of a packed bitfield that holds bit `i`, and its mask.
-fn bit(i: u32) -> (usize, u8) {
-    ((i / 8) as usize, 0x80 >> (i % 8))
 }
 
 impl<P: Clone + Eq + std::hash::Hash> ChunkPicker<P> {
@@ -171,7 +167,7 @@ impl<P: Clone + Eq + std::hash::Hash> ChunkPicker<P> {
         let Some(k) = self.slot(peer) else {
             return;
         };
-        let gone: Vec<u32> = crate::bitfield::set_bits(self.view(k).iter().copied()).collect();
+        let gone: Vec<u32> = set_bits(self.view(k).iter().copied()).collect();
         for i in gone {
             self.shift(i, false);
         }

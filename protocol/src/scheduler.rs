@@ -907,10 +907,7 @@ impl Scheduler {
                     return None;
                 }
                 let theirs = &swarm.members.get(&k)?.held;
-                // Holding more chunks than the asker, they hold one it lacks.
-                let useful = mine.is_none_or(|mine| {
-                    theirs.count() > mine.count() || theirs.has_any_missing_from(mine)
-                });
+                let useful = mine.is_none_or(|mine| theirs.has_any_missing_from(mine));
                 let locality = me
                     .labels
                     .iter()

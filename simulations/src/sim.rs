@@ -160,9 +160,8 @@ impl World<'_> {
         2 * self.nodes.len() as u32 + 2 * r
     }
 
-    /// Links a transfer from `from` to `to` crosses.
-    /// The links a transfer crosses (at most 4), without an allocation: one
-    /// is made per chunk.
+    /// The links a transfer from `from` to `to` crosses (at most 4), without
+    /// an allocation: one is made per chunk.
     fn path(&self, from: Source, to: u32) -> ([LinkId; 4], usize) {
         let mut links = [0; 4];
         let mut n = 0;
