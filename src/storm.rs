@@ -1,12 +1,13 @@
 //! `dray bench storm`: a scale-out storm on an emulated cluster on this machine.
 //!
 //! The registry (`docker-registry`), the tracker and N agents (this very `dray`
-//! binary) each run in their own network namespace, joined by one bridge, with
-//! every link capped by `tbf`, so the swarm is measured against links rather than
-//! against loopback and the CPU. Every node pulls one blob through the swarm at
+//! binary) each run in their own network namespace, joined by one bridge in a
+//! namespace of its own (the switch), with every link capped by `tbf`, so the
+//! swarm is measured against links rather than against loopback and the CPU. Every node pulls one blob through the swarm at
 //! once; then, in the same run, every node downloads it straight from the
 //! registry (the baseline). Registry egress is read from the kernel's counters
-//! on the registry's link, never from the agents' own reports. Needs root.
+//! on the registry's link (what its end sent), never from the agents' own
+//! reports. Needs root.
 //!
 //! Everything it creates is named `dray-…` on 10.77.0.0/24 and is removed when
 //! the run ends, fails or is interrupted (and at the start of the next run, if a
@@ -30,10 +31,10 @@ use tokio::task::JoinSet;
 
 const PREFIX: &str = "dray-";
 const BRIDGE: &str = "dray-br0";
+/// The namespace of the bridge and of every link's switch-side end.
+const SWITCH_NS: &str = "dray-sw";
 const REGISTRY_NS: &str = "dray-reg";
 const TRACKER_NS: &str = "dray-trk";
-/// The host side of the registry's link: what it receives, the registry sent.
-const REGISTRY_VETH: &str = "dray-v-reg";
 const REGISTRY_ADDR: &str = "10.77.0.2:5000";
 const TRACKER_ADDR: &str = "10.77.0.3:7880";
 const REPO: &str = "bench/blob";
@@ -214,6 +215,7 @@ async fn storm(
         &["serve".as_ref(), cfg.as_os_str()],
         &dir.join("registry.log"),
     )?;
+    let egress = Egress::of(&registry)?;
     cluster.services.push(registry);
     wait_listening(REGISTRY_ADDR, "docker-registry").await?;
     let blob = dir.join("blob");
@@ -281,8 +283,8 @@ async fn storm(
         .with_context(|| format!("writing {}/node.toml", node.display()))?;
     }
 
-    let (swarm, fell_back) = swarm_phase(b.nodes, exe, &dir, &digest, cluster).await?;
-    let direct = direct_phase(b.nodes, b.size, &digest).await?;
+    let (swarm, fell_back) = swarm_phase(b.nodes, exe, &dir, &digest, &egress, cluster).await?;
+    let direct = direct_phase(b.nodes, b.size, &digest, &egress).await?;
 
     let bits = b.size as f64 * 8.0;
     let (u_s, u) = (b.registry_mbit as f64 * 1e6, b.node_mbit as f64 * 1e6);
@@ -353,13 +355,14 @@ async fn swarm_phase(
     exe: &Path,
     dir: &Path,
     digest: &str,
+    egress: &Egress,
     cluster: &mut Cluster,
 ) -> Result<(Phase, usize)> {
     let fell_back = Arc::new(AtomicUsize::new(0));
     let registry_url = format!("http://{REGISTRY_ADDR}");
     let mut tasks = JoinSet::new();
     let start = Instant::now();
-    let egress0 = registry_egress()?;
+    let egress0 = egress.sent()?;
     for i in 0..nodes {
         let node = dir.join(format!("node-{i}"));
         let config = node.join("node.toml");
@@ -407,7 +410,7 @@ async fn swarm_phase(
             )
         });
     }
-    let phase = await_phase(tasks, start, egress0)
+    let phase = await_phase(tasks, start, egress, egress0)
         .await
         .context("swarm run")?;
     cluster.stop_agents().await;
@@ -415,11 +418,11 @@ async fn swarm_phase(
 }
 
 /// The baseline: every node downloads the blob straight from the registry at once.
-async fn direct_phase(nodes: usize, size: u64, digest: &str) -> Result<Phase> {
+async fn direct_phase(nodes: usize, size: u64, digest: &str, egress: &Egress) -> Result<Phase> {
     let url = format!("http://{REGISTRY_ADDR}/v2/{REPO}/blobs/{digest}");
     let mut tasks = JoinSet::new();
     let start = Instant::now();
-    let egress0 = registry_egress()?;
+    let egress0 = egress.sent()?;
     for i in 0..nodes {
         let child = Command::new("ip")
             .args(["netns", "exec", &node_ns(i)])
@@ -453,7 +456,7 @@ async fn direct_phase(nodes: usize, size: u64, digest: &str) -> Result<Phase> {
             Ok(start.elapsed().as_secs_f64())
         });
     }
-    await_phase(tasks, start, egress0)
+    await_phase(tasks, start, egress, egress0)
         .await
         .context("direct run")
 }
@@ -463,6 +466,7 @@ async fn direct_phase(nodes: usize, size: u64, digest: &str) -> Result<Phase> {
 async fn await_phase(
     mut tasks: JoinSet<Result<f64>>,
     start: Instant,
+    egress: &Egress,
     egress0: u64,
 ) -> Result<Phase> {
     let deadline = tokio::time::Instant::from_std(start + PHASE_TIMEOUT);
@@ -476,14 +480,14 @@ async fn await_phase(
                 None => break,
             },
             _ = tick.tick() => {
-                egress_series.push((start.elapsed().as_secs_f64(), registry_egress()? - egress0));
+                egress_series.push((start.elapsed().as_secs_f64(), egress.sent()? - egress0));
             }
             _ = tokio::time::sleep_until(deadline) => {
                 bail!("{} of {} nodes unfinished after {PHASE_TIMEOUT:?}", tasks.len(), tasks.len() + times.len());
             }
         }
     }
-    let egress_bytes = registry_egress()? - egress0;
+    let egress_bytes = egress.sent()? - egress0;
     egress_series.push((start.elapsed().as_secs_f64(), egress_bytes));
     times.sort_by(f64::total_cmp);
     Ok(Phase {
@@ -493,13 +497,32 @@ async fn await_phase(
     })
 }
 
-/// Bytes the registry has sent over its link (received by the host side).
-fn registry_egress() -> Result<u64> {
-    let path = format!("/sys/class/net/{REGISTRY_VETH}/statistics/rx_bytes");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
-    text.trim()
-        .parse()
-        .with_context(|| format!("parsing {path}: {text:?}"))
+/// The registry's side of its link: the interface counters of its namespace,
+/// read through a process that lives there (`/proc/<pid>/net/dev`).
+struct Egress(PathBuf);
+
+impl Egress {
+    fn of(registry: &Child) -> Result<Self> {
+        let pid = registry.id().context("the registry exited at once")?;
+        Ok(Self(PathBuf::from(format!("/proc/{pid}/net/dev"))))
+    }
+
+    /// Bytes the registry has sent over its link (its `eth0`'s transmit bytes).
+    fn sent(&self) -> Result<u64> {
+        let path = self.0.display();
+        let text = std::fs::read_to_string(&self.0).with_context(|| format!("reading {path}"))?;
+        transmit_bytes(&text, "eth0")
+            .with_context(|| format!("no eth0 counters in {path}: {text:?}"))
+    }
+}
+
+/// The transmit byte count of `dev` in a `/proc/net/dev` table (the ninth
+/// number after the name: eight receive columns come first).
+fn transmit_bytes(table: &str, dev: &str) -> Option<u64> {
+    table.lines().find_map(|line| {
+        let (name, counters) = line.split_once(':')?;
+        (name.trim() == dev).then(|| counters.split_whitespace().nth(8)?.parse().ok())?
+    })
 }
 
 fn node_ns(i: usize) -> String {
@@ -532,24 +555,29 @@ impl Cluster {
         let mtu_bytes = u32::from(mtu);
         let mtu = mtu.to_string();
         remove_leftovers();
-        // Bridged frames skip iptables (br_netfilter would otherwise run every
-        // frame through it: CPU this 2-core machine needs for the agents).
-        run_ip(&[
-            "link",
-            "add",
-            BRIDGE,
-            "type",
-            "bridge",
-            "nf_call_iptables",
-            "0",
-        ])
+        // The switch gets a namespace of its own so that bridged frames skip
+        // iptables: where br_netfilter is loaded, the host's namespace sends
+        // every bridged frame through it (a bridge's own nf_call_iptables
+        // option cannot turn that off), CPU this machine needs for the agents.
+        run_ip(&["netns", "add", SWITCH_NS]).await?;
+        run_cmd(
+            "ip".as_ref(),
+            &os(&[
+                "netns",
+                "exec",
+                SWITCH_NS,
+                "sh",
+                "-c",
+                "for f in /proc/sys/net/bridge/bridge-nf-call-*; do [ ! -e \"$f\" ] || echo 0 > \"$f\"; done",
+            ]),
+        )
         .await?;
-        run_ip(&["addr", "add", "10.77.0.1/24", "dev", BRIDGE]).await?;
-        run_ip(&["link", "set", BRIDGE, "up"]).await?;
+        run_ip(&["-n", SWITCH_NS, "link", "add", BRIDGE, "type", "bridge"]).await?;
+        run_ip(&["-n", SWITCH_NS, "link", "set", BRIDGE, "up"]).await?;
         let mut hosts = vec![
             (
                 REGISTRY_NS.to_string(),
-                REGISTRY_VETH.to_string(),
+                "dray-v-reg".to_string(),
                 "10.77.0.2".to_string(),
                 Some(registry_mbit),
             ),
@@ -571,10 +599,14 @@ impl Cluster {
         for (ns, veth, ip, mbit) in &hosts {
             run_ip(&["netns", "add", ns]).await?;
             run_ip(&[
-                "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns,
+                "-n", SWITCH_NS, "link", "add", veth, "type", "veth", "peer", "name", "eth0",
+                "netns", ns,
             ])
             .await?;
-            run_ip(&["link", "set", veth, "mtu", &mtu, "master", BRIDGE, "up"]).await?;
+            run_ip(&[
+                "-n", SWITCH_NS, "link", "set", veth, "mtu", &mtu, "master", BRIDGE, "up",
+            ])
+            .await?;
             run_ip(&["-n", ns, "link", "set", "eth0", "mtu", &mtu]).await?;
             run_ip(&["-n", ns, "addr", "add", &format!("{ip}/24"), "dev", "eth0"]).await?;
             run_ip(&["-n", ns, "link", "set", "eth0", "up"]).await?;
@@ -587,11 +619,11 @@ impl Cluster {
                 let tbf = [
                     "root", "tbf", "rate", &rate, "burst", &burst, "latency", "50ms",
                 ];
-                // Egress from the namespace, and into it (the host side's egress).
+                // Egress from the namespace, and into it (the switch side's egress).
                 let mut out = vec!["-n", ns, "qdisc", "add", "dev", "eth0"];
                 out.extend(tbf);
                 run_cmd("tc".as_ref(), &os(&out)).await?;
-                let mut into = vec!["qdisc", "add", "dev", veth];
+                let mut into = vec!["-n", SWITCH_NS, "qdisc", "add", "dev", veth];
                 into.extend(tbf);
                 run_cmd("tc".as_ref(), &os(&into)).await?;
             }
@@ -623,8 +655,9 @@ impl Drop for Cluster {
     }
 }
 
-/// Kills the processes left in `dray-` namespaces, deletes those namespaces and
-/// every `dray-` link (the bridge; deleting a veth end deletes its pair).
+/// Kills the processes left in `dray-` namespaces and deletes those namespaces:
+/// every link goes with them (the switch's holds the bridge and one end of
+/// each link; deleting a veth end deletes its pair).
 fn remove_leftovers() {
     let output = |args: &[&str]| {
         std::process::Command::new(args[0])
@@ -648,15 +681,6 @@ fn remove_leftovers() {
             output(&kill);
         }
         output(&["ip", "netns", "del", ns]);
-    }
-    let links = output(&["ip", "-o", "link", "show"]);
-    for link in links
-        .lines()
-        .filter_map(|l| l.split(": ").nth(1))
-        .map(|n| n.split('@').next().unwrap_or(n))
-        .filter(|n| n.starts_with(PREFIX))
-    {
-        output(&["ip", "link", "del", link]);
     }
 }
 
@@ -915,5 +939,19 @@ fn panel(out: &mut String, p: &Panel, lines: &[Line]) {
             right - 60.0,
             top + 18.0 + 15.0 * k as f64
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::transmit_bytes;
+
+    #[test]
+    fn reads_a_devices_transmit_bytes_from_a_proc_net_dev_table() {
+        let table = "Inter-|   Receive                                                |  Transmit\n face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed\n    lo:     100       2    0    0    0     0          0         0      100       2    0    0    0     0       0          0\n  eth0: 5000      40    0    0    0     0          0         0  268435456  190000    0    0    0     0       0          0\n";
+        assert_eq!(transmit_bytes(table, "eth0"), Some(268_435_456));
+        assert_eq!(transmit_bytes(table, "lo"), Some(100));
+        assert_eq!(transmit_bytes(table, "eth1"), None);
+        assert_eq!(transmit_bytes("  eth0: 1 2 3\n", "eth0"), None);
     }
 }
