@@ -28,6 +28,9 @@ use dray_snapshotter_shim::SnapshotterConfig;
 use dray_tracker::{Tracker, TrackerConfig};
 use prost::Message;
 use std::path::{Path, PathBuf};
+
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::sync::Arc;
 
 #[derive(Parser)]
