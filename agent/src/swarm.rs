@@ -113,12 +113,21 @@ struct Update {
     withdrawn: bool,
 }
 
+/// A blob being pulled.
+struct Want {
+    /// The tracker's news for the pull.
+    updates: watch::Sender<Update>,
+    /// The registry it comes from (base URL), named in announces so that
+    /// the tracker budgets registry fetches per registry.
+    origin: String,
+}
+
 /// An agent's membership in the swarm.
 pub struct Swarm {
     node: Arc<PeerNode>,
     tracker: TrackerClient,
     config: SwarmConfig,
-    wanted: Mutex<HashMap<BlobDigest, watch::Sender<Update>>>,
+    wanted: Mutex<HashMap<BlobDigest, Want>>,
     /// What each replica was last told, per blob (for delta announces).
     sent: Mutex<HashMap<String, HashMap<BlobDigest, Bitfield>>>,
     poke: Notify,
@@ -185,7 +194,10 @@ impl Swarm {
             Ok(a) => a.to_string(),
             Err(e) => return tracing::error!(error = %e, "no address to advertise"),
         };
-        let wanted: HashSet<BlobDigest> = lock(&self.wanted).keys().copied().collect();
+        let wanted: HashMap<BlobDigest, String> = lock(&self.wanted)
+            .iter()
+            .map(|(d, w)| (*d, w.origin.clone()))
+            .collect();
         let mut groups: HashMap<String, Vec<Arc<Blob>>> = HashMap::new();
         for blob in self.node.store().open_blobs() {
             if let Some(owner) = self.tracker.owner(&blob.digest()) {
@@ -217,7 +229,8 @@ impl Swarm {
                         bits: bits.into(),
                         added,
                         complete: b.is_complete(),
-                        wanted: wanted.contains(&b.digest()),
+                        wanted: wanted.contains_key(&b.digest()),
+                        origin: wanted.get(&b.digest()).cloned().unwrap_or_default(),
                     }
                 })
                 .collect();
@@ -235,7 +248,7 @@ impl Swarm {
             let mine: Vec<BlobDigest> = blobs
                 .iter()
                 .map(|b| b.digest())
-                .filter(|d| wanted.contains(d))
+                .filter(|d| wanted.contains_key(d))
                 .collect();
             match answer {
                 Ok(Some(resp)) => {
@@ -289,8 +302,8 @@ impl Swarm {
                     tracing::warn!(error = %e, "announce failed");
                     lock(&self.sent).remove(&replica);
                     for d in &mine {
-                        if let Some(tx) = lock(&self.wanted).get(d) {
-                            tx.send_modify(|u| u.tracker_ok = false);
+                        if let Some(w) = lock(&self.wanted).get(d) {
+                            w.updates.send_modify(|u| u.tracker_ok = false);
                         }
                     }
                 }
@@ -341,8 +354,8 @@ impl Swarm {
                 map,
                 withdrawn: resp.withdrawn.contains(&key),
             };
-            if let Some(tx) = lock(&self.wanted).get(d) {
-                tx.send_replace(update);
+            if let Some(w) = lock(&self.wanted).get(d) {
+                w.updates.send_replace(update);
             }
         }
     }
@@ -370,7 +383,14 @@ impl Swarm {
                 tracker_ok: true,
                 ..Default::default()
             });
-            lock(&self.wanted).insert(digest, tx);
+            let origin = registry.base().to_owned();
+            lock(&self.wanted).insert(
+                digest,
+                Want {
+                    updates: tx,
+                    origin,
+                },
+            );
             self.poke.notify_one();
             let outcome = self
                 .drive(&transfer, rx, registry, repo, alone, &mut report)

@@ -81,6 +81,23 @@
 //! to 7.31 s / 7.57 s (the emulation measured 7.18-7.85 s). The old numbers
 //! came from a model kinder than the agent's network.
 //!
+//! # A finding: the registry's fetch budget is the registry's, not a blob's
+//!
+//! The tracker let 16 registry runs live per blob. In `kraken-2600` (one
+//! blob, the registry as fast as a node) the registry then sent at 96-100%
+//! of its rate and finished the image's first copy at 10.25 s, and every
+//! node finished between 12.0 and 12.25 s, waiting on the last chunks; 24
+//! runs kept it busier (1.22x -> 1.18x) while 32 did not (1.21x). In
+//! `storm-10k` (four blobs, so 64 runs) fewer were better: 6 per blob (24 in
+//! all) or 10 gave 1.23x, 16 gave 1.25x, 24 gave 1.29x. What fits both is a
+//! budget of about 24 runs for the registry, whatever the number of blobs,
+//! and a real image has many layers pulled at once. Agents now name each
+//! wanted blob's origin (its registry's base URL) and the tracker budgets
+//! runs per origin (`max_runs_per_origin`, 24): `kraken-2600` p99 1.18x
+//! (seeds 2-4: 1.19x, 1.18x, 1.17x; at `flow_weight_sigma` 0.5 1.25x, was
+//! 1.28x), `storm-10k` 1.24x, `churn-10k` 1.26x (1.27x), `rack-oversub`
+//! 3.80x (3.87x), `outage-1k` 1.76x (1.77x), `small` unchanged at 1.29x.
+//!
 //! # A finding: taking back late runs stampedes a slow registry
 //!
 //! The tracker took a registry run back once past its deadline (the chunk's
@@ -128,7 +145,7 @@
 //! and ends, dropping its fetches, when the tracker answers; fetched chunks
 //! are published), `outage-1k` finishes at p99 30.5 s (1.78x the bound, 10 s
 //! of it the outage) with 1.46x the image from the registry. A fallback
-//! budget across the cluster (as `max_runs_per_blob` is for runs) would cut
+//! budget across the cluster (as `max_runs_per_origin` is for runs) would cut
 //! the duplicate fetches of the outage itself; not built.
 //!
 //! # What it is not

@@ -51,6 +51,8 @@ struct RunState {
 /// Registry fetches a node in fallback keeps going at once (the agent's
 /// `swarm.registry_parallel`).
 const REGISTRY_PARALLEL: usize = 4;
+/// The origin every announce names: a scenario has one registry.
+const REGISTRY_ORIGIN: &str = "registry";
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Fallback {
@@ -638,6 +640,8 @@ impl World<'_> {
                     size: info.bytes,
                     held,
                     wanted: !nb.complete,
+                    // Every blob comes from the one registry.
+                    origin: REGISTRY_ORIGIN.to_owned(),
                 }
             })
             .collect();

@@ -151,6 +151,7 @@ mod tests {
                 size: 4 << 20,
                 held: Held::Bits(dray_protocol::Bitfield::new(4)),
                 wanted: true,
+                origin: String::new(),
             }],
             full: true,
         }

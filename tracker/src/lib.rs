@@ -35,6 +35,8 @@ use std::time::{Duration, Instant};
 
 /// HTTP path of the tracker protocol.
 pub const TRACKER_PATH: &str = "/v1/tracker";
+/// Longest origin (a registry's base URL) an announce may name.
+const MAX_ORIGIN_BYTES: usize = 1024;
 
 /// Tracker settings, from TOML; every key optional.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -51,8 +53,10 @@ pub struct TrackerConfig {
     pub stripe_chunks: u32,
     /// Registry-fetch assignments one agent may hold at once.
     pub max_outstanding: usize,
-    /// Live registry-fetch assignments per blob over all agents (0: no limit).
-    pub max_runs_per_blob: usize,
+    /// Live registry-fetch assignments per origin (the registry the agents
+    /// pull from), over all its blobs and agents (0: no limit). Per tracker
+    /// replica: a sharded tracker's registry sees up to replicas times this.
+    pub max_runs_per_origin: usize,
     /// Slowest registry fetch tolerated before an assignment is taken back, bytes/s.
     pub min_fetch_bytes_per_s: u64,
     /// Floor on an assignment's deadline, ms.
@@ -68,7 +72,7 @@ impl Default for TrackerConfig {
             peers_per_blob: s.peers_per_blob,
             stripe_chunks: s.stripe_chunks,
             max_outstanding: s.max_outstanding,
-            max_runs_per_blob: s.max_runs_per_blob,
+            max_runs_per_origin: s.max_runs_per_origin,
             min_fetch_bytes_per_s: s.min_fetch_rate,
             min_fetch_timeout_ms: s.min_fetch_timeout.as_millis() as u64,
         }
@@ -91,7 +95,7 @@ impl TrackerConfig {
             peers_per_blob: self.peers_per_blob,
             stripe_chunks: self.stripe_chunks,
             max_outstanding: self.max_outstanding,
-            max_runs_per_blob: self.max_runs_per_blob,
+            max_runs_per_origin: self.max_runs_per_origin,
             min_fetch_rate: self.min_fetch_bytes_per_s,
             min_fetch_timeout: Duration::from_millis(self.min_fetch_timeout_ms),
             ..SchedulerConfig::default()
@@ -286,12 +290,19 @@ impl TrackerState {
             if b.wanted {
                 wanted.push(d);
             }
+            if b.origin.len() > MAX_ORIGIN_BYTES {
+                return Err(TrackerError::BadRequest(format!(
+                    "{d}: origin is {} bytes, more than {MAX_ORIGIN_BYTES}",
+                    b.origin.len()
+                )));
+            }
             blobs.push(scheduler::BlobAnnounce {
                 digest: d,
                 chunk_count: count,
                 size: b.size,
                 held,
                 wanted: b.wanted,
+                origin: b.origin.clone(),
             });
         }
         let decision = self.scheduler.announce(
@@ -559,5 +570,20 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("empty tracker request"), "{err}");
+        let mut long = announce(
+            "a",
+            BlobDigest::of(b"blob"),
+            1 << 22,
+            Some(&Bitfield::new(1)),
+            true,
+        );
+        if let Some(Body::Announce(a)) = &mut long.body {
+            a.blobs[0].origin = "x".repeat(MAX_ORIGIN_BYTES + 1);
+        }
+        let err = t.handle(long, Instant::now()).unwrap_err().to_string();
+        assert!(
+            err.contains("origin is 1025 bytes, more than 1024"),
+            "{err}"
+        );
     }
 }
