@@ -514,7 +514,7 @@ async fn run_peer(t: Arc<Transfer>, p: PeerAddr, retired: CancellationToken) {
             () = &mut lanes_done => {}
             watched = watch_peer(&t, &link, seen, &retired) => {
                 if let Err(e) = watched {
-                    tracing::info!(error = %e, "peer stopped answering");
+                    tracing::info!(error = %e, "retiring a peer whose bitfield long poll failed");
                     t.retire(&p.peer_id);
                 }
                 lanes_done.await;

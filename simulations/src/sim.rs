@@ -26,9 +26,9 @@ use std::time::{Duration, Instant};
 /// Peers a node keeps per blob (the agent's `peer.max_peers_per_blob`); the
 /// oldest goes when the tracker names another.
 const MAX_KNOWN_PEERS: usize = 16;
-/// Watcher lists this long keep their members' places current (see
-/// [`World::unwatch`]).
-const LONG_WATCH_LIST: usize = 64;
+/// Watchers a node serves per blob (the agent's `peer.max_watchers_per_blob`);
+/// a node named as a peer past that is refused.
+const MAX_WATCHERS: usize = 64;
 /// The tracker's ticker period.
 const TICK_S: f64 = 0.5;
 
@@ -73,9 +73,6 @@ struct KnownPeer {
     /// then kept current by [`World::tell_watchers`] and
     /// [`World::learn_hashes`], as the agent's long-polled bitfields do).
     looked: bool,
-    /// Where the knowing node sits in the peer's `watchers`, if that list
-    /// is long (see [`World::unwatch`]); a hint, checked before use.
-    at: u32,
 }
 
 struct NodeBlob {
@@ -779,6 +776,11 @@ impl World<'_> {
         if nb.picker.is_none() || nb.peers.iter().any(|q| q.node == p) {
             return;
         }
+        // A peer watched by as many as it serves answers BUSY, and is dropped.
+        if self.nodes[p as usize].blobs[b].watchers.len() >= MAX_WATCHERS {
+            return;
+        }
+        let nb = &self.nodes[n as usize].blobs[b];
         if nb.peers.len() >= MAX_KNOWN_PEERS {
             // The oldest peer goes; what it offered, others now offer too.
             let nb = &mut self.nodes[n as usize].blobs[b];
@@ -793,43 +795,21 @@ impl World<'_> {
 
     /// `n` knows `p` as a peer of blob `b`, and watches it.
     fn add_peer(&mut self, n: u32, b: usize, p: u32) {
-        let watchers = &mut self.nodes[p as usize].blobs[b].watchers;
-        let at = watchers.len() as u32;
-        watchers.push(n);
+        self.nodes[p as usize].blobs[b].watchers.push(n);
         let nb = &mut self.nodes[n as usize].blobs[b];
         nb.peers.push(KnownPeer {
             node: p,
             looked: false,
-            at,
         });
         nb.unlooked = true;
     }
 
     /// `n` no longer watches `known` (a peer it has just forgotten) for blob `b`.
-    ///
-    /// A storm's first holders are watched by thousands (searching their
-    /// lists took a sixth of `storm-100k`'s first four minutes; with this,
-    /// 672 -> 599 s, same results), so watchers of long lists know their
-    /// place in them. Keeping that true costs a visit to the watcher that
-    /// moves into the gap; a short list, a cache line or two, is cheaper to
-    /// search.
+    /// A watcher list holds at most [`MAX_WATCHERS`], a few cache lines to search.
     fn unwatch(&mut self, n: u32, b: usize, known: KnownPeer) {
-        let p = known.node;
-        let watchers = &mut self.nodes[p as usize].blobs[b].watchers;
-        let at = match watchers.get(known.at as usize) {
-            Some(&x) if x == n => known.at as usize,
-            _ => match watchers.iter().position(|&x| x == n) {
-                Some(at) => at,
-                None => return,
-            },
-        };
-        watchers.swap_remove(at);
-        if watchers.len() >= LONG_WATCH_LIST
-            && let Some(&moved) = watchers.get(at)
-            && let Some(entry) =
-                (self.nodes[moved as usize].blobs[b].peers.iter_mut()).find(|q| q.node == p)
-        {
-            entry.at = at as u32;
+        let watchers = &mut self.nodes[known.node as usize].blobs[b].watchers;
+        if let Some(at) = watchers.iter().position(|&x| x == n) {
+            watchers.swap_remove(at);
         }
     }
 
