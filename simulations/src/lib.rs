@@ -24,7 +24,8 @@
 //! named peers (the agent's `peer.max_peers_per_blob`; the oldest is retired
 //! when the tracker names another) and kept current as those peers gain
 //! chunks (the agent's long-polled bitfields: a watcher hears of a new chunk
-//! half a round trip later), and fall back to the registry as the agent does: after 3 s of tracker
+//! half a round trip later; a node serves at most 256 watchers per blob, the
+//! agent's `peer.max_watchers_per_blob`, and one named past that is dropped), and fall back to the registry as the agent does: after 3 s of tracker
 //! silence for the chunks no known peer holds, until the tracker answers;
 //! after a stall (`stall_s`) for every unclaimed chunk. Churn (nodes leave,
 //! `Scheduler::leave`, their transfers abort), late joiners and a tracker outage (modelled as a restart: the

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 const MAX_KNOWN_PEERS: usize = 16;
 /// Watchers a node serves per blob (the agent's `peer.max_watchers_per_blob`);
 /// a node named as a peer past that is refused.
-const MAX_WATCHERS: usize = 64;
+const MAX_WATCHERS: usize = 256;
 /// The tracker's ticker period.
 const TICK_S: f64 = 0.5;
 
