@@ -75,7 +75,8 @@
 //! it; that lets the scheduler's work overlap the rest of the simulation on
 //! the second core (`storm-10k` 78-93 s -> 62-65 s of wall time, `storm-100k`
 //! 599 -> 509 s, each run alone; with mimalloc as `dray`'s allocator since,
-//! 52-57 s and 362 s). The late news costs what news
+//! 52-57 s and 362 s; with the run budget and watcher cap below, 46-47 s and
+//! 277 s). The late news costs what news
 //! costs at a storm's start: `kraken-2600` p99 went from 1.20x to 1.22x the
 //! bound, `small` from 1.26x to 1.29x; `storm-10k` stays at 1.25x, and the
 //! emulated 4-node cluster's prediction moved from 7.25 s p50 / 7.55 s last
