@@ -28,10 +28,12 @@ use dray_snapshotter_shim::SnapshotterConfig;
 use dray_tracker::{Tracker, TrackerConfig};
 use prost::Message;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+/// Small same-sized blocks kept together per thread: the simulator's state is
+/// millions of them (see the commit that chose it for the measurements).
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
-use std::sync::Arc;
 
 #[derive(Parser)]
 #[command(

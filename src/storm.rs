@@ -3,9 +3,9 @@
 //! The registry (`docker-registry`), the tracker and N agents (this very `dray`
 //! binary) each run in their own network namespace, joined by one bridge in a
 //! namespace of its own (the switch), with every link capped by `tbf`, so the
-//! swarm is measured against links rather than against loopback and the CPU. Every node pulls one blob through the swarm at
-//! once; then, in the same run, every node downloads it straight from the
-//! registry (the baseline). Registry egress is read from the kernel's counters
+//! swarm is measured against links rather than against loopback and the CPU.
+//! Every node pulls one blob through the swarm at once; then, in the same run,
+//! every node downloads it straight from the registry (the baseline). Registry egress is read from the kernel's counters
 //! on the registry's link (what its end sent), never from the agents' own
 //! reports. Needs root.
 //!

@@ -222,6 +222,7 @@ impl Swarm {
                         None => (held.as_bytes().to_vec(), Vec::new()),
                     };
                     now_sent.insert(b.digest(), held);
+                    let origin = wanted.get(&b.digest());
                     pb::BlobHolding {
                         digest: b.digest().to_string(),
                         size: map.size(),
@@ -229,8 +230,8 @@ impl Swarm {
                         bits: bits.into(),
                         added,
                         complete: b.is_complete(),
-                        wanted: wanted.contains_key(&b.digest()),
-                        origin: wanted.get(&b.digest()).cloned().unwrap_or_default(),
+                        wanted: origin.is_some(),
+                        origin: origin.cloned().unwrap_or_default(),
                     }
                 })
                 .collect();

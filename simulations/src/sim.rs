@@ -218,9 +218,7 @@ impl World<'_> {
 
     /// Gives `n`'s picker its first view of peer `p` (in `slot`).
     fn look(&mut self, n: u32, b: usize, slot: usize) {
-        let KnownPeer {
-            node: p, looked, ..
-        } = self.nodes[n as usize].blobs[b].peers[slot];
+        let KnownPeer { node: p, looked } = self.nodes[n as usize].blobs[b].peers[slot];
         if looked {
             return;
         }
@@ -237,9 +235,7 @@ impl World<'_> {
     fn learn_hashes(&mut self, n: u32, b: usize, chunks: &[u32]) {
         let nu = n as usize;
         for slot in 0..self.nodes[nu].blobs[b].peers.len() {
-            let KnownPeer {
-                node: p, looked, ..
-            } = self.nodes[nu].blobs[b].peers[slot];
+            let KnownPeer { node: p, looked } = self.nodes[nu].blobs[b].peers[slot];
             if !looked {
                 continue;
             }
@@ -573,11 +569,11 @@ impl World<'_> {
         let Some(slot) = nb.peers.iter().position(|q| q.node == p) else {
             return;
         };
-        let known = nb.peers.remove(slot);
+        nb.peers.remove(slot);
         if let Some(picker) = nb.picker.as_mut() {
             picker.remove_peer(&p);
         }
-        self.unwatch(n, b, known);
+        self.unwatch(n, b, p);
         if self.strategy == Strategy::KrakenLike {
             for _ in 0..8 {
                 let q = self.rng.below(self.pullers as usize) as u32;
@@ -788,7 +784,7 @@ impl World<'_> {
             if let Some(picker) = nb.picker.as_mut() {
                 picker.remove_peer(&old.node);
             }
-            self.unwatch(n, b, old);
+            self.unwatch(n, b, old.node);
         }
         self.add_peer(n, b, p);
     }
@@ -804,10 +800,10 @@ impl World<'_> {
         nb.unlooked = true;
     }
 
-    /// `n` no longer watches `known` (a peer it has just forgotten) for blob `b`.
+    /// `n` no longer watches `p` (a peer it has just forgotten) for blob `b`.
     /// A watcher list holds at most [`MAX_WATCHERS`], a few cache lines to search.
-    fn unwatch(&mut self, n: u32, b: usize, known: KnownPeer) {
-        let watchers = &mut self.nodes[known.node as usize].blobs[b].watchers;
+    fn unwatch(&mut self, n: u32, b: usize, p: u32) {
+        let watchers = &mut self.nodes[p as usize].blobs[b].watchers;
         if let Some(at) = watchers.iter().position(|&x| x == n) {
             watchers.swap_remove(at);
         }
