@@ -2,10 +2,14 @@
 //! unpacking the same blobs), against hostile layers, and against broken
 //! streams. Needs root (devices, ownership, trusted.* xattrs) and containerd.
 
+#[path = "fixtures/hostile.rs"]
+mod hostile;
 #[path = "../src/oci_image.rs"]
 mod oci_image;
 
-use dray_agent::unpack::{Compression, UnpackError, unpack_layer};
+use dray_agent::unpack::{
+    Compression, MAX_HEADER_BODY, UnpackError, UnpackLimits, unpack_layer, unpack_layer_within,
+};
 use oci_image::{Containerd, LayerBlob, chain_ids, write_oci_archive};
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -687,4 +691,272 @@ fn a_non_empty_target_is_refused_and_kept() {
 fn sha256_bytes(b: &[u8]) -> String {
     use sha2::Digest;
     format!("sha256:{}", hex::encode(sha2::Sha256::digest(b)))
+}
+
+// ---- the hostile-tar corpus, against the library with limits a test can reach ----
+
+/// Counts the bytes the unpacker pulled from a stream.
+struct Metered<R> {
+    inner: R,
+    read: std::rc::Rc<std::cell::Cell<u64>>,
+}
+
+impl<R: std::io::Read> std::io::Read for Metered<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.read.set(self.read.get() + n as u64);
+        Ok(n)
+    }
+}
+
+/// Unpacks `blob` within `limits`, expecting a refusal: the error and how
+/// many bytes of `blob` were read. The target must be gone.
+fn refused(blob: impl std::io::Read, c: Compression, limits: &UnpackLimits) -> (UnpackError, u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("t");
+    let read = std::rc::Rc::new(std::cell::Cell::new(0));
+    let metered = Metered {
+        inner: blob,
+        read: read.clone(),
+    };
+    let err = unpack_layer_within(metered, c, &target, None, limits).expect_err("must be refused");
+    assert!(!target.exists(), "target left after: {err}");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "something written beside the target"
+    );
+    (err, read.get())
+}
+
+/// The peak resident set of this process, from `/proc/self/status`.
+fn peak_rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+#[test]
+fn headers_the_tar_crate_reads_whole_are_refused_past_a_mebibyte_before_their_body() {
+    for (kind, what) in [
+        (b'L', "GNU long name"),
+        (b'K', "GNU long link target"),
+        (b'x', "PAX extended header"),
+        (b'g', "PAX global header"),
+    ] {
+        // 2 GiB of body, never produced whole: refused at its header.
+        let bomb = hostile::special_header_bomb(kind, 2 << 30);
+        let (err, read) = refused(bomb, Compression::None, &UnpackLimits::default());
+        let msg = err.to_string();
+        assert!(matches!(err, UnpackError::Limit { .. }), "{msg}");
+        assert!(
+            msg.contains(&format!(
+                "its {what} is 2147483648 bytes, over the {MAX_HEADER_BODY}-byte cap"
+            )),
+            "{msg}"
+        );
+        assert!(read < 2 << 20, "{what}: read {read} bytes before refusing");
+    }
+    // At the cap, a long name is read, then refused as a path.
+    let (err, _) = refused(
+        hostile::special_header_bomb(b'L', MAX_HEADER_BODY),
+        Compression::None,
+        &UnpackLimits::default(),
+    );
+    assert!(
+        err.to_string().contains("past max_path_bytes = 4096"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_gzipped_2_gib_long_name_bomb_is_refused_in_bounded_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let blob = dir.path().join("bomb.tar.gz");
+    hostile::gzip_to(hostile::special_header_bomb(b'L', 2 << 30), &blob);
+    let size = std::fs::metadata(&blob).unwrap().len();
+    let before = peak_rss_bytes();
+    let file = std::fs::File::open(&blob).unwrap();
+    let (err, read) = refused(file, Compression::Gzip, &UnpackLimits::default());
+    let after = peak_rss_bytes();
+    eprintln!(
+        "2 GiB long-name bomb, {size} bytes gzipped: {err}; read {read} bytes; peak RSS {} MiB before, {} MiB after",
+        before >> 20,
+        after >> 20
+    );
+    assert!(
+        err.to_string()
+            .contains("GNU long name is 2147483648 bytes"),
+        "{err}"
+    );
+    assert!(after < 512 << 20, "peak RSS {after} bytes");
+}
+
+#[test]
+fn a_layer_with_more_entries_than_max_entries_is_refused_at_the_first_one_past() {
+    let limits = UnpackLimits {
+        max_entries: 1000,
+        ..Default::default()
+    };
+    let (err, _) = refused(hostile::many_entries(5000), Compression::None, &limits);
+    assert_eq!(
+        err.to_string(),
+        "layer entry \"./\" refused: the layer has more than max_entries = 1000 entries"
+    );
+    // At the limit, the layer unpacks.
+    let dir = tempfile::tempdir().unwrap();
+    let u = unpack_layer_within(
+        hostile::many_entries(999),
+        Compression::None,
+        &dir.path().join("t"),
+        None,
+        &limits,
+    )
+    .unwrap();
+    assert_eq!(u.entries, 1000);
+    assert_eq!(
+        std::fs::read(dir.path().join("t/after-the-bomb")).unwrap(),
+        b"ok\n"
+    );
+}
+
+#[test]
+fn a_layer_past_max_layer_bytes_is_refused_in_the_entry_that_passes_it() {
+    let limits = UnpackLimits {
+        max_layer_bytes: 8 << 20,
+        ..Default::default()
+    };
+    let (err, read) = refused(hostile::zeros_file(64 << 20), Compression::None, &limits);
+    assert_eq!(
+        err.to_string(),
+        "layer entry \"zeros\" refused: the layer's uncompressed size passed max_layer_bytes = 8388608 bytes"
+    );
+    assert!(read < 9 << 20, "read {read}");
+}
+
+#[test]
+fn a_zstd_layer_expanding_past_max_layer_ratio_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let blob = dir.path().join("zeros.tar.zst");
+    hostile::zstd_to(hostile::zeros_file(1 << 30), &blob);
+    let compressed = std::fs::metadata(&blob).unwrap().len();
+    let file = std::fs::File::open(&blob).unwrap();
+    let (err, _) = refused(file, Compression::Zstd, &UnpackLimits::default());
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with("layer entry \"zeros\" refused: the layer expanded ")
+            && msg.ends_with("past max_layer_ratio = 2000"),
+        "{compressed} bytes compressed: {msg}"
+    );
+    // The same 1 GiB through gzip stays under the ratio: gzip cannot pass ~1030.
+    let gz = dir.path().join("zeros.tar.gz");
+    hostile::gzip_to(hostile::zeros_file(1 << 30), &gz);
+    let target = dir.path().join("t");
+    unpack_layer(
+        std::fs::File::open(&gz).unwrap(),
+        Compression::Gzip,
+        &target,
+        None,
+    )
+    .unwrap();
+    assert_eq!(
+        std::fs::metadata(target.join("zeros")).unwrap().len(),
+        1 << 30
+    );
+}
+
+#[test]
+fn a_path_past_max_path_bytes_is_refused_and_a_deep_one_within_it_unpacks() {
+    let (err, _) = refused(
+        &hostile::deep_path(2100)[..],
+        Compression::None,
+        &UnpackLimits::default(),
+    );
+    let msg = err.to_string();
+    assert!(
+        matches!(err, UnpackError::Limit { .. })
+            && msg.starts_with("layer entry \"d/d/d/")
+            && msg.contains("… (4201 bytes)")
+            && msg.ends_with("refused: its path is 4201 bytes, past max_path_bytes = 4096"),
+        "{msg}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("t");
+    unpack_layer(
+        &hostile::deep_path(2000)[..],
+        Compression::None,
+        &target,
+        None,
+    )
+    .unwrap();
+    // Deeper than PATH_MAX from here: open it relative to a nearer directory.
+    let mut p = target.clone();
+    for _ in 0..1000 {
+        p.push("d");
+    }
+    let near = std::fs::File::open(&p).unwrap();
+    use std::os::fd::AsRawFd;
+    let rel = CString::new(format!("{}f", "d/".repeat(1000))).unwrap();
+    // SAFETY: a valid fd and C string.
+    let fd = unsafe { libc::openat(near.as_raw_fd(), rel.as_ptr(), libc::O_RDONLY) };
+    assert!(fd >= 0, "{}", std::io::Error::last_os_error());
+    // SAFETY: fd is ours.
+    unsafe { libc::close(fd) };
+}
+
+#[test]
+fn gnu_sparse_files_are_written_with_holes() {
+    let real = 1 << 30;
+    let chunks = hostile::sparse_chunks(real);
+    let tar = hostile::sparse_file("var/log/lastlog", real, &chunks);
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("t");
+    let u = unpack_layer(
+        &tar[..],
+        Compression::None,
+        &target,
+        Some(&sha256_bytes(&tar)),
+    )
+    .unwrap();
+    assert_eq!(u.uncompressed_bytes, tar.len() as u64);
+    let path = target.join("var/log/lastlog");
+    let m = std::fs::metadata(&path).unwrap();
+    assert_eq!(m.len(), real);
+    // Six 4 KiB chunks hold 24 KiB; a dense file would hold 1 GiB.
+    assert!(m.blocks() * 512 <= 1 << 20, "{} blocks", m.blocks());
+    let f = std::fs::File::open(&path).unwrap();
+    use std::os::unix::fs::FileExt;
+    for (off, data) in &chunks {
+        let mut got = vec![0u8; data.len()];
+        f.read_exact_at(&mut got, *off).unwrap();
+        assert_eq!(got, *data, "chunk at {off}");
+        // Just past each chunk: a hole, read as zeros.
+        let mut hole = [1u8; 16];
+        f.read_exact_at(&mut hole, off + data.len() as u64).unwrap();
+        assert_eq!(hole, [0; 16], "after the chunk at {off}");
+    }
+    let mut tail = [1u8; 16];
+    f.read_exact_at(&mut tail, real - 16).unwrap();
+    assert_eq!(tail, [0; 16]);
+}
+
+#[test]
+fn a_sparse_map_over_a_mebibyte_or_past_its_stored_bytes_is_refused() {
+    // 50,000 chunks: 2,381 extension blocks, 1.2 MB of map.
+    let chunks: Vec<(u64, Vec<u8>)> = (0..50_000u64).map(|i| (i * 1024, vec![1; 512])).collect();
+    let tar = hostile::sparse_file("many", 50_000 * 1024, &chunks);
+    let (err, _) = refused(&tar[..], Compression::None, &UnpackLimits::default());
+    assert!(
+        err.to_string()
+            .ends_with("its GNU sparse map passed the 1048576-byte cap on such headers"),
+        "{err}"
+    );
+    // A map whose chunks overlap.
+    let tar = hostile::sparse_file("overlap", 8192, &[(0, vec![1; 1024]), (512, vec![2; 512])]);
+    let (err, _) = refused(&tar[..], Compression::None, &UnpackLimits::default());
+    assert!(err.to_string().contains("overlapping"), "{err}");
 }

@@ -6,6 +6,7 @@ use crate::local_api::LocalApiConfig;
 use crate::mirror::MirrorConfig;
 use crate::peer::PeerConfig;
 use crate::swarm::SwarmConfig;
+use crate::unpack::UnpackLimits;
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -29,6 +30,13 @@ pub struct AgentConfig {
     pub swarm: SwarmConfig,
     pub mirror: MirrorConfig,
     pub local_api: LocalApiConfig,
+    /// What one layer may ask of the unpacker (`[unpack]`): `max_entries`
+    /// (default 4,000,000 tar entries), `max_layer_bytes` (256 GiB of
+    /// uncompressed tar), `max_layer_ratio` (2000 uncompressed bytes per
+    /// compressed byte, checked past the first 64 MiB), `max_path_bytes`
+    /// (4096). GNU long names and links and PAX headers are capped at 1 MiB,
+    /// as in containerd; that cap is not configurable.
+    pub unpack: UnpackLimits,
 }
 
 impl Default for AgentConfig {
@@ -44,6 +52,7 @@ impl Default for AgentConfig {
             swarm: SwarmConfig::default(),
             mirror: MirrorConfig::default(),
             local_api: LocalApiConfig::default(),
+            unpack: UnpackLimits::default(),
         }
     }
 }
