@@ -6,13 +6,18 @@
 //! runs the image. Damaged blobs and a lying config leave no snapshot.
 
 mod common;
+#[path = "fixtures/hostile.rs"]
+mod hostile;
 
 use common::*;
 use dray_agent::identity::ClusterCa;
 use dray_agent::local_api::UnpackRequest;
 use dray_agent::peer::PeerConfig;
+use dray_agent::unpack::UnpackLimits;
 use std::io::Write;
-use std::path::Path;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 mod cri {
     tonic::include_proto!("runtime.v1");
@@ -208,18 +213,31 @@ fn push_single_layer(
     }
     let true_diff = file_digest(&tar_path);
     let gz_path = tar_path.with_extension("tar.gz");
-    {
-        let mut e = flate2::write::GzEncoder::new(
-            std::fs::File::create(&gz_path).unwrap(),
-            flate2::Compression::fast(),
-        );
-        std::io::copy(&mut std::fs::File::open(&tar_path).unwrap(), &mut e).unwrap();
-        e.finish().unwrap();
-    }
-    let layer = registry.push(repo, &gz_path);
+    hostile::gzip_to(std::fs::File::open(&tar_path).unwrap(), &gz_path);
+    push_layer(
+        registry,
+        work,
+        repo,
+        &gz_path,
+        "application/vnd.oci.image.layer.v1.tar+gzip",
+        diff_id.unwrap_or(&true_diff),
+    )
+}
+
+/// Pushes `repo:v1`, an image of the one layer `blob` (of `media_type`,
+/// whose tar's diffID the config states as `diff_id`); returns its digest.
+fn push_layer(
+    registry: &Registry,
+    work: &Path,
+    repo: &str,
+    blob: &Path,
+    media_type: &str,
+    diff_id: &str,
+) -> String {
+    let layer = registry.push(repo, blob);
     let config = serde_json::json!({
         "architecture": "amd64", "os": "linux",
-        "rootfs": { "type": "layers", "diff_ids": [diff_id.unwrap_or(&true_diff)] },
+        "rootfs": { "type": "layers", "diff_ids": [diff_id] },
         "config": {}
     })
     .to_string();
@@ -230,7 +248,7 @@ fn push_single_layer(
         "schemaVersion": 2,
         "mediaType": "application/vnd.oci.image.manifest.v1+json",
         "config": { "mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": config.len() },
-        "layers": [{ "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": layer, "size": std::fs::metadata(&gz_path).unwrap().len() }]
+        "layers": [{ "mediaType": media_type, "digest": layer, "size": std::fs::metadata(blob).unwrap().len() }]
     })
     .to_string();
     registry.push_manifest(repo, "v1", &manifest);
@@ -332,3 +350,255 @@ async fn damaged_blobs_and_lying_configs_leave_nothing_unpacked() {
         staging.display()
     );
 }
+
+// ---- issue 17: the hostile-tar corpus ----
+
+const GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
+const ZSTD: &str = "application/vnd.oci.image.layer.v1.tar+zstd";
+
+/// A diffID for layers refused before theirs is checked.
+fn unchecked_diff_id() -> String {
+    format!("sha256:{}", "0".repeat(64))
+}
+
+/// The peak resident set of this process (the agent's local API serves
+/// from it), from `/proc/self/status`.
+fn peak_rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+/// The sparse corpus file: 1 GiB, six 4 KiB chunks, gzipped into `dir`;
+/// (the blob, the tar's diffID, the chunks).
+fn sparse_layer(dir: &Path) -> (PathBuf, String, Vec<(u64, Vec<u8>)>) {
+    let chunks = hostile::sparse_chunks(1 << 30);
+    let tar = hostile::sparse_file("var/log/lastlog", 1 << 30, &chunks);
+    let blob = dir.join("sparse.tar.gz");
+    hostile::gzip_to(&tar[..], &blob);
+    (blob, hostile::diff_id(&tar[..]), chunks)
+}
+
+/// The unpacked sparse file holds its chunks in 1 GiB of apparent size and
+/// at most 1 MiB of disk.
+fn assert_sparse(path: &Path, chunks: &[(u64, Vec<u8>)]) {
+    use std::os::unix::fs::FileExt;
+    let m = std::fs::metadata(path).unwrap();
+    assert_eq!(m.len(), 1 << 30, "{}", path.display());
+    assert!(
+        m.blocks() * 512 <= 1 << 20,
+        "{} takes {} blocks",
+        path.display(),
+        m.blocks()
+    );
+    let f = std::fs::File::open(path).unwrap();
+    for (off, data) in chunks {
+        let mut got = vec![0u8; data.len()];
+        f.read_exact_at(&mut got, *off).unwrap();
+        assert_eq!(&got, data, "chunk at {off}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_hostile_tar_corpus_is_refused_through_the_local_api_and_the_agent_stays_up() {
+    let work = tempfile::tempdir().unwrap();
+    let n = node(work.path()).await;
+    let staging = work.path().join("targets");
+    std::fs::create_dir(&staging).unwrap();
+    let corpus = work.path().join("corpus");
+    std::fs::create_dir(&corpus).unwrap();
+    let host = n.registry.host();
+    let blob = |name: &str| corpus.join(name);
+    let started = Instant::now();
+    hostile::gzip_to(
+        hostile::special_header_bomb(b'L', 2 << 30),
+        &blob("long-name.tar.gz"),
+    );
+    hostile::gzip_to(
+        hostile::special_header_bomb(b'x', 2 << 30),
+        &blob("pax.tar.gz"),
+    );
+    let max_entries = UnpackLimits::default().max_entries;
+    hostile::gzip_to(
+        hostile::many_entries(max_entries + 1),
+        &blob("entries.tar.gz"),
+    );
+    hostile::zstd_to(hostile::zeros_file(1 << 30), &blob("ratio.tar.zst"));
+    hostile::gzip_to(&hostile::deep_path(2100)[..], &blob("deep.tar.gz"));
+    eprintln!("corpus generated in {:?}", started.elapsed());
+
+    let cases = [
+        (
+            "hostile/long-name",
+            "long-name.tar.gz",
+            GZIP,
+            "its GNU long name is 2147483648 bytes, over the 1048576-byte cap".to_string(),
+        ),
+        (
+            "hostile/pax",
+            "pax.tar.gz",
+            GZIP,
+            "its PAX extended header is 2147483648 bytes, over the 1048576-byte cap".into(),
+        ),
+        (
+            "hostile/entries",
+            "entries.tar.gz",
+            GZIP,
+            format!("the layer has more than max_entries = {max_entries} entries"),
+        ),
+        (
+            "hostile/ratio",
+            "ratio.tar.zst",
+            ZSTD,
+            "past max_layer_ratio = 2000".into(),
+        ),
+        (
+            "hostile/deep",
+            "deep.tar.gz",
+            GZIP,
+            "its path is 4201 bytes, past max_path_bytes = 4096".into(),
+        ),
+    ];
+    for (repo, file, media_type, expect) in cases {
+        let layer = push_layer(
+            &n.registry,
+            work.path(),
+            repo,
+            &blob(file),
+            media_type,
+            &unchecked_diff_id(),
+        );
+        let target = staging.join(repo.replace('/', "-"));
+        let started = Instant::now();
+        let (status, body) = n
+            .api
+            .unpack(&UnpackRequest {
+                image_ref: format!("{host}/{repo}:v1"),
+                manifest_digest: manifest_digest(&n.registry, repo),
+                layer_digest: layer,
+                target: target.clone(),
+            })
+            .await;
+        let error = body["error"].as_str().unwrap_or_default().to_string();
+        eprintln!("{repo}: {status} after {:?}: {error}", started.elapsed());
+        assert_eq!(status, 422, "{repo}: {body}");
+        assert!(error.contains(&expect), "{repo}: {error}");
+        assert!(!target.exists(), "{repo}: {} left", target.display());
+    }
+    assert!(
+        std::fs::read_dir(&staging).unwrap().next().is_none(),
+        "leftovers in {}",
+        staging.display()
+    );
+
+    // The sparse file unpacks, sparse.
+    let (sparse, diff_id, chunks) = sparse_layer(&corpus);
+    let layer = push_layer(
+        &n.registry,
+        work.path(),
+        "hostile/sparse",
+        &sparse,
+        GZIP,
+        &diff_id,
+    );
+    let target = staging.join("sparse");
+    let (status, body) = n
+        .api
+        .unpack(&UnpackRequest {
+            image_ref: format!("{host}/hostile/sparse:v1"),
+            manifest_digest: manifest_digest(&n.registry, "hostile/sparse"),
+            layer_digest: layer,
+            target: target.clone(),
+        })
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_sparse(&target.join("var/log/lastlog"), &chunks);
+
+    // The agent stays up: a good layer after them all unpacks.
+    let good = push_single_layer(&n.registry, work.path(), "good/after", None);
+    let target = staging.join("good");
+    let (status, body) = n
+        .api
+        .unpack(&UnpackRequest {
+            image_ref: format!("{host}/good/after:v1"),
+            manifest_digest: manifest_digest(&n.registry, "good/after"),
+            layer_digest: good,
+            target: target.clone(),
+        })
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert!(target.join("payload.bin").exists());
+    let peak = peak_rss_bytes();
+    eprintln!("peak RSS of the agent's process: {} MiB", peak >> 20);
+    assert!(peak < 512 << 20, "peak RSS {peak} bytes");
+}
+
+/// Files named `name` anywhere below `dir`.
+fn find_named(dir: &Path, name: &str, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        let t = e.file_type().unwrap();
+        if t.is_dir() {
+            find_named(&p, name, out);
+        } else if e.file_name() == name {
+            out.push(p);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn through_cri_a_long_name_bomb_commits_nothing_and_a_sparse_file_unpacks_sparse() {
+    let work = tempfile::tempdir().unwrap();
+    let n = node(work.path()).await;
+    let host = n.registry.host();
+    let bomb = work.path().join("long-name.tar.gz");
+    hostile::gzip_to(hostile::special_header_bomb(b'L', 2 << 30), &bomb);
+    push_layer(
+        &n.registry,
+        work.path(),
+        "hostile/long-name",
+        &bomb,
+        GZIP,
+        &unchecked_diff_id(),
+    );
+    let (sparse, diff_id, chunks) = sparse_layer(work.path());
+    push_layer(
+        &n.registry,
+        work.path(),
+        "hostile/sparse",
+        &sparse,
+        GZIP,
+        &diff_id,
+    );
+
+    // The agent refuses the bomb; the shim falls back to containerd, whose
+    // archive/tar refuses a long name over 1 MiB too. Nothing is committed.
+    let mut client = cri_client(Path::new(&n.ctrd.address)).await;
+    let before = committed(&n.ctrd);
+    let pulled = pull_image(&mut client, &format!("{host}/hostile/long-name:v1")).await;
+    assert!(pulled.is_err(), "PullImage of the bomb succeeded");
+    assert_eq!(committed(&n.ctrd), before, "a snapshot was committed");
+    let log = n.shim.log_text();
+    assert!(
+        log.contains("its GNU long name is 2147483648 bytes, over the 1048576-byte cap"),
+        "the agent did not refuse the bomb:\n{log}"
+    );
+
+    // The agent is up: the sparse image pulls, its file sparse in the
+    // dray snapshot.
+    pull_image(&mut client, &format!("{host}/hostile/sparse:v1"))
+        .await
+        .unwrap_or_else(|e| panic!("PullImage: {e}\nshim log:\n{}", n.shim.log_text()));
+    let mut found = Vec::new();
+    find_named(&n.shim.root, "lastlog", &mut found);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_sparse(&found[0], &chunks);
+    let peak = peak_rss_bytes();
+    eprintln!("peak RSS of the agent's process: {} MiB", peak >> 20);
+    assert!(peak < 512 << 20, "peak RSS {peak} bytes");
+}
+

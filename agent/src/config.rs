@@ -31,7 +31,8 @@ pub struct AgentConfig {
     pub mirror: MirrorConfig,
     pub local_api: LocalApiConfig,
     /// What one layer may ask of the unpacker (`[unpack]`): `max_entries`
-    /// (default 4,000,000 tar entries), `max_layer_bytes` (256 GiB of
+    /// (default 4,000,000 tar entries, not counting GNU long names and links
+    /// and PAX extended headers), `max_layer_bytes` (256 GiB of
     /// uncompressed tar), `max_layer_ratio` (2000 uncompressed bytes per
     /// compressed byte, checked past the first 64 MiB), `max_path_bytes`
     /// (4096). GNU long names and links and PAX headers are capped at 1 MiB,

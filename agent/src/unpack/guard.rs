@@ -42,8 +42,9 @@ const BLOCK: usize = 512;
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct UnpackLimits {
-    /// Tar entries per layer: every header but GNU long names and links and
-    /// PAX extensions. Each is an inode on the node's disk.
+    /// Tar entries per layer: every header (PAX global ones included) but
+    /// GNU long names and links and PAX extended headers, which belong to
+    /// the entry after them. Each entry can be an inode on the node's disk.
     pub max_entries: u64,
     /// Uncompressed bytes per layer: the tar stream, padding included.
     pub max_layer_bytes: u64,
