@@ -29,6 +29,12 @@ pub struct AgentConfig {
     pub swarm: SwarmConfig,
     pub mirror: MirrorConfig,
     pub local_api: LocalApiConfig,
+    /// On SIGTERM or SIGINT: how long in-flight unpacks, mirror answers and
+    /// uploads may run on before the agent exits anyway. Default 20 s, below
+    /// Kubernetes' 30 s `terminationGracePeriodSeconds`, so that the agent
+    /// flushes its store and exits 0 before the kubelet kills it.
+    #[serde(with = "millis")]
+    pub shutdown_grace: std::time::Duration,
 }
 
 impl Default for AgentConfig {
@@ -44,6 +50,7 @@ impl Default for AgentConfig {
             swarm: SwarmConfig::default(),
             mirror: MirrorConfig::default(),
             local_api: LocalApiConfig::default(),
+            shutdown_grace: std::time::Duration::from_secs(20),
         }
     }
 }
