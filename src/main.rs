@@ -6,6 +6,7 @@ mod client;
 mod cluster;
 mod demo;
 mod oci_image;
+mod service;
 mod storm;
 mod testbed;
 
@@ -15,11 +16,8 @@ use dray_agent::config::AgentConfig;
 use dray_agent::containerd;
 use dray_agent::fetch::{PeerAddr, fetch_from_peers};
 use dray_agent::identity::{ClusterCa, Identity};
-use dray_agent::local_api::{self, LocalApi};
-use dray_agent::metrics::{AdminEndpoint, AgentMetrics};
-use dray_agent::mirror::Mirror;
+use dray_agent::metrics::AgentMetrics;
 use dray_agent::peer::PeerNode;
-use dray_agent::pulls::Pulls;
 use dray_agent::registry::{Credentials, RegistryClient};
 use dray_agent::store::ChunkStore;
 use dray_agent::swarm::Swarm;
@@ -381,7 +379,11 @@ fn main() -> std::process::ExitCode {
         .unwrap_or(if quiet { "error" } else { "warn" });
     init_logging(cli.log_format, filter);
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
-    match runtime.block_on(run(cli.command)) {
+    let outcome = runtime.block_on(run(cli.command));
+    // Blocking work a graceful stop cut short (an unpack past the agent's
+    // shutdown_grace) must not hold the exit.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    match outcome {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("dray: {e:#}");
@@ -428,51 +430,7 @@ async fn run(command: Command) -> Result<()> {
         Command::Agent(AgentArgs {
             action: None,
             config,
-        }) => {
-            let cfg = config.load()?;
-            // Health checks answer while the store opens (which re-verifies partial blobs).
-            let metrics = Arc::new(AgentMetrics::new());
-            let admin = AdminEndpoint::new(metrics.clone());
-            let admin_listener = tokio::net::TcpListener::bind(cfg.admin_listen)
-                .await
-                .with_context(|| format!("binding the admin endpoint to {}", cfg.admin_listen))?;
-            let admin_addr = admin_listener.local_addr()?;
-            let admin_task = tokio::spawn(admin.clone().serve(admin_listener));
-            let swarm = join_swarm(cfg.clone(), metrics)?;
-            let node = swarm.node().clone();
-            admin.set_ready(node.clone());
-            let announcer = swarm.spawn_announcer();
-            let listener = tokio::net::TcpListener::bind(cfg.mirror.listen)
-                .await
-                .with_context(|| format!("binding the mirror to {}", cfg.mirror.listen))?;
-            let local = local_api::bind(&cfg.local_api.socket).with_context(|| {
-                format!(
-                    "binding the local API to {}",
-                    cfg.local_api.socket.display()
-                )
-            })?;
-            eprintln!(
-                "dray agent {} serving peers on {} and the registry mirror on http://{} (metrics on http://{admin_addr}/metrics, local API on {})",
-                node.peer_id(),
-                node.local_addr()?,
-                listener.local_addr()?,
-                cfg.local_api.socket.display()
-            );
-            let pulls = Pulls::new(swarm.clone());
-            let api = LocalApi::new(pulls.clone(), cfg.mirror.clone(), &cfg.local_api);
-            let mirror = Mirror::new(pulls, cfg.mirror);
-            tokio::select! {
-                served = mirror.serve(listener) => served?,
-                served = admin_task => served.context("admin endpoint task")?
-                    .with_context(|| format!("serving the admin endpoint on {admin_addr}"))?,
-                served = api.serve(local) => served?,
-                _ = tokio::signal::ctrl_c() => {}
-            }
-            let _ = std::fs::remove_file(&cfg.local_api.socket);
-            announcer.abort();
-            node.close();
-            Ok(())
-        }
+        }) => service::run_agent(config.load()?).await,
         Command::Pull {
             image,
             socket,
@@ -494,9 +452,10 @@ async fn run(command: Command) -> Result<()> {
                 "dray tracker listening on http://{}",
                 listener.local_addr()?
             );
+            let stop = service::shutdown_signal()?;
             tokio::select! {
                 served = dray_tracker::serve(listener, Tracker::new(&cfg)) => served?,
-                _ = tokio::signal::ctrl_c() => {}
+                signal = stop => eprintln!("dray tracker: {signal}: stopped"),
             }
             Ok(())
         }
@@ -568,15 +527,18 @@ async fn run(command: Command) -> Result<()> {
                 None => None,
             };
             let registry = Arc::new(RegistryClient::new(&registry, credentials)?);
+            let stop = service::shutdown_signal()?;
             let swarm = config.start_swarm()?;
             let announcer = swarm.spawn_announcer();
             let report = swarm.pull(&registry, &repo, digest).await?;
             println!("{}", serde_json::to_string(&report)?);
             if serve {
-                tokio::signal::ctrl_c().await?;
+                stop.await;
             }
             announcer.abort();
+            swarm.leave().await;
             swarm.node().close();
+            swarm.node().closed(std::time::Duration::from_secs(1)).await;
             Ok(())
         }
         Command::Snapshotter(args) => snapshotter(args).await,
@@ -600,12 +562,10 @@ async fn snapshotter(args: SnapshotterArgs) -> Result<()> {
     if let Some(a) = args.agent_socket {
         cfg.agent_socket = a;
     }
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let stop = service::shutdown_signal()?;
     let shutdown = async move {
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
+        let signal = stop.await;
+        eprintln!("dray snapshotter: {signal}: finishing the calls in flight");
     };
     eprintln!(
         "dray snapshotter serving {} (root {}, agent {})",
@@ -613,7 +573,8 @@ async fn snapshotter(args: SnapshotterArgs) -> Result<()> {
         cfg.root.display(),
         cfg.agent_socket.display()
     );
-    let agent = dray_snapshotter_shim::agent::AgentClient::new(&cfg.agent_socket);
+    let agent =
+        dray_snapshotter_shim::agent::AgentClient::new(&cfg.agent_socket, cfg.unpack_deadline());
     dray_snapshotter_shim::serve(&cfg, agent, shutdown).await?;
     Ok(())
 }

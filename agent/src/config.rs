@@ -38,6 +38,12 @@ pub struct AgentConfig {
     /// (4096). GNU long names and links and PAX headers are capped at 1 MiB,
     /// as in containerd; that cap is not configurable.
     pub unpack: UnpackLimits,
+    /// On SIGTERM or SIGINT: how long in-flight unpacks, mirror answers and
+    /// uploads may run on before the agent exits anyway. Default 20 s, below
+    /// Kubernetes' 30 s `terminationGracePeriodSeconds`, so that the agent
+    /// flushes its store and exits 0 before the kubelet kills it.
+    #[serde(with = "millis")]
+    pub shutdown_grace: std::time::Duration,
 }
 
 impl Default for AgentConfig {
@@ -54,6 +60,7 @@ impl Default for AgentConfig {
             mirror: MirrorConfig::default(),
             local_api: LocalApiConfig::default(),
             unpack: UnpackLimits::default(),
+            shutdown_grace: std::time::Duration::from_secs(20),
         }
     }
 }

@@ -7,14 +7,17 @@
 //!   unpacker reads the blob's verified prefix as it grows, so unpacking
 //!   overlaps the download; the answer comes once the blob matched its digest
 //!   and the tar its diffID. On failure the directory is removed.
+//! - `POST /v1/layers/describe`: a layer's size and media type, from the
+//!   image's manifest (the shim sets its deadline for the unpack by the size).
 //! - `POST /v1/images/pull`: pulls every layer of an image into the store,
 //!   answering with one JSON progress line per tick (`dray pull`).
 //! - `GET /v1/status`: what the node holds and where it listens (`dray status`).
 //!
 //! A unix socket rather than TCP because the unpack call writes where it is
-//! told as root: only local, privileged clients may make it.
+//! told as root: only local, privileged clients may make it, and only into
+//! a new directory under `local_api.unpack_roots` (the snapshotter's root).
 
-use crate::image::{self, Image, ImageError, ImageRef};
+use crate::image::{self, Image, ImageError, ImageRef, Layer};
 use crate::mirror::MirrorConfig;
 use crate::pulls::{PullState, Pulls};
 use crate::registry::RegistryClient;
@@ -26,6 +29,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use dray_protocol::BlobDigest;
 use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
@@ -33,6 +37,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
 
 /// How often `POST /v1/images/pull` reports progress.
 const TICK: Duration = Duration::from_millis(250);
@@ -45,6 +50,10 @@ pub struct LocalApiConfig {
     pub socket: PathBuf,
     /// Layers unpacked at once; 0 means one per core.
     pub unpack_concurrency: usize,
+    /// Directories an unpack target must lie under, symlinks resolved: the
+    /// snapshotter's root. The unpack writes as root wherever it is told, so
+    /// a target anywhere else (`/etc/...`) is refused.
+    pub unpack_roots: Vec<PathBuf>,
 }
 
 impl Default for LocalApiConfig {
@@ -52,6 +61,8 @@ impl Default for LocalApiConfig {
         Self {
             socket: PathBuf::from("/run/dray/agent.sock"),
             unpack_concurrency: 0,
+            // The snapshotter's default root.
+            unpack_roots: vec![PathBuf::from("/var/lib/dray/snapshotter")],
         }
     }
 }
@@ -66,6 +77,23 @@ pub struct UnpackRequest {
     pub layer_digest: String,
     /// Absolute directory to create; must not exist.
     pub target: PathBuf,
+}
+
+/// `POST /v1/layers/describe` request: one layer of one image manifest.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct DescribeRequest {
+    pub image_ref: String,
+    pub manifest_digest: String,
+    pub layer_digest: String,
+}
+
+/// `POST /v1/layers/describe` answer, as the manifest states it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct LayerDescription {
+    pub layer_digest: String,
+    /// Compressed bytes.
+    pub size: u64,
+    pub media_type: String,
 }
 
 /// `POST /v1/layers/unpack` answer.
@@ -155,6 +183,7 @@ pub struct LocalApi {
     /// unpack of each of an image's layers does not fetch its manifest and
     /// config again.
     resolved: Mutex<HashMap<(String, String, BlobDigest), Image>>,
+    unpack_roots: Vec<PathBuf>,
 }
 
 /// Resolved images kept at most; the cache is emptied when it is full.
@@ -172,12 +201,14 @@ impl LocalApi {
             unpacks: Semaphore::new(slots),
             started: Instant::now(),
             resolved: Mutex::new(HashMap::new()),
+            unpack_roots: config.unpack_roots.clone(),
         })
     }
 
     pub fn router(self: &Arc<Self>) -> axum::Router {
         axum::Router::new()
             .route("/v1/layers/unpack", axum::routing::post(unpack))
+            .route("/v1/layers/describe", axum::routing::post(describe))
             .route("/v1/images/pull", axum::routing::post(pull))
             .route("/v1/status", axum::routing::get(status))
             .with_state(self.clone())
@@ -223,23 +254,43 @@ impl LocalApi {
         Ok((image, client, resolved))
     }
 
-    async fn unpack(&self, req: UnpackRequest) -> Result<UnpackResponse, ApiError> {
+    /// The manifest's entry for one layer, with the image and its registry client.
+    async fn layer(
+        &self,
+        image_ref: &str,
+        manifest_digest: &str,
+        digest: BlobDigest,
+    ) -> Result<(ImageRef, Arc<RegistryClient>, Layer), ApiError> {
+        let (image, client, resolved) = self.resolve(image_ref, Some(manifest_digest)).await?;
+        let layer = resolved.layer(&digest).cloned().ok_or_else(|| {
+            ApiError(
+                StatusCode::BAD_REQUEST,
+                format!("layer {digest} is not in manifest {manifest_digest} of {image_ref}"),
+            )
+        })?;
+        Ok((image, client, layer))
+    }
+
+    async fn describe(&self, req: DescribeRequest) -> Result<LayerDescription, ApiError> {
+        let digest = layer_digest(&req.layer_digest)?;
+        let (_, _, layer) = self
+            .layer(&req.image_ref, &req.manifest_digest, digest)
+            .await?;
+        Ok(LayerDescription {
+            layer_digest: digest.to_string(),
+            size: layer.size,
+            media_type: layer.media_type,
+        })
+    }
+
+    async fn unpack(&self, mut req: UnpackRequest) -> Result<UnpackResponse, ApiError> {
         let started = Instant::now();
         let bad = |m: String| ApiError(StatusCode::BAD_REQUEST, m);
-        let digest: BlobDigest = req
-            .layer_digest
-            .parse()
-            .map_err(|e| bad(format!("layer_digest: {e}")))?;
-        check_target(&req.target).map_err(bad)?;
-        let (image, client, resolved) = self
-            .resolve(&req.image_ref, Some(&req.manifest_digest))
+        let digest = layer_digest(&req.layer_digest)?;
+        req.target = check_target(&req.target, &self.unpack_roots)?;
+        let (image, client, layer) = self
+            .layer(&req.image_ref, &req.manifest_digest, digest)
             .await?;
-        let layer = resolved.layer(&digest).cloned().ok_or_else(|| {
-            bad(format!(
-                "layer {digest} is not in manifest {} of {}",
-                req.manifest_digest, req.image_ref
-            ))
-        })?;
         let compression = Compression::from_media_type(&layer.media_type)
             .map_err(|e| bad(format!("layer {digest}: {e}")))?;
         let stored = client
@@ -264,7 +315,12 @@ impl LocalApi {
             .open(digest, layer.size, 0, layer.size, pull.clone())
             .await
             .map_err(|e| ApiError(StatusCode::BAD_GATEWAY, e.to_string()))?;
-        let stream = tokio_util::io::StreamReader::new(reader.into_stream());
+        // Dropped with this future when the caller hangs up (the shim's
+        // deadline passed): the unpacker then fails and removes its target
+        // instead of writing on into a directory nobody waits for.
+        let gone = CancellationToken::new();
+        let _hung_up = gone.clone().drop_guard();
+        let stream = tokio_util::io::StreamReader::new(until_cancelled(reader.into_stream(), gone));
         let bridge = tokio_util::io::SyncIoBridge::new(stream);
         let (target, diff_id) = (req.target.clone(), layer.diff_id.clone());
         let unpacked: Unpacked = tokio::task::spawn_blocking(move || {
@@ -328,28 +384,101 @@ impl LocalApi {
     }
 }
 
-/// The target must be absolute, free of `..`, and not exist yet; its parent must.
-fn check_target(target: &Path) -> Result<(), String> {
+/// `stream`, cut with an error once `gone` is cancelled.
+fn until_cancelled(
+    stream: BoxStream<'static, std::io::Result<Bytes>>,
+    gone: CancellationToken,
+) -> BoxStream<'static, std::io::Result<Bytes>> {
+    futures_util::stream::unfold(Some(stream), move |state| {
+        let gone = gone.clone();
+        async move {
+            let mut stream = state?;
+            tokio::select! {
+                biased;
+                _ = gone.cancelled() => Some((
+                    Err(std::io::Error::other("the client hung up; unpack abandoned")),
+                    None,
+                )),
+                item = stream.next() => item.map(|i| (i, Some(stream))),
+            }
+        }
+    })
+    .boxed()
+}
+
+fn layer_digest(text: &str) -> Result<BlobDigest, ApiError> {
+    text.parse()
+        .map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("layer_digest: {e}")))
+}
+
+/// The target must be absolute, free of `..`, and not exist yet; its parent
+/// must, and with its symlinks resolved lie under one of `roots`. Returns the
+/// target with its parent resolved, so that what is checked is what the
+/// unpacker creates.
+fn check_target(target: &Path, roots: &[PathBuf]) -> Result<PathBuf, ApiError> {
+    let bad = |m: String| ApiError(StatusCode::BAD_REQUEST, m);
+    let (Some(parent), Some(name)) = (target.parent(), target.file_name()) else {
+        return Err(bad(format!(
+            "target {} must be an absolute path without ..",
+            target.display()
+        )));
+    };
     if !target.is_absolute()
         || target
             .components()
             .any(|c| matches!(c, std::path::Component::ParentDir))
     {
-        return Err(format!(
+        return Err(bad(format!(
             "target {} must be an absolute path without ..",
             target.display()
-        ));
+        )));
     }
     if target.symlink_metadata().is_ok() {
-        return Err(format!("target {} already exists", target.display()));
+        return Err(bad(format!("target {} already exists", target.display())));
     }
-    match target.parent() {
-        Some(p) if p.is_dir() => Ok(()),
-        _ => Err(format!(
-            "the parent directory of target {} does not exist",
+    let real_parent = match parent.canonicalize() {
+        Ok(p) if p.is_dir() => p,
+        _ => {
+            return Err(bad(format!(
+                "the parent directory of target {} does not exist",
+                target.display()
+            )));
+        }
+    };
+    let real = real_parent.join(name);
+    // A root that does not exist holds nothing; one that is a symlink counts
+    // as where it points.
+    if roots
+        .iter()
+        .filter_map(|r| r.canonicalize().ok())
+        .any(|root| real.starts_with(&root) && real != root)
+    {
+        return Ok(real);
+    }
+    let allowed = roots
+        .iter()
+        .map(|r| r.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let resolved = if real == target {
+        String::new()
+    } else {
+        format!(" (resolved: {})", real.display())
+    };
+    Err(ApiError(
+        StatusCode::FORBIDDEN,
+        format!(
+            "target {}{resolved} is outside the unpack roots [{allowed}]: the agent unpacks only under local_api.unpack_roots, which should name the snapshotter's root",
             target.display()
-        )),
-    }
+        ),
+    ))
+}
+
+async fn describe(
+    State(api): State<Arc<LocalApi>>,
+    Json(req): Json<DescribeRequest>,
+) -> Result<Json<LayerDescription>, ApiError> {
+    api.describe(req).await.map(Json)
 }
 
 async fn unpack(

@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, TryAcquireError};
 
 /// Bytes of a chunk sent per take from the upload budget: small against a
 /// chunk, so a capped upload streams instead of starting late.
@@ -280,10 +280,24 @@ impl PeerNode {
         self.endpoint.open_connections()
     }
 
+    /// Takes no more chunk requests (they are answered BUSY, so askers turn
+    /// to other peers) while those under way finish: the first half of a
+    /// graceful stop, [`close`](Self::close) once `active_uploads` is 0.
+    pub fn drain(&self) {
+        self.upload_slots.close();
+    }
+
     /// Stops serving and closes every connection.
     pub fn close(&self) {
         self.endpoint
             .close(quinn::VarInt::from_u32(0), b"shutting down");
+    }
+
+    /// Waits (at most `limit`) until every connection has sent its close:
+    /// a process that exits right after [`close`](Self::close) leaves its
+    /// peers' requests hanging until their timeouts instead.
+    pub async fn closed(&self, limit: Duration) {
+        let _ = tokio::time::timeout(limit, self.endpoint.wait_idle()).await;
     }
 
     /// Dials `peer_id` at `addr`, checks its certificate names that peer id, and
@@ -724,12 +738,19 @@ async fn serve_request(
             first,
             count,
         } => {
-            let Ok(_slot) = node.upload_slots.try_acquire() else {
-                node.metrics.upload_refused();
-                write_frame(&mut send, &reject(Reason::Busy, "all upload slots in use"))
-                    .await
-                    .map_err(io)?;
-                return Ok(());
+            let _slot = match node.upload_slots.try_acquire() {
+                Ok(slot) => slot,
+                Err(e) => {
+                    node.metrics.upload_refused();
+                    let why = match e {
+                        TryAcquireError::Closed => "this node is shutting down",
+                        TryAcquireError::NoPermits => "all upload slots in use",
+                    };
+                    write_frame(&mut send, &reject(Reason::Busy, why))
+                        .await
+                        .map_err(io)?;
+                    return Ok(());
+                }
             };
             let Some(blob) = lookup(node, digest).await? else {
                 write_frame(

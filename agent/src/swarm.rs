@@ -30,7 +30,7 @@ use crate::tracker_client::TrackerClient;
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap, DEFAULT_CHUNK_SIZE, VerifyError};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -181,6 +181,29 @@ impl Swarm {
                     tokio::time::timeout(Duration::from_millis(wait), swarm.poke.notified()).await;
             }
         })
+    }
+
+    /// Tells every replica this agent announced to that it is stopping, so
+    /// that it is forgotten at once (not after missing its announces): nobody
+    /// is handed a peer that is going away, and its registry runs go to other
+    /// nodes. Stop the announcer first, or its next announce rejoins.
+    pub async fn leave(&self) {
+        let replicas: Vec<String> = lock(&self.sent).keys().cloned().collect();
+        let leave = pb::Leave {
+            peer_id: self.node.peer_id().to_string(),
+        };
+        let sent = replicas.iter().map(|replica| {
+            let body = Body::Leave(leave.clone());
+            async move { (replica, self.tracker.send(replica, body).await) }
+        });
+        for (replica, answer) in futures_util::future::join_all(sent).await {
+            match answer {
+                Ok(_) => tracing::info!(%replica, "left the tracker"),
+                Err(e) => {
+                    tracing::warn!(%replica, error = %e, "could not tell the tracker this node leaves")
+                }
+            }
+        }
     }
 
     /// One round of announces: every blob held or wanted, to its owner replica.
@@ -449,7 +472,8 @@ impl Swarm {
     ) -> Result<()> {
         let digest = t.blob().digest();
         let mut runs = tokio::task::JoinSet::new();
-        let mut assigned = HashSet::new();
+        // The tracker's runs under way, by first chunk.
+        let mut assigned: HashMap<u32, tokio::task::AbortHandle> = HashMap::new();
         let mut last_tracker = Instant::now();
         let mut progress = (Instant::now(), t.blob().held().count());
         // Without a tracker every chunk comes from the registry.
@@ -514,8 +538,12 @@ impl Swarm {
                         t.add_peer(p);
                     }
                     for (first, count) in u.runs {
-                        if assigned.insert(first) {
-                            runs.spawn(run(first, count, CancellationToken::new()));
+                        // A run handed out again after ours ended is fetched
+                        // again: ours may have skipped a chunk then in flight
+                        // from a peer that has since gone (a stopping node).
+                        if assigned.get(&first).is_none_or(|r| r.is_finished()) {
+                            let handle = runs.spawn(run(first, count, CancellationToken::new()));
+                            assigned.insert(first, handle);
                         }
                     }
                 }

@@ -1,15 +1,23 @@
-//! The agent's local API, the shim's only way out: `POST /v1/layers/unpack`
-//! over HTTP/1.1 on the agent's unix socket. The agent fetches one layer,
-//! unpacks it into a directory that does not exist yet and verifies blob
-//! digest and diff ID before it answers; on failure it answers 4xx/5xx with
+//! The agent's local API, the shim's only way out: HTTP/1.1 on the agent's
+//! unix socket. `POST /v1/layers/describe` gives a layer's size from its
+//! manifest; `POST /v1/layers/unpack` has the agent fetch the layer, unpack
+//! it into a directory that does not exist yet and verify blob digest and
+//! diff ID before it answers; on failure it answers 4xx/5xx with
 //! `{"error": ...}` and leaves no directory behind.
+//!
+//! Every call has a deadline ([`UnpackDeadline`]): a floor, plus the layer's
+//! size at the slowest rate waited for. Past it the shim hangs up (the agent
+//! abandons the unpack and removes its target) and the `Prepare` falls back
+//! to containerd's own pull, as on any other agent failure.
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// What the shim asks for: one layer of one image, unpacked into `target`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -32,6 +40,28 @@ pub struct UnpackReport {
     pub uncompressed_bytes: u64,
 }
 
+/// The agent's `POST /v1/layers/describe` answer (the request is the
+/// unpack request; the agent ignores its target).
+#[derive(Clone, Debug, Deserialize)]
+struct LayerDescription {
+    size: u64,
+}
+
+/// How long the agent may take for one layer: `floor` plus its compressed
+/// size at `min_bytes_per_s`. Asking for the size has the floor alone.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct UnpackDeadline {
+    pub floor: Duration,
+    pub min_bytes_per_s: u64,
+}
+
+impl UnpackDeadline {
+    /// The deadline of a layer of `size` compressed bytes.
+    pub fn for_size(&self, size: u64) -> Duration {
+        self.floor + Duration::from_secs_f64(size as f64 / self.min_bytes_per_s.max(1) as f64)
+    }
+}
+
 /// Why the agent could not deliver a layer.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -46,6 +76,15 @@ pub enum AgentError {
     Refused { status: u16, message: String },
     #[error("agent answer is not the expected JSON: {0}")]
     BadAnswer(#[from] serde_json::Error),
+    #[error(
+        "agent did not {what} layer {layer} within {:.1} s (unpack_deadline_floor_s, plus the layer's size at unpack_min_bytes_per_s); giving up on it",
+        deadline.as_secs_f64()
+    )]
+    Deadline {
+        what: &'static str,
+        layer: String,
+        deadline: Duration,
+    },
 }
 
 /// Something that unpacks layers: the agent, or a fake in tests.
@@ -57,11 +96,12 @@ pub trait LayerSource: Send + Sync + 'static {
     ) -> impl Future<Output = Result<UnpackReport, AgentError>> + Send;
 }
 
-/// The HTTP client for the agent's unix socket (one connection per layer:
+/// The HTTP client for the agent's unix socket (one connection per call:
 /// calls are few and long).
 #[derive(Clone, Debug)]
 pub struct AgentClient {
     socket: PathBuf,
+    deadline: UnpackDeadline,
 }
 
 #[derive(Deserialize)]
@@ -70,15 +110,19 @@ struct ErrorBody {
 }
 
 impl AgentClient {
-    pub fn new(socket: &Path) -> AgentClient {
+    pub fn new(socket: &Path, deadline: UnpackDeadline) -> AgentClient {
         AgentClient {
             socket: socket.to_path_buf(),
+            deadline,
         }
     }
-}
 
-impl LayerSource for AgentClient {
-    async fn unpack(&self, request: &UnpackRequest) -> Result<UnpackReport, AgentError> {
+    /// POSTs `request` as JSON to `path` and reads the JSON answer.
+    async fn post<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        request: &UnpackRequest,
+    ) -> Result<T, AgentError> {
         let stream = tokio::net::UnixStream::connect(&self.socket)
             .await
             .map_err(|source| AgentError::Connect {
@@ -87,18 +131,18 @@ impl LayerSource for AgentClient {
             })?;
         let (mut sender, connection) =
             hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-        let connection = tokio::spawn(connection);
+        // Aborted with this future: a call past its deadline hangs up.
+        let connection = AbortOnDrop(tokio::spawn(connection));
         let body = serde_json::to_vec(request)?;
-        let http_request = hyper::Request::post("/v1/layers/unpack")
+        let http_request = hyper::Request::post(path)
             .header(hyper::header::HOST, "dray-agent")
             .header(hyper::header::CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from(body)))
             .expect("a static request is well-formed");
-        // No timeout: a large layer takes minutes and the agent bounds its own work.
         let response = sender.send_request(http_request).await?;
         let status = response.status();
         let bytes = response.into_body().collect().await?.to_bytes();
-        connection.abort();
+        drop(connection);
         if !status.is_success() {
             let message = serde_json::from_slice::<ErrorBody>(&bytes)
                 .map(|b| b.error)
@@ -110,6 +154,50 @@ impl LayerSource for AgentClient {
         }
         Ok(serde_json::from_slice(&bytes)?)
     }
+
+    /// `post`, given up after `deadline`.
+    async fn post_within<T: DeserializeOwned>(
+        &self,
+        what: &'static str,
+        path: &str,
+        request: &UnpackRequest,
+        deadline: Duration,
+    ) -> Result<T, AgentError> {
+        tokio::time::timeout(deadline, self.post(path, request))
+            .await
+            .unwrap_or_else(|_| {
+                Err(AgentError::Deadline {
+                    what,
+                    layer: request.layer_digest.clone(),
+                    deadline,
+                })
+            })
+    }
+}
+
+/// A task aborted when this is dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl LayerSource for AgentClient {
+    async fn unpack(&self, request: &UnpackRequest) -> Result<UnpackReport, AgentError> {
+        let layer: LayerDescription = self
+            .post_within(
+                "describe",
+                "/v1/layers/describe",
+                request,
+                self.deadline.floor,
+            )
+            .await?;
+        let deadline = self.deadline.for_size(layer.size);
+        self.post_within("unpack", "/v1/layers/unpack", request, deadline)
+            .await
+    }
 }
 
 #[cfg(test)]
@@ -117,36 +205,59 @@ mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    /// A one-shot HTTP server on a unix socket that records the request and
-    /// sends a canned response.
-    async fn one_shot(socket: &Path, response: &'static str) -> tokio::task::JoinHandle<String> {
+    /// An HTTP server on a unix socket answering one connection per canned
+    /// response (`None`: read the request, answer nothing and report whether
+    /// the client hung up within 5 s); yields the requests it read.
+    async fn server(
+        socket: &Path,
+        responses: Vec<Option<String>>,
+    ) -> tokio::task::JoinHandle<Vec<String>> {
         let listener = tokio::net::UnixListener::bind(socket).unwrap();
         tokio::spawn(async move {
-            let (mut s, _) = listener.accept().await.unwrap();
-            let mut buf = vec![0u8; 8192];
-            let mut got = Vec::new();
-            // Headers, then the body announced by Content-Length.
-            loop {
-                let n = s.read(&mut buf).await.unwrap();
-                got.extend_from_slice(&buf[..n]);
-                let text = String::from_utf8_lossy(&got).to_string();
-                if let Some((head, body)) = text.split_once("\r\n\r\n") {
-                    let len: usize = head
-                        .lines()
-                        .find_map(|l| {
-                            l.to_ascii_lowercase()
-                                .strip_prefix("content-length: ")
-                                .map(|v| v.parse().unwrap())
-                        })
-                        .unwrap();
-                    if body.len() >= len || n == 0 {
-                        break;
+            let mut requests = Vec::new();
+            for response in responses {
+                let (mut s, _) = listener.accept().await.unwrap();
+                let mut buf = vec![0u8; 8192];
+                let mut got = Vec::new();
+                // Headers, then the body announced by Content-Length.
+                loop {
+                    let n = s.read(&mut buf).await.unwrap();
+                    got.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&got).to_string();
+                    if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                        let len: usize = head
+                            .lines()
+                            .find_map(|l| {
+                                l.to_ascii_lowercase()
+                                    .strip_prefix("content-length: ")
+                                    .map(|v| v.parse().unwrap())
+                            })
+                            .unwrap();
+                        if body.len() >= len || n == 0 {
+                            break;
+                        }
                     }
                 }
+                let mut request = String::from_utf8(got).unwrap();
+                match response {
+                    Some(r) => s.write_all(r.as_bytes()).await.unwrap(),
+                    None => {
+                        let eof = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf));
+                        let hung_up = matches!(eof.await, Ok(Ok(0)));
+                        request.push_str(&format!("\n[client hung up: {hung_up}]"));
+                    }
+                }
+                requests.push(request);
             }
-            s.write_all(response.as_bytes()).await.unwrap();
-            String::from_utf8(got).unwrap()
+            requests
         })
+    }
+
+    fn answer(status: &str, body: &str) -> Option<String> {
+        Some(format!(
+            "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        ))
     }
 
     fn request() -> UnpackRequest {
@@ -158,29 +269,55 @@ mod tests {
         }
     }
 
+    fn client(socket: &Path, floor_ms: u64) -> AgentClient {
+        AgentClient::new(
+            socket,
+            UnpackDeadline {
+                floor: Duration::from_millis(floor_ms),
+                min_bytes_per_s: 1 << 20,
+            },
+        )
+    }
+
+    #[test]
+    fn the_deadline_is_the_floor_plus_the_size_at_the_slowest_rate() {
+        let d = UnpackDeadline {
+            floor: Duration::from_secs(60),
+            min_bytes_per_s: 4 << 20,
+        };
+        assert_eq!(d.for_size(0), Duration::from_secs(60));
+        assert_eq!(d.for_size(1 << 30), Duration::from_secs(60 + 256));
+    }
+
     #[tokio::test]
-    async fn the_client_posts_json_and_reads_the_report() {
+    async fn the_client_asks_the_size_then_posts_json_and_reads_the_report() {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("agent.sock");
-        let body = r#"{"layer_digest":"sha256:l","diff_id":"sha256:d","compressed_bytes":10,"uncompressed_bytes":20}"#;
-        let response: &'static str = Box::leak(
-            format!("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len())
-                .into_boxed_str(),
-        );
-        let server = one_shot(&socket, response).await;
-        let report = AgentClient::new(&socket).unpack(&request()).await.unwrap();
+        let described = r#"{"layer_digest":"sha256:l","size":10,"media_type":"application/vnd.oci.image.layer.v1.tar+gzip"}"#;
+        let report = r#"{"layer_digest":"sha256:l","diff_id":"sha256:d","compressed_bytes":10,"uncompressed_bytes":20}"#;
+        let server = server(
+            &socket,
+            vec![answer("200 OK", described), answer("200 OK", report)],
+        )
+        .await;
+        let report = client(&socket, 5_000).unpack(&request()).await.unwrap();
         assert_eq!(report.diff_id, "sha256:d");
         assert_eq!(report.uncompressed_bytes, 20);
         let sent = server.await.unwrap();
-        assert!(
-            sent.starts_with("POST /v1/layers/unpack HTTP/1.1\r\n"),
-            "{sent}"
-        );
-        let json = sent.split_once("\r\n\r\n").unwrap().1;
-        assert_eq!(
-            serde_json::from_str::<UnpackRequest>(json).unwrap(),
-            request()
-        );
+        for (req, path) in sent
+            .iter()
+            .zip(["/v1/layers/describe", "/v1/layers/unpack"])
+        {
+            assert!(
+                req.starts_with(&format!("POST {path} HTTP/1.1\r\n")),
+                "{req}"
+            );
+            let json = req.split_once("\r\n\r\n").unwrap().1;
+            assert_eq!(
+                serde_json::from_str::<UnpackRequest>(json).unwrap(),
+                request()
+            );
+        }
     }
 
     #[tokio::test]
@@ -188,25 +325,41 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("agent.sock");
         let body = r#"{"error":"blob sha256:l failed its digest"}"#;
-        let response: &'static str = Box::leak(
-            format!(
-                "HTTP/1.1 502 Bad Gateway\r\ncontent-length: {}\r\n\r\n{body}",
-                body.len()
-            )
-            .into_boxed_str(),
-        );
-        let _server = one_shot(&socket, response).await;
-        let e = AgentClient::new(&socket)
-            .unpack(&request())
-            .await
-            .unwrap_err();
+        let _server = server(&socket, vec![answer("502 Bad Gateway", body)]).await;
+        let e = client(&socket, 5_000).unpack(&request()).await.unwrap_err();
         assert_eq!(
             e.to_string(),
             "agent answered 502: blob sha256:l failed its digest"
         );
-        let missing = AgentClient::new(&dir.path().join("none.sock"))
+        let missing = client(&dir.path().join("none.sock"), 5_000)
             .unpack(&request())
             .await;
         assert!(matches!(missing, Err(AgentError::Connect { .. })));
+    }
+
+    #[tokio::test]
+    async fn an_unpack_past_its_deadline_is_given_up_and_the_agent_hung_up_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("agent.sock");
+        // 1 MiB at 1 MiB/s on top of a 200 ms floor: 1.2 s.
+        let described = r#"{"layer_digest":"sha256:l","size":1048576,"media_type":"x"}"#;
+        let server = server(&socket, vec![answer("200 OK", described), None]).await;
+        let started = std::time::Instant::now();
+        let e = client(&socket, 200).unpack(&request()).await.unwrap_err();
+        let took = started.elapsed();
+        assert!(
+            matches!(e, AgentError::Deadline { what: "unpack", .. }),
+            "{e}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "agent did not unpack layer sha256:l within 1.2 s (unpack_deadline_floor_s, plus the layer's size at unpack_min_bytes_per_s); giving up on it"
+        );
+        assert!(
+            (1200..2500).contains(&took.as_millis()),
+            "gave up after {took:?}"
+        );
+        let sent = server.await.unwrap();
+        assert!(sent[1].ends_with("[client hung up: true]"), "{}", sent[1]);
     }
 }

@@ -1,8 +1,10 @@
 //! `dray snapshotter`'s configuration: one TOML file, every key optional,
 //! flags override it.
 
+use crate::agent::UnpackDeadline;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// The snapshotter's settings; the defaults suit a production node.
 #[derive(Clone, Debug, Deserialize)]
@@ -20,6 +22,14 @@ pub struct SnapshotterConfig {
     pub prefetch_limit: usize,
     /// Seconds a prefetched layer nobody claims is kept. Default 600.
     pub staged_ttl_s: u64,
+    /// The agent has this many seconds, plus the layer's size at
+    /// `unpack_min_bytes_per_s`, to unpack a layer; past that the shim stops
+    /// waiting and containerd pulls the layer itself. Default 60.
+    pub unpack_deadline_floor_s: u64,
+    /// The slowest agent unpack waited for, in compressed bytes per second
+    /// (queueing for an unpack slot included). Default 4 MiB/s: a 1 GiB
+    /// layer gets 60 + 256 s.
+    pub unpack_min_bytes_per_s: u64,
 }
 
 impl Default for SnapshotterConfig {
@@ -30,6 +40,18 @@ impl Default for SnapshotterConfig {
             agent_socket: "/run/dray/agent.sock".into(),
             prefetch_limit: 4,
             staged_ttl_s: 600,
+            unpack_deadline_floor_s: 60,
+            unpack_min_bytes_per_s: 4 << 20,
+        }
+    }
+}
+
+impl SnapshotterConfig {
+    /// How long the agent may take per layer.
+    pub fn unpack_deadline(&self) -> UnpackDeadline {
+        UnpackDeadline {
+            floor: Duration::from_secs(self.unpack_deadline_floor_s),
+            min_bytes_per_s: self.unpack_min_bytes_per_s.max(1),
         }
     }
 }

@@ -236,36 +236,59 @@ pub struct SnapshotterProc {
     pub socket: PathBuf,
     pub root: PathBuf,
     agent_socket: PathBuf,
+    config: Option<PathBuf>,
     log: PathBuf,
 }
 
 impl SnapshotterProc {
     /// Starts the shim and waits (up to 10 s) for its socket.
     pub fn start(dir: &Path, agent_socket: &Path) -> SnapshotterProc {
+        SnapshotterProc::launch(dir, agent_socket, None)
+    }
+
+    /// Starts the shim with `config` as its config file (TOML; the socket,
+    /// root and agent socket still come from flags).
+    pub fn start_configured(dir: &Path, agent_socket: &Path, config: &str) -> SnapshotterProc {
+        let path = dir.join("snapshotter.toml");
+        std::fs::write(&path, config).unwrap();
+        SnapshotterProc::launch(dir, agent_socket, Some(path))
+    }
+
+    fn launch(dir: &Path, agent_socket: &Path, config: Option<PathBuf>) -> SnapshotterProc {
         let socket = dir.join("snapshotter.sock");
         let root = dir.join("snapshotter");
         let log = dir.join("snapshotter.log");
-        let child = SnapshotterProc::spawn(&socket, &root, agent_socket, &log);
+        let child = SnapshotterProc::spawn(&socket, &root, agent_socket, config.as_deref(), &log);
         let mut shim = SnapshotterProc {
             child,
             socket,
             root,
             agent_socket: agent_socket.to_path_buf(),
+            config,
             log,
         };
         shim.wait_for_socket();
         shim
     }
 
-    fn spawn(socket: &Path, root: &Path, agent_socket: &Path, log: &Path) -> std::process::Child {
+    fn spawn(
+        socket: &Path,
+        root: &Path,
+        agent_socket: &Path,
+        config: Option<&Path>,
+        log: &Path,
+    ) -> std::process::Child {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(log)
             .unwrap();
-        Command::new(env!("CARGO_BIN_EXE_dray"))
-            .arg("snapshotter")
-            .arg("--socket")
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dray"));
+        cmd.arg("snapshotter");
+        if let Some(c) = config {
+            cmd.arg("--config").arg(c);
+        }
+        cmd.arg("--socket")
             .arg(socket)
             .arg("--root")
             .arg(root)
@@ -321,8 +344,13 @@ impl SnapshotterProc {
                 self.log_text()
             );
         }
-        self.child =
-            SnapshotterProc::spawn(&self.socket, &self.root, &self.agent_socket, &self.log);
+        self.child = SnapshotterProc::spawn(
+            &self.socket,
+            &self.root,
+            &self.agent_socket,
+            self.config.as_deref(),
+            &self.log,
+        );
         self.wait_for_socket();
     }
 }
@@ -531,6 +559,8 @@ impl LocalApiProc {
         let config = dray_agent::local_api::LocalApiConfig {
             socket: socket.to_path_buf(),
             unpack_concurrency: 0,
+            // Tests unpack beside the socket (the snapshotter's root among them).
+            unpack_roots: socket.parent().into_iter().map(Path::to_path_buf).collect(),
         };
         let listener = dray_agent::local_api::bind(socket).unwrap();
         let api = dray_agent::local_api::LocalApi::new(

@@ -236,6 +236,12 @@ impl Tracker {
                 tracing::warn!(digest = %d, reporter = %f.reporter, "blob failed its digest; chunk map withdrawn");
                 Ok(None)
             }
+            Some(Body::Leave(l)) => {
+                let known = st.scheduler.leave(&l.peer_id);
+                self.metrics.left(known);
+                tracing::info!(peer = %l.peer_id, known, "agent left");
+                Ok(None)
+            }
             None => Err(TrackerError::BadRequest("empty tracker request".into())),
         }
     }
@@ -546,6 +552,57 @@ mod tests {
             "dray_tracker_nodes 4",
             "dray_tracker_blobs 1",
         ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
+        }
+    }
+
+    #[test]
+    fn a_leaving_agent_is_forgotten_at_once_and_no_longer_handed_out() {
+        let t = Tracker::new(&TrackerConfig::default());
+        let d = BlobDigest::of(b"blob");
+        let size = 4u64 << 22;
+        let now = Instant::now();
+        let mut all = Bitfield::new(4);
+        (0..4).for_each(|i| _ = all.set(i));
+        t.handle(announce("a", d, size, Some(&all), true), now)
+            .unwrap();
+        let peers_of = |resp: pb::AnnounceResponse| -> Vec<String> {
+            resp.peers[&d.to_string()]
+                .peers
+                .iter()
+                .map(|p| p.peer_id.clone())
+                .collect()
+        };
+        let resp = t
+            .handle(announce("bb", d, size, Some(&Bitfield::new(4)), true), now)
+            .unwrap()
+            .unwrap();
+        assert_eq!(peers_of(resp), ["a"]);
+        let leave = |peer: &str| pb::TrackerRequest {
+            body: Some(Body::Leave(pb::Leave {
+                peer_id: peer.into(),
+            })),
+        };
+        assert!(t.handle(leave("a"), now).unwrap().is_none());
+        // Unknown: nothing to forget, nothing counted.
+        assert!(t.handle(leave("zz"), now).unwrap().is_none());
+        assert_eq!(t.peer_count(), 1);
+        assert_eq!(t.holders(&d, 0), 0);
+        let resp = t
+            .handle(announce("bb", d, size, None, false), now)
+            .unwrap()
+            .unwrap();
+        assert!(
+            !resp.assignments.is_empty(),
+            "a's chunks come from the registry now"
+        );
+        assert!(
+            resp.peers
+                .get(&d.to_string())
+                .is_none_or(|l| l.peers.is_empty())
+        );
+        let text = t.encode_metrics();
+        for line in ["dray_tracker_left_nodes_total 1", "dray_tracker_nodes 1"] {
             assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
         }
     }

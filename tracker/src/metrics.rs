@@ -49,6 +49,7 @@ pub struct TrackerMetrics {
     runs_assigned: Counter,
     runs_reclaimed: Counter,
     expired_nodes: Counter,
+    left_nodes: Counter,
     bad_chunk_reports: Counter,
     bans: Counter,
     digest_failures: Counter,
@@ -74,6 +75,7 @@ impl TrackerMetrics {
             runs_assigned: Counter::default(),
             runs_reclaimed: Counter::default(),
             expired_nodes: Counter::default(),
+            left_nodes: Counter::default(),
             bad_chunk_reports: Counter::default(),
             bans: Counter::default(),
             digest_failures: Counter::default(),
@@ -122,6 +124,11 @@ impl TrackerMetrics {
             m.expired_nodes.clone(),
         );
         r.register(
+            "left_nodes",
+            "Agents dropped at once because they said they were stopping",
+            m.left_nodes.clone(),
+        );
+        r.register(
             "bad_chunk_reports",
             "Reports of a peer sending a chunk that failed its hash",
             m.bad_chunk_reports.clone(),
@@ -158,6 +165,13 @@ impl TrackerMetrics {
 
     pub fn digest_failed(&self) {
         self.digest_failures.inc();
+    }
+
+    /// An agent said it leaves; `known`: the tracker had state for it.
+    pub fn left(&self, known: bool) {
+        if known {
+            self.left_nodes.inc();
+        }
     }
 
     pub fn ticked(&self, reclaimed: usize, expired: usize) {

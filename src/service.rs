@@ -1,0 +1,167 @@
+//! dray as a system service: the stop signals every long-running subcommand
+//! obeys (`agent`, `tracker`, `snapshotter`, `blob pull --serve`), and the
+//! agent's graceful stop.
+//!
+//! Kubernetes and systemd stop a service with SIGTERM; Ctrl-C is SIGINT. A
+//! process that is PID 1 of its PID namespace (a container's entrypoint)
+//! gets no default action for either: the kernel drops the signal unless a
+//! handler is installed, and the pod waits out its whole grace period before
+//! SIGKILL. So every server here installs one, through [`shutdown_signal`].
+//!
+//! The agent stops in this order, all within `shutdown_grace`: the mirror
+//! and the local API take no new requests; the tracker is told this node
+//! leaves (so it is handed out no more and its registry runs go to others
+//! at once); new chunk requests from peers are answered BUSY; then it waits
+//! for the answers and uploads under way, closes the peer endpoint, records
+//! every blob's verified chunks, and exits 0.
+
+use anyhow::{Context, Result, bail};
+use dray_agent::config::AgentConfig;
+use dray_agent::local_api::{self, LocalApi};
+use dray_agent::metrics::{AdminEndpoint, AgentMetrics};
+use dray_agent::mirror::Mirror;
+use dray_agent::pulls::Pulls;
+use std::future::{Future, IntoFuture};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::watch;
+
+/// How often the stop checks whether uploads have finished.
+const DRAIN_POLL: Duration = Duration::from_millis(50);
+/// How long the peer endpoint may take to tell every peer it closes.
+const CLOSE_WAIT: Duration = Duration::from_secs(1);
+
+/// Installs the SIGTERM and SIGINT handlers now, and resolves with the
+/// signal's name once either arrives.
+pub fn shutdown_signal() -> Result<impl Future<Output = &'static str> + Send> {
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        }
+    })
+}
+
+/// `dray agent`: serves until SIGTERM or SIGINT, then stops gracefully.
+pub async fn run_agent(cfg: AgentConfig) -> Result<()> {
+    let stop = shutdown_signal()?;
+    // Health checks answer while the store opens (which re-verifies partial blobs).
+    let metrics = Arc::new(AgentMetrics::new());
+    let admin = AdminEndpoint::new(metrics.clone());
+    let admin_listener = tokio::net::TcpListener::bind(cfg.admin_listen)
+        .await
+        .with_context(|| format!("binding the admin endpoint to {}", cfg.admin_listen))?;
+    let admin_addr = admin_listener.local_addr()?;
+    let admin_task = tokio::spawn(admin.clone().serve(admin_listener));
+    let swarm = crate::join_swarm(cfg.clone(), metrics)?;
+    let node = swarm.node().clone();
+    admin.set_ready(node.clone());
+    let announcer = swarm.spawn_announcer();
+    let listener = tokio::net::TcpListener::bind(cfg.mirror.listen)
+        .await
+        .with_context(|| format!("binding the mirror to {}", cfg.mirror.listen))?;
+    let mirror_addr = listener.local_addr()?;
+    let local = local_api::bind(&cfg.local_api.socket).with_context(|| {
+        format!(
+            "binding the local API to {}",
+            cfg.local_api.socket.display()
+        )
+    })?;
+    eprintln!(
+        "dray agent {} serving peers on {} and the registry mirror on http://{mirror_addr} (metrics on http://{admin_addr}/metrics, local API on {})",
+        node.peer_id(),
+        node.local_addr()?,
+        cfg.local_api.socket.display()
+    );
+    let pulls = Pulls::new(swarm.clone());
+    let api = LocalApi::new(pulls.clone(), cfg.mirror.clone(), &cfg.local_api);
+    let mirror = Mirror::new(pulls, cfg.mirror.clone());
+    // Cleared to stop taking requests; those under way run to their end.
+    let (draining, drained) = watch::channel(false);
+    let until_draining = move || {
+        let mut rx = drained.clone();
+        async move {
+            let _ = rx.wait_for(|d| *d).await;
+        }
+    };
+    let mut mirror_task = tokio::spawn(
+        axum::serve(listener, mirror.router())
+            .with_graceful_shutdown(until_draining())
+            .into_future(),
+    );
+    let mut api_task = tokio::spawn(
+        axum::serve(local, api.router())
+            .with_graceful_shutdown(until_draining())
+            .into_future(),
+    );
+    let signal = tokio::select! {
+        served = &mut mirror_task => {
+            served.context("mirror task")?.with_context(|| format!("serving the mirror on {mirror_addr}"))?;
+            bail!("the mirror on {mirror_addr} stopped serving")
+        }
+        served = &mut api_task => {
+            served.context("local API task")?.context("serving the local API")?;
+            bail!("the local API stopped serving")
+        }
+        served = admin_task => {
+            served.context("admin endpoint task")?
+                .with_context(|| format!("serving the admin endpoint on {admin_addr}"))?;
+            bail!("the admin endpoint on {admin_addr} stopped serving")
+        }
+        signal = stop => signal,
+    };
+    let grace = cfg.shutdown_grace;
+    let deadline = tokio::time::Instant::now() + grace;
+    eprintln!(
+        "dray agent: {signal}: taking no new requests, leaving the tracker, finishing what is under way (at most {} s)",
+        grace.as_secs_f64()
+    );
+    // A second signal cuts the wait short (the store is still flushed).
+    let again = shutdown_signal()?;
+    let _ = draining.send(true);
+    announcer.abort();
+    let _ = tokio::time::timeout_at(deadline, swarm.leave()).await;
+    node.drain();
+    let finished = async {
+        let _ = (&mut mirror_task).await;
+        let _ = (&mut api_task).await;
+        while node.active_uploads() > 0 {
+            tokio::time::sleep(DRAIN_POLL).await;
+        }
+    };
+    let cut_short = tokio::select! {
+        _ = finished => None,
+        _ = tokio::time::sleep_until(deadline) => Some(format!("shutdown_grace ({} s) passed", grace.as_secs_f64())),
+        signal = again => Some(format!("{signal} again")),
+    };
+    if let Some(why) = cut_short {
+        let answering = [&mirror_task, &api_task]
+            .iter()
+            .filter(|t| !t.is_finished())
+            .count();
+        eprintln!(
+            "dray agent: {why} with {} uploads under way and {answering} of the mirror and the local API still answering: stopping them",
+            node.active_uploads()
+        );
+        mirror_task.abort();
+        api_task.abort();
+    }
+    node.close();
+    node.closed(CLOSE_WAIT).await;
+    let store = node.store().clone();
+    tokio::task::spawn_blocking(move || {
+        for blob in store.open_blobs() {
+            if let Err(e) = store.persist(&blob) {
+                eprintln!("dray agent: recording the chunks of {}: {e}", blob.digest());
+            }
+        }
+    })
+    .await
+    .context("flushing the store")?;
+    let _ = std::fs::remove_file(&cfg.local_api.socket);
+    eprintln!("dray agent: stopped");
+    Ok(())
+}
