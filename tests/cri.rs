@@ -602,3 +602,184 @@ async fn through_cri_a_long_name_bomb_commits_nothing_and_a_sparse_file_unpacks_
     assert!(peak < 512 << 20, "peak RSS {peak} bytes");
 }
 
+// ---- issue 17: parent directories a layer leaves out ----
+
+/// A tar of `entries`: (path, type byte, mode, uid, content), no entry for
+/// any directory not listed.
+fn layer_tar(entries: &[(&str, u8, u32, u64, &[u8])]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (path, kind, mode, uid, content) in entries {
+        let mut h = tar::Header::new_gnu();
+        h.set_path(path).unwrap();
+        h.set_entry_type(tar::EntryType::new(*kind));
+        h.set_mode(*mode);
+        h.set_uid(*uid);
+        h.set_gid(*uid);
+        h.set_mtime(1_700_000_000);
+        h.set_size(content.len() as u64);
+        h.set_cksum();
+        b.append(&h, *content).unwrap();
+    }
+    b.into_inner().unwrap()
+}
+
+/// Pushes `repo:v1`, an image of `layers` (gzipped tars, lowest first).
+fn push_image(registry: &Registry, work: &Path, repo: &str, layers: &[Vec<u8>]) -> Vec<String> {
+    let mut descriptors = Vec::new();
+    let mut diff_ids = Vec::new();
+    for (i, tar) in layers.iter().enumerate() {
+        let blob = work.join(format!("{}-{i}.tar.gz", repo.replace('/', "-")));
+        hostile::gzip_to(&tar[..], &blob);
+        let digest = registry.push(repo, &blob);
+        descriptors.push(serde_json::json!({
+            "mediaType": GZIP, "digest": digest, "size": std::fs::metadata(&blob).unwrap().len()
+        }));
+        diff_ids.push(hostile::diff_id(&tar[..]));
+    }
+    let config = serde_json::json!({
+        "architecture": "amd64", "os": "linux",
+        "rootfs": { "type": "layers", "diff_ids": diff_ids },
+        "config": {}
+    })
+    .to_string();
+    let config_path = work.join(format!("{}.config.json", repo.replace('/', "-")));
+    std::fs::write(&config_path, &config).unwrap();
+    let config_digest = registry.push(repo, &config_path);
+    let manifest = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": { "mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": config.len() },
+        "layers": descriptors
+    })
+    .to_string();
+    registry.push_manifest(repo, "v1", &manifest);
+    diff_ids
+}
+
+/// The directory of the committed snapshot `chain_id` of `snapshotter` in
+/// `namespace`, read from the mounts of a view of it.
+fn snapshot_dir(ctrd: &Containerd, namespace: &str, snapshotter: &str, chain_id: &str) -> PathBuf {
+    let key = format!("view-{}", &chain_id[7..19]);
+    let args = ["-n", namespace, "snapshots", "--snapshotter", snapshotter];
+    let view = [&args[..], &["view", "--mounts", &key, chain_id]].concat();
+    let mounts = ok(&ctrd.ctr(&view), "snapshots view");
+    ctrd.ctr(&[&args[..], &["rm", &key]].concat());
+    let dir = mounts
+        .split(|c: char| c.is_whitespace() || ",:=\"[]".contains(c))
+        .find(|w| w.starts_with('/') && w.ends_with("/fs"))
+        .unwrap_or_else(|| panic!("no snapshot dir in {mounts:?}"));
+    PathBuf::from(dir)
+}
+
+/// Every xattr of `p` (not following a symlink), by name.
+fn xattrs(p: &Path) -> Vec<(String, Vec<u8>)> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+    let mut names = vec![0u8; 64 << 10];
+    // SAFETY: a valid C string and a writable buffer of its length.
+    let n = unsafe { libc::llistxattr(c.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
+    assert!(n >= 0, "listxattr {}", p.display());
+    names.truncate(n as usize);
+    names
+        .split(|&b| b == 0)
+        .filter(|k| !k.is_empty())
+        .map(|k| {
+            let key = std::ffi::CString::new(k).unwrap();
+            let mut v = vec![0u8; 64 << 10];
+            // SAFETY: valid C strings and a writable buffer of its length.
+            let n = unsafe {
+                libc::lgetxattr(c.as_ptr(), key.as_ptr(), v.as_mut_ptr().cast(), v.len())
+            };
+            assert!(n >= 0, "getxattr {}", p.display());
+            v.truncate(n as usize);
+            (String::from_utf8_lossy(k).into_owned(), v)
+        })
+        .collect()
+}
+
+/// Type, mode, owner, content or link target and xattrs of every entry
+/// below `root`, and the mtime of all but directories (an implicit parent's
+/// is when its last child was written, in containerd as here).
+fn tree(root: &Path) -> std::collections::BTreeMap<PathBuf, String> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let p = root.join(&rel);
+        let m = std::fs::symlink_metadata(&p).unwrap();
+        let mut d = format!("mode {:o} uid {} gid {}", m.mode(), m.uid(), m.gid());
+        if m.is_dir() {
+            for e in std::fs::read_dir(&p).unwrap() {
+                stack.push(rel.join(e.unwrap().file_name()));
+            }
+        } else {
+            d += &format!(" mtime {} content {}", m.mtime(), file_digest(&p));
+        }
+        for (k, v) in xattrs(&p) {
+            d += &format!(" xattr {k}={v:?}");
+        }
+        out.insert(rel, d);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn directories_a_layer_leaves_out_keep_the_lower_layers_mode_and_owner_as_in_containerd() {
+    let work = tempfile::tempdir().unwrap();
+    let n = node(work.path()).await;
+    let host = n.registry.host();
+    // The lower layer: a 1777 /tmp and a /home/app of uid 1000.
+    let lower = layer_tar(&[
+        ("tmp", b'5', 0o1777, 0, b""),
+        ("home", b'5', 0o755, 0, b""),
+        ("home/app", b'5', 0o750, 1000, b""),
+        ("home/app/.profile", b'0', 0o644, 1000, b"# app\n"),
+    ]);
+    // The upper layer adds below them with no directory entries, and below
+    // a directory no layer has.
+    let upper = layer_tar(&[
+        ("tmp/x", b'0', 0o644, 0, b"x\n"),
+        ("home/app/data/y", b'0', 0o600, 1000, b"y\n"),
+        ("home/app/z", b'0', 0o640, 1000, b"z\n"),
+    ]);
+    let diff_ids = push_image(
+        &n.registry,
+        work.path(),
+        "implicit/parents",
+        &[lower, upper],
+    );
+    let chains = oci_image::chain_ids(&diff_ids);
+
+    let mut client = cri_client(Path::new(&n.ctrd.address)).await;
+    pull_image(&mut client, &format!("{host}/implicit/parents:v1"))
+        .await
+        .unwrap_or_else(|e| panic!("PullImage: {e}\nshim log:\n{}", n.shim.log_text()));
+
+    // containerd's own unpack of the same image, with its overlayfs snapshotter.
+    let plain = work.path().join("containerd-plain");
+    std::fs::create_dir(&plain).unwrap();
+    let reference = oci_image::Containerd::start(&plain).unwrap();
+    reference
+        .ctr_ok(&[
+            "images",
+            "pull",
+            "--plain-http",
+            &format!("{host}/implicit/parents:v1"),
+        ])
+        .unwrap();
+
+    for (i, chain) in chains.iter().enumerate() {
+        let ours = tree(&snapshot_dir(&n.ctrd, "k8s.io", "dray", chain));
+        let theirs = tree(&reference.snapshot_dir(chain).unwrap());
+        assert_eq!(
+            ours, theirs,
+            "layer {i}: dray's snapshot differs from containerd's"
+        );
+    }
+    let top = snapshot_dir(&n.ctrd, "k8s.io", "dray", &chains[1]);
+    let m = std::fs::metadata(top.join("tmp")).unwrap();
+    assert_eq!(m.mode() & 0o7777, 0o1777);
+    let m = std::fs::metadata(top.join("home/app")).unwrap();
+    assert_eq!((m.uid(), m.mode() & 0o7777), (1000, 0o750));
+    let m = std::fs::metadata(top.join("home/app/data")).unwrap();
+    assert_eq!((m.uid(), m.mode() & 0o7777), (0, 0o755));
+}

@@ -16,6 +16,7 @@ mod error;
 pub mod filter;
 mod layout;
 mod meta;
+mod parents;
 mod prefetch;
 pub mod service;
 mod snapshotter;

@@ -8,6 +8,7 @@ use crate::error::SnapshotError;
 use crate::filter::{Fields, FilterSet};
 use crate::layout::{Layout, NewDir, disk_usage, remove_tree};
 use crate::meta::{Kind, MetaStore, Record, Usage};
+use crate::parents::inherit_implicit_parents;
 use crate::pb::types::Mount;
 use crate::prefetch::Prefetcher;
 use std::collections::{BTreeMap, HashMap};
@@ -274,7 +275,12 @@ impl<A: LayerSource> Snapshotter<A> {
         let dir = self.layout.new_dir(false, false)?;
         self.fetch_layer(layer, &dir.fs()).await?;
         let fs = dir.fs();
-        let usage = blocking(move || disk_usage(&fs)).await?;
+        let lowers = self.lower_dirs(parent)?;
+        let usage = blocking(move || {
+            inherit_implicit_parents(&fs, &lowers)?;
+            disk_usage(&fs)
+        })
+        .await?;
         let now = SystemTime::now();
         let record = Record {
             id: self.meta.next_id()?,
@@ -288,6 +294,16 @@ impl<A: LayerSource> Snapshotter<A> {
         self.insert(dir, &layer.target, &record)?;
         tracing::info!(target = %layer.target, layer = %layer.layer_digest, id = record.id, "committed remote layer");
         Ok(())
+    }
+
+    /// The directories of `parent` and its ancestors, nearest first.
+    fn lower_dirs(&self, parent: &str) -> Result<Vec<PathBuf>, SnapshotError> {
+        let Some(record) = self.meta.get(parent)?.filter(|_| !parent.is_empty()) else {
+            return Ok(Vec::new());
+        };
+        let mut ids = vec![record.id];
+        ids.extend(self.meta.parent_ids(&record)?);
+        Ok(ids.into_iter().map(|id| self.layout.fs(id)).collect())
     }
 
     /// Puts the unpacked layer at `target`: the prefetched copy if there is

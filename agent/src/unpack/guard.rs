@@ -366,7 +366,7 @@ impl<'a, R: Read> Guard<'a, R> {
                 };
                 // As the crate checks: stored chunks are block-aligned in the
                 // stream, in order, and add up to the entry's size.
-                if len != 0 && used % BLOCK as u64 != 0 {
+                if len != 0 && !used.is_multiple_of(BLOCK as u64) {
                     return Err(self.refuse(
                         "its sparse map has a stored chunk not aligned to 512 bytes".into(),
                     ));

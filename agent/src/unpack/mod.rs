@@ -18,10 +18,11 @@
 //! followed, as containerd does. As containerd's overlay applier (which
 //! writes straight into the upper dir), symlinks of lower layers play no
 //! part, `trusted.*` xattrs in the layer are dropped (they could steer
-//! overlayfs), and an empty numeric header field reads as 0. One departure on
-//! benign input: a parent directory the tar does not contain is made 0755
-//! root-owned, where containerd copies its owner and mode from the lower
-//! layers; image builders put every parent in the tar.
+//! overlayfs), and an empty numeric header field reads as 0. A parent
+//! directory the tar does not contain is made 0755 root-owned and marked
+//! [`IMPLICIT_XATTR`]: the unpacker does not see the lower layers, whose
+//! owner, mode and xattrs containerd copies (`mkparent`); the snapshotter
+//! shim does that when it commits the layer.
 //!
 //! Hostile layers are bounded by [`UnpackLimits`] and the caps of [`guard`],
 //! which walks the tar stream's header structure ahead of the `tar` crate:
@@ -363,6 +364,12 @@ fn refused<T>(reason: impl Into<String>) -> Result<T, EntryError> {
     Err(EntryError::Refused(reason.into()))
 }
 
+/// The mark on a directory made only because the layer named something
+/// inside it. The snapshotter shim (`snapshotter-shim/src/parents.rs`) gives
+/// it the attributes of the lower layers' directory when it commits the
+/// layer, and removes the mark.
+pub const IMPLICIT_XATTR: &std::ffi::CStr = c"trusted.dray.implicit";
+
 const WHITEOUT_PREFIX: &[u8] = b".wh.";
 const WHITEOUT_OPAQUE: &[u8] = b".wh..wh..opq";
 const MAX_SYMLINK_HOPS: usize = 40;
@@ -664,10 +671,12 @@ impl TreeWriter {
                     // SAFETY: a valid C string.
                     cvt(unsafe { libc::mkdirat(cur, name.as_ptr(), 0o755) })
                         .map_err(io_err(format!("creating directory {shown:?}")))?;
-                    stack.push(
-                        open_dir_at(cur, &name)
-                            .map_err(io_err(format!("opening directory {shown:?}")))?,
-                    );
+                    let fd = open_dir_at(cur, &name)
+                        .map_err(io_err(format!("opening directory {shown:?}")))?;
+                    // Whoever knows the lower layers gives it their attributes.
+                    set_xattr(fd.as_raw_fd(), None, IMPLICIT_XATTR, b"")
+                        .map_err(io_err(format!("marking directory {shown:?} implicit")))?;
+                    stack.push(fd);
                 }
                 None => {
                     return Err(EntryError::Io(
@@ -765,6 +774,16 @@ impl TreeWriter {
                     // SAFETY: a valid C string.
                     cvt(unsafe { libc::mkdirat(dir, cname.as_ptr(), 0o700) })
                         .map_err(io_err("mkdir"))?;
+                } else {
+                    // Named after all: no longer implicit.
+                    let path = proc_path(dir, &cname);
+                    // SAFETY: valid C strings.
+                    if unsafe { libc::lremovexattr(path.as_ptr(), IMPLICIT_XATTR.as_ptr()) } != 0 {
+                        let e = io::Error::last_os_error();
+                        if !matches!(e.raw_os_error(), Some(libc::ENODATA | libc::ENOTSUP)) {
+                            return Err(EntryError::Io("removing its implicit mark".into(), e));
+                        }
+                    }
                 }
                 self.dirs
                     .insert(comps.iter().map(|c| c.to_os_string()).collect(), meta.mtime);
@@ -1163,6 +1182,30 @@ mod tests {
             "{e}"
         );
         assert!(!dir.path().join("t").exists());
+    }
+
+    fn marked(p: &Path) -> bool {
+        let p = CString::new(p.as_os_str().as_bytes()).unwrap();
+        // SAFETY: valid C strings; a null buffer asks only whether it is there.
+        unsafe {
+            libc::lgetxattr(p.as_ptr(), IMPLICIT_XATTR.as_ptr(), std::ptr::null_mut(), 0) >= 0
+        }
+    }
+
+    #[test]
+    fn directories_made_only_for_their_contents_are_marked_until_the_layer_names_them() {
+        let mut b = tar::Builder::new(Vec::new());
+        b.append(&header("a/b/f", tar::EntryType::Regular, 2), &b"hi"[..])
+            .unwrap();
+        b.append(&header("a/", tar::EntryType::Directory, 0), &[][..])
+            .unwrap();
+        let tar = b.into_inner().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("layer");
+        unpack_layer(&tar[..], Compression::None, &target, None).unwrap();
+        assert!(marked(&target.join("a/b")));
+        assert!(!marked(&target.join("a")));
+        assert!(!marked(&target.join("a/b/f")));
     }
 
     #[test]
