@@ -77,7 +77,12 @@ pub async fn run_agent(cfg: AgentConfig) -> Result<()> {
         cfg.local_api.socket.display()
     );
     let pulls = Pulls::new(swarm.clone());
-    let api = LocalApi::new(pulls.clone(), cfg.mirror.clone(), &cfg.local_api);
+    let api = LocalApi::new(
+        pulls.clone(),
+        cfg.mirror.clone(),
+        &cfg.local_api,
+        cfg.unpack.clone(),
+    );
     let mirror = Mirror::new(pulls, cfg.mirror.clone());
     // Cleared to stop taking requests; those under way run to their end.
     let (draining, drained) = watch::channel(false);

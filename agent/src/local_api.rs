@@ -21,7 +21,7 @@ use crate::image::{self, Image, ImageError, ImageRef, Layer};
 use crate::mirror::MirrorConfig;
 use crate::pulls::{PullState, Pulls};
 use crate::registry::RegistryClient;
-use crate::unpack::{Compression, Unpacked, unpack_layer};
+use crate::unpack::{Compression, UnpackLimits, Unpacked, unpack_layer_within};
 use axum::Json;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -184,13 +184,20 @@ pub struct LocalApi {
     /// config again.
     resolved: Mutex<HashMap<(String, String, BlobDigest), Image>>,
     unpack_roots: Vec<PathBuf>,
+    /// What one layer may ask of the unpacker (the agent's `[unpack]`).
+    limits: UnpackLimits,
 }
 
 /// Resolved images kept at most; the cache is emptied when it is full.
 const RESOLVED_CACHE: usize = 256;
 
 impl LocalApi {
-    pub fn new(pulls: Arc<Pulls>, mirror: MirrorConfig, config: &LocalApiConfig) -> Arc<Self> {
+    pub fn new(
+        pulls: Arc<Pulls>,
+        mirror: MirrorConfig,
+        config: &LocalApiConfig,
+        limits: UnpackLimits,
+    ) -> Arc<Self> {
         let slots = match config.unpack_concurrency {
             0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
             n => n,
@@ -202,6 +209,7 @@ impl LocalApi {
             started: Instant::now(),
             resolved: Mutex::new(HashMap::new()),
             unpack_roots: config.unpack_roots.clone(),
+            limits,
         })
     }
 
@@ -323,8 +331,9 @@ impl LocalApi {
         let stream = tokio_util::io::StreamReader::new(until_cancelled(reader.into_stream(), gone));
         let bridge = tokio_util::io::SyncIoBridge::new(stream);
         let (target, diff_id) = (req.target.clone(), layer.diff_id.clone());
+        let limits = self.limits.clone();
         let unpacked: Unpacked = tokio::task::spawn_blocking(move || {
-            unpack_layer(bridge, compression, &target, Some(&diff_id))
+            unpack_layer_within(bridge, compression, &target, Some(&diff_id), &limits)
         })
         .await
         .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?

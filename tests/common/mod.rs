@@ -567,6 +567,7 @@ impl LocalApiProc {
             dray_agent::pulls::Pulls::new(agent.swarm.clone()),
             mirror,
             &config,
+            dray_agent::unpack::UnpackLimits::default(),
         );
         LocalApiProc {
             socket: socket.to_path_buf(),
