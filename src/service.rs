@@ -79,7 +79,7 @@ pub async fn run_agent(cfg: AgentConfig) -> Result<()> {
     let pulls = Pulls::new(swarm.clone());
     let api = LocalApi::new(pulls.clone(), cfg.mirror.clone(), &cfg.local_api);
     let mirror = Mirror::new(pulls, cfg.mirror.clone());
-    // Cleared to stop taking requests; those under way run to their end.
+    // Set at the stop: no new requests; those under way run to their end.
     let (draining, drained) = watch::channel(false);
     let until_draining = move || {
         let mut rx = drained.clone();
