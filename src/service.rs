@@ -84,7 +84,7 @@ pub async fn run_agent(cfg: AgentConfig) -> Result<()> {
         cfg.unpack.clone(),
     );
     let mirror = Mirror::new(pulls, cfg.mirror.clone());
-    // Cleared to stop taking requests; those under way run to their end.
+    // Set at the stop: no new requests; those under way run to their end.
     let (draining, drained) = watch::channel(false);
     let until_draining = move || {
         let mut rx = drained.clone();
