@@ -172,6 +172,7 @@ async fn mirror(b: MirrorBench) -> Result<()> {
         listen: listener.local_addr()?,
         upstreams: [(registry.host(), registry.url())].into_iter().collect(),
         default_registry: Some(registry.host()),
+        ..Default::default()
     };
     let server = tokio::spawn(Mirror::new(Pulls::new(swarm.clone()), config).serve(listener));
     let through_mirror = RegistryClient::new(&mirror_url, None)?;

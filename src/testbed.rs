@@ -39,6 +39,18 @@ pub struct Registry {
 impl Registry {
     /// Starts a registry; with `auth`, behind htpasswd basic auth.
     pub async fn start(auth: Option<(&str, &str)>) -> Registry {
+        Registry::start_with(auth, None).await
+    }
+
+    /// Starts a registry whose `auth:` section is `auth_yaml` (a YAML flow
+    /// map), e.g. `{token: {realm: ..., service: ..., issuer: ..., rootcertbundle: ...}}`
+    /// for a token server written by a test. `push` needs basic auth, so a
+    /// test uploads through its own token there.
+    pub async fn start_with_auth(auth_yaml: &str) -> Registry {
+        Registry::start_with(None, Some(auth_yaml)).await
+    }
+
+    async fn start_with(auth: Option<(&str, &str)>, auth_yaml: Option<&str>) -> Registry {
         let dir = tempfile::tempdir().unwrap();
         let port = free_port();
         let mut cfg = format!(
@@ -57,6 +69,9 @@ impl Registry {
                 "auth: {{htpasswd: {{realm: test, path: {}}}}}\n",
                 htpasswd.display()
             ));
+        }
+        if let Some(yaml) = auth_yaml {
+            cfg.push_str(&format!("auth: {yaml}\n"));
         }
         let cfg_path = dir.path().join("config.yml");
         std::fs::write(&cfg_path, cfg).unwrap();

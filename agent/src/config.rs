@@ -16,6 +16,9 @@ use std::path::{Path, PathBuf};
 pub struct AgentConfig {
     /// Where blobs and the completion log live.
     pub state_dir: PathBuf,
+    /// The largest blob the store reserves disk for when no manifest verified
+    /// by digest gives its size (a registry's `Content-Length` alone), bytes.
+    pub max_blob_size: u64,
     /// UDP address of the QUIC peer endpoint. Peers on other nodes must reach
     /// it, so a DaemonSet sets the node address; the default stays on loopback.
     pub peer_listen: SocketAddr,
@@ -50,6 +53,7 @@ impl Default for AgentConfig {
     fn default() -> Self {
         Self {
             state_dir: PathBuf::from("/var/lib/dray"),
+            max_blob_size: crate::store::DEFAULT_MAX_BLOB_SIZE,
             peer_listen: "127.0.0.1:7881".parse().expect("valid address"),
             admin_listen: "127.0.0.1:9464".parse().expect("valid address"),
             cert: PathBuf::from("/etc/dray/tls/agent.crt"),

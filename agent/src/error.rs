@@ -45,6 +45,8 @@ pub enum Error {
     Withdrawn(BlobDigest),
     #[error("blob {digest} could not be completed: {detail}")]
     Incomplete { digest: BlobDigest, detail: String },
+    #[error("blob {digest} refused before reserving disk: {detail}")]
+    BlobSize { digest: BlobDigest, detail: String },
 }
 
 impl Error {

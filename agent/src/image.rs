@@ -129,19 +129,12 @@ async fn fetch(
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
         .to_string();
-    if resp
-        .content_length()
-        .is_some_and(|l| l > MAX_MANIFEST as u64)
-    {
-        return Err(invalid(format!("larger than {MAX_MANIFEST} bytes")));
-    }
-    let body = resp
-        .bytes()
+    let body = crate::registry::read_limited(resp, MAX_MANIFEST, client.base(), path)
         .await
-        .map_err(|e| invalid(format!("reading the body: {e}")))?;
-    if body.len() > MAX_MANIFEST {
-        return Err(invalid(format!("larger than {MAX_MANIFEST} bytes")));
-    }
+        .map_err(|e| match e {
+            RegistryError::TooLarge { .. } => invalid(format!("larger than {MAX_MANIFEST} bytes")),
+            other => invalid(format!("reading the body: {other}")),
+        })?;
     let digest = BlobDigest::of(&body);
     if let Some(want) = expect
         && &digest != want

@@ -9,6 +9,7 @@
 //! containerd. [`metrics`] counts what the agent does for Prometheus and
 //! serves it with the health checks on the admin listener.
 
+pub mod bounded;
 pub mod config;
 pub mod containerd;
 pub mod error;

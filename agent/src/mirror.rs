@@ -13,13 +13,23 @@
 //! exactly as it would directly and nothing private reaches a client that could
 //! not read it upstream. The cost is one HEAD round trip per blob request.
 //!
+//! Which registries: only those the node is configured to mirror
+//! (`mirror.registries`, `mirror.upstreams`, `mirror.default_registry`); a
+//! request naming any other `ns` is answered 404 before anything is sent
+//! anywhere, so a local client cannot make the agent connect to a host of
+//! its choosing, and containerd goes to the registry itself. `*` serves any
+//! registry containerd names, reached as containerd would reach it
+//! (`https://<ns>`, certificates checked). A blob the node holds, or is
+//! pulling, is handed out only to a client whose access check passed at the
+//! registry the blob came from (see [`crate::pulls`]).
+//!
 //! When the mirror cannot serve a blob (upstream and swarm both failing for it)
 //! it answers 502 before sending any byte, so containerd moves on to the next
 //! host in `hosts.toml`, the real registry.
 
 use crate::image::MAX_MANIFEST;
 use crate::metrics::MirrorRequest;
-use crate::pulls::{OpenError, Pulls};
+use crate::pulls::{OpenError, OriginError, Pulls};
 use crate::registry::{RegistryClient, RegistryError};
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State};
@@ -37,6 +47,10 @@ use std::sync::Arc;
 pub struct MirrorConfig {
     /// Where the mirror listens; loopback, since containerd runs on the node.
     pub listen: SocketAddr,
+    /// Registries served, by the name containerd gives (`ns`), besides those
+    /// in `upstreams` and `default_registry`. `"*"`: any well-formed name,
+    /// reached at `https://<name>`. Others are answered 404.
+    pub registries: Vec<String>,
     /// Upstream base URL by registry name (containerd's `ns`), for registries
     /// not reached at `https://<name>`, e.g. `"127.0.0.1:5000" = "http://127.0.0.1:5000"`.
     pub upstreams: BTreeMap<String, String>,
@@ -48,6 +62,7 @@ impl Default for MirrorConfig {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:5050".parse().expect("valid address"),
+            registries: Vec::new(),
             upstreams: BTreeMap::new(),
             default_registry: None,
         }
@@ -55,6 +70,19 @@ impl Default for MirrorConfig {
 }
 
 impl MirrorConfig {
+    /// Whether the operator named this registry (not only through `*`).
+    pub fn names(&self, registry: &str) -> bool {
+        self.registries.iter().any(|r| r == registry)
+            || self.upstreams.contains_key(registry)
+            || self.default_registry.as_deref() == Some(registry)
+    }
+
+    /// Whether the mirror serves requests for `registry`.
+    pub fn serves(&self, registry: &str) -> bool {
+        self.names(registry)
+            || (self.registries.iter().any(|r| r == "*") && is_registry_host(registry))
+    }
+
     /// The upstream base URL for a registry name, as containerd resolves it.
     pub fn upstream(&self, registry: &str) -> String {
         self.upstreams
@@ -62,6 +90,33 @@ impl MirrorConfig {
             .cloned()
             .unwrap_or_else(|| crate::containerd::default_server(registry))
     }
+}
+
+/// A registry name as containerd passes it in `ns`: `host` or `host:port`,
+/// host a DNS name or an IP literal. Nothing that would change the URL
+/// (`/`, `@`, `?`, `#`) gets into `https://<ns>`.
+fn is_registry_host(name: &str) -> bool {
+    let (host, port) = match name.rsplit_once(':') {
+        Some((h, p)) if !h.contains(':') || h.ends_with(']') => (h, Some(p)),
+        _ => (name, None),
+    };
+    let port_ok =
+        port.is_none_or(|p| !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit()));
+    let host_ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+        None => {
+            !host.is_empty()
+                && host.len() <= 253
+                && host.split('.').all(|l| {
+                    !l.is_empty()
+                        && l.len() <= 63
+                        && !l.starts_with('-')
+                        && !l.ends_with('-')
+                        && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                })
+        }
+    };
+    host_ok && port_ok
 }
 
 /// The mirror's shared state.
@@ -269,8 +324,12 @@ impl Mirror {
         axum::serve(listener, self.router()).await
     }
 
-    /// The upstream client for `ns`, with the client's credentials.
-    fn upstream(&self, ns: Option<&str>, headers: &HeaderMap) -> Result<RegistryClient, ApiError> {
+    /// The registry `ns` names (or the default one) and its shared upstream
+    /// client; 404 for a registry not served.
+    fn upstream<'a>(
+        &'a self,
+        ns: Option<&'a str>,
+    ) -> Result<(&'a str, Arc<RegistryClient>), ApiError> {
         let registry = ns
             .or(self.config.default_registry.as_deref())
             .ok_or_else(|| {
@@ -280,8 +339,17 @@ impl Mirror {
                     "no ns parameter and no default registry configured",
                 )
             })?;
-        let shared = self.pulls.upstream(&self.config.upstream(registry))?;
-        Ok(shared.for_client(headers.get(header::AUTHORIZATION).cloned()))
+        if !self.config.serves(registry) {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "NAME_UNKNOWN",
+                format!("this mirror does not serve registry {registry:?}; fetch from it directly"),
+            ));
+        }
+        Ok((
+            registry,
+            self.pulls.upstream(&self.config.upstream(registry))?,
+        ))
     }
 
     async fn manifest(
@@ -292,7 +360,8 @@ impl Mirror {
         name: &str,
         reference: &str,
     ) -> Result<Response, ApiError> {
-        let client = self.upstream(ns, headers)?;
+        let (registry, shared) = self.upstream(ns)?;
+        let client = shared.for_client(headers.get(header::AUTHORIZATION).cloned());
         let mut fwd = reqwest::header::HeaderMap::new();
         for v in headers.get_all(header::ACCEPT) {
             fwd.append(reqwest::header::ACCEPT, v.clone());
@@ -329,24 +398,17 @@ impl Mirror {
         let body = if method == Method::HEAD {
             Bytes::new()
         } else {
-            if length.is_some_and(|l| l as usize > MAX_MANIFEST) {
-                return Err(ApiError::new(
-                    StatusCode::BAD_GATEWAY,
-                    "MANIFEST_INVALID",
-                    "upstream manifest exceeds 4 MiB",
-                ));
-            }
-            let body = resp.bytes().await.map_err(|e| {
-                ApiError::new(StatusCode::BAD_GATEWAY, "UNAVAILABLE", e.to_string())
-            })?;
-            if body.len() > MAX_MANIFEST {
-                return Err(ApiError::new(
-                    StatusCode::BAD_GATEWAY,
-                    "MANIFEST_INVALID",
-                    "upstream manifest exceeds 4 MiB",
-                ));
-            }
-            body
+            let what = format!("manifest {name}:{reference}");
+            crate::registry::read_limited(resp, MAX_MANIFEST, client.base(), &what)
+                .await
+                .map_err(|e| {
+                    tracing::warn!(error = %e, "upstream manifest refused");
+                    let code = match e {
+                        RegistryError::TooLarge { .. } => "MANIFEST_INVALID",
+                        _ => "UNAVAILABLE",
+                    };
+                    ApiError::new(StatusCode::BAD_GATEWAY, code, e.to_string())
+                })?
         };
         let digest = if method == Method::HEAD {
             upstream_digest
@@ -358,6 +420,9 @@ impl Mirror {
                     "MANIFEST_INVALID",
                     format!("upstream manifest hashes to {got}, not {reference}"),
                 ));
+            }
+            if self.config.names(registry) {
+                self.vouch_sizes(&body);
             }
             Some(got)
         };
@@ -378,6 +443,33 @@ impl Mirror {
         Ok(out)
     }
 
+    /// Takes the blob sizes of an image manifest whose digest the mirror
+    /// checked (its bytes are what the client verifies), from a registry
+    /// the operator named: those blobs may reserve that much disk. A
+    /// registry admitted only by `*` gets the `max_blob_size` cap instead.
+    fn vouch_sizes(&self, body: &[u8]) {
+        #[derive(Deserialize)]
+        struct Descriptor {
+            digest: String,
+            size: u64,
+        }
+        #[derive(Deserialize)]
+        struct ImageManifest {
+            config: Option<Descriptor>,
+            #[serde(default)]
+            layers: Vec<Descriptor>,
+        }
+        let Ok(m) = serde_json::from_slice::<ImageManifest>(body) else {
+            return;
+        };
+        let store = self.pulls.swarm().node().store();
+        for d in m.config.iter().chain(&m.layers) {
+            if let Ok(digest) = d.digest.parse::<BlobDigest>() {
+                store.vouch_size(digest, d.size);
+            }
+        }
+    }
+
     async fn blob(
         self: &Arc<Self>,
         method: Method,
@@ -386,14 +478,41 @@ impl Mirror {
         name: &str,
         digest: BlobDigest,
     ) -> Result<Response, ApiError> {
-        let client = self.upstream(ns, headers)?;
+        let (_, shared) = self.upstream(ns)?;
+        let authorization = headers.get(header::AUTHORIZATION).cloned();
+        let client = shared.for_client(authorization.clone());
         // The access check: the client's own credentials must reach the blob upstream.
         let size = client.blob_size(name, &digest).await?;
+        // Before any disk is reserved for it: a HEAD's length alone is capped.
+        if let Err(e) = self.pulls.swarm().node().store().check_size(&digest, size) {
+            tracing::warn!(error = %e, "mirror request refused");
+            return Err(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "SIZE_INVALID",
+                e.to_string(),
+            ));
+        }
         let range = parse_range(headers.get(header::RANGE), size)?;
         let mut resp = if method == Method::HEAD {
             Response::new(Body::empty())
         } else {
-            let pull = self.pulls.ensure(Arc::new(client), name, digest);
+            let (pull, credentials) = self
+                .pulls
+                .ensure_from(&shared, authorization, name, digest)
+                .map_err(|e| {
+                    tracing::warn!(error = %e, "mirror request refused");
+                    match e {
+                        // Says nothing of where the blob came from.
+                        OriginError::Elsewhere { .. } => ApiError::new(
+                            StatusCode::NOT_FOUND,
+                            "BLOB_UNKNOWN",
+                            format!("blob {digest} is not served for this registry by this mirror"),
+                        ),
+                        OriginError::Store { .. } => {
+                            ApiError::new(StatusCode::BAD_GATEWAY, "UNAVAILABLE", e.to_string())
+                        }
+                    }
+                })?;
             let (start, end) = range.unwrap_or((0, size));
             // Waits for the first verified byte, so a failure is still a 502
             // and the client moves on to the next host.
@@ -407,7 +526,8 @@ impl Mirror {
                         OpenError::Stalled(_) => StatusCode::GATEWAY_TIMEOUT,
                     };
                     ApiError::new(status, "UNAVAILABLE", e.to_string())
-                })?;
+                })?
+                .holding(credentials);
             Response::new(Body::from_stream(reader.into_stream()))
         };
         let (status, len) = match range {
@@ -441,8 +561,12 @@ async fn ping(
     Query(q): Query<NsQuery>,
     headers: HeaderMap,
 ) -> Response {
-    let resp = match mirror.upstream(q.ns.as_deref(), &headers) {
-        Ok(client) => match client.ping().await {
+    let resp = match mirror.upstream(q.ns.as_deref()) {
+        Ok((_, shared)) => match shared
+            .for_client(headers.get(header::AUTHORIZATION).cloned())
+            .ping()
+            .await
+        {
             Ok(()) => ([("docker-distribution-api-version", "registry/2.0")], "{}").into_response(),
             Err(e) => ApiError::from(e).into_response(),
         },
@@ -486,6 +610,46 @@ async fn get_or_head(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn serves_only_the_registries_it_is_configured_for() {
+        let named = MirrorConfig {
+            registries: vec!["docker.io".into()],
+            upstreams: [("127.0.0.1:5000".into(), "http://127.0.0.1:5000".into())].into(),
+            ..Default::default()
+        };
+        assert!(named.serves("docker.io") && named.serves("127.0.0.1:5000"));
+        assert!(!named.serves("evil.example") && !named.serves("127.0.0.1:5001"));
+        assert!(!MirrorConfig::default().serves("docker.io"));
+        let any = MirrorConfig {
+            registries: vec!["*".into()],
+            ..Default::default()
+        };
+        for ok in [
+            "ghcr.io",
+            "registry.internal:5000",
+            "[::1]:5000",
+            "10.0.0.1",
+        ] {
+            assert!(any.serves(ok), "{ok}");
+        }
+        for bad in [
+            "a/b",
+            "user@host",
+            "h?x=1",
+            "h#f",
+            "",
+            "h:",
+            "h:123456",
+            "-a.b",
+            "[zz]:1",
+        ] {
+            assert!(!any.serves(bad), "{bad}");
+        }
+        assert!(!any.names("ghcr.io"), "`*` is not naming a registry");
+        assert_eq!(any.upstream("ghcr.io"), "https://ghcr.io");
+        assert_eq!(any.upstream("docker.io"), "https://registry-1.docker.io");
+    }
 
     #[test]
     fn parses_names_references_and_ranges_as_the_spec_says() {

@@ -6,15 +6,24 @@
 //! follows the blob's verified in-order prefix as it grows, so bytes flow on
 //! to the client (or into the unpacker) while later chunks are still being
 //! fetched, and no unverified byte is ever handed out. Upstream registry
-//! clients (connection pools, cached tokens) are kept per registry.
+//! clients (connection pools, cached tokens) are kept per registry, a bounded
+//! number of them.
+//!
+//! Every pull records the registry it pulls from with the blob (its origin,
+//! kept by the store). The mirror joins a pull, or reads a stored blob, only
+//! for a client asking through that same registry: its access check is a
+//! HEAD there, and a HEAD at another registry (one a client may control)
+//! proves nothing about this blob.
 
-use crate::registry::{RegistryClient, RegistryError};
+use crate::bounded::BoundedMap;
+use crate::registry::{ReaderGuard, Readers, RegistryClient, RegistryError};
 use crate::store::{Blob, Progress};
 use crate::swarm::{PullReport, Swarm};
 use bytes::Bytes;
 use dray_protocol::{BlobDigest, ChunkMap};
 use futures_util::StreamExt;
 use futures_util::stream::BoxStream;
+use reqwest::header::HeaderValue;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -24,6 +33,10 @@ use tokio::sync::watch;
 const FRAME: u64 = 1 << 20;
 /// A reader waiting this long for the next verified chunk gives up.
 const STALL: Duration = Duration::from_secs(60);
+/// Upstream clients kept; past it the oldest is dropped (its pool and cached
+/// tokens with it). A node mirrors a handful of registries; with `*` the
+/// names come from clients.
+const MAX_UPSTREAMS: usize = 64;
 
 /// How a shared pull is going.
 #[derive(Clone, Debug)]
@@ -44,13 +57,43 @@ pub enum OpenError {
     Stalled(BlobDigest),
 }
 
+/// Why a mirror client may not have a blob from this node.
+#[derive(Debug, thiserror::Error)]
+pub enum OriginError {
+    #[error(
+        "blob {digest} on this node came from {held}, not from {asked}: it is not handed out on the strength of another registry's answer"
+    )]
+    Elsewhere {
+        digest: BlobDigest,
+        asked: String,
+        held: String,
+    },
+    #[error("looking up where blob {digest} came from: {detail}")]
+    Store { digest: BlobDigest, detail: String },
+}
+
+/// A pull in progress and the registry it reads from.
+struct Running {
+    state: watch::Receiver<PullState>,
+    origin: String,
+    /// The waiting mirror clients' credentials it fetches with; `None` for a
+    /// pull with the agent's own (the local API's).
+    readers: Option<Arc<Readers>>,
+}
+
+impl Running {
+    fn is_running(&self) -> bool {
+        matches!(*self.state.borrow(), PullState::Running)
+    }
+}
+
 /// The node's blob pulls and upstream clients.
 pub struct Pulls {
     swarm: Arc<Swarm>,
     /// One client (connection pool) per upstream base URL.
-    upstreams: Mutex<HashMap<String, Arc<RegistryClient>>>,
+    upstreams: Mutex<BoundedMap<String, Arc<RegistryClient>>>,
     /// Pulls in progress, so concurrent readers of a blob share one.
-    running: Mutex<HashMap<BlobDigest, watch::Receiver<PullState>>>,
+    running: Mutex<HashMap<BlobDigest, Running>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -61,7 +104,7 @@ impl Pulls {
     pub fn new(swarm: Arc<Swarm>) -> Arc<Self> {
         Arc::new(Self {
             swarm,
-            upstreams: Mutex::new(HashMap::new()),
+            upstreams: Mutex::new(BoundedMap::new(MAX_UPSTREAMS)),
             running: Mutex::new(HashMap::new()),
         })
     }
@@ -81,7 +124,8 @@ impl Pulls {
         Ok(c)
     }
 
-    /// Starts (or joins) the swarm pull of a blob.
+    /// Starts (or joins) the swarm pull of a blob, whatever registry a
+    /// running pull reads from: for callers the node trusts (the local API).
     pub fn ensure(
         self: &Arc<Self>,
         client: Arc<RegistryClient>,
@@ -89,24 +133,107 @@ impl Pulls {
         digest: BlobDigest,
     ) -> watch::Receiver<PullState> {
         let mut running = lock(&self.running);
-        if let Some(rx) = running.get(&digest)
-            && matches!(*rx.borrow(), PullState::Running)
-        {
-            return rx.clone();
+        if let Some(r) = running.get(&digest).filter(|r| r.is_running()) {
+            return r.state.clone();
+        }
+        self.start(&mut running, client, repo, digest, None)
+    }
+
+    /// Starts or joins the pull of a blob for a mirror client that passed
+    /// the access check at `upstream` (the registry's shared client) with
+    /// `authorization`: refused when the blob (held, or being pulled) comes
+    /// from another registry. The pull fetches with the credentials of the
+    /// clients waiting on it: the guard keeps this client's there.
+    pub fn ensure_from(
+        self: &Arc<Self>,
+        upstream: &RegistryClient,
+        authorization: Option<HeaderValue>,
+        repo: &str,
+        digest: BlobDigest,
+    ) -> Result<(watch::Receiver<PullState>, Option<ReaderGuard>), OriginError> {
+        let asked = upstream.base().to_string();
+        let elsewhere = |held: String| OriginError::Elsewhere {
+            digest,
+            asked: asked.clone(),
+            held,
+        };
+        let mut running = lock(&self.running);
+        if let Some(r) = running.get(&digest).filter(|r| r.is_running()) {
+            if r.origin != asked {
+                return Err(elsewhere(r.origin.clone()));
+            }
+            let guard = r.readers.as_ref().map(|rs| rs.join(authorization));
+            return Ok((r.state.clone(), guard));
+        }
+        let store = self.swarm.node().store();
+        let store_err = |e: crate::Error| OriginError::Store {
+            digest,
+            detail: e.to_string(),
+        };
+        let origins = store.origins(&digest).map_err(store_err)?;
+        if !origins.contains(&asked) && store.knows(&digest).map_err(store_err)? {
+            let held = match origins.is_empty() {
+                true => "no recorded registry".to_string(),
+                false => origins.join(", "),
+            };
+            return Err(elsewhere(held));
+        }
+        let readers = Arc::new(Readers::default());
+        let guard = readers.join(authorization);
+        let client = Arc::new(upstream.for_readers(readers.clone()));
+        let rx = self.start(&mut running, client, repo, digest, Some(readers));
+        Ok((rx, Some(guard)))
+    }
+
+    /// Starts a pull from `client`'s registry, recording it as the blob's origin.
+    fn start(
+        self: &Arc<Self>,
+        running: &mut HashMap<BlobDigest, Running>,
+        client: Arc<RegistryClient>,
+        repo: &str,
+        digest: BlobDigest,
+        readers: Option<Arc<Readers>>,
+    ) -> watch::Receiver<PullState> {
+        let origin = client.base().to_string();
+        let store = self.swarm.node().store().clone();
+        if let Err(e) = store.add_origin(&digest, &origin) {
+            tracing::warn!(%digest, error = %e, "could not record the blob's registry");
         }
         let (tx, rx) = watch::channel(PullState::Running);
-        running.insert(digest, rx.clone());
-        let (pulls, repo) = (self.clone(), repo.to_string());
+        running.insert(
+            digest,
+            Running {
+                state: rx.clone(),
+                origin,
+                readers,
+            },
+        );
+        let (pulls, repo, mine) = (self.clone(), repo.to_string(), rx.clone());
         tokio::spawn(async move {
             let state = match pulls.swarm.pull(&client, &repo, digest).await {
                 Ok(report) => PullState::Done(Arc::new(report)),
                 Err(e) => {
                     tracing::warn!(%digest, error = %e, "blob pull failed");
+                    // Before the failure is told, while no other pull of the
+                    // blob can start: a file with nothing verified in it
+                    // gives its reserved disk back.
+                    let discarded =
+                        tokio::task::spawn_blocking(move || store.discard_if_empty(&digest)).await;
+                    if let Ok(Err(e)) = discarded {
+                        tracing::warn!(%digest, error = %e, "could not remove the empty blob");
+                    }
                     PullState::Failed(e.to_string())
                 }
             };
             let _ = tx.send(state);
-            lock(&pulls.running).remove(&digest);
+            let mut running = lock(&pulls.running);
+            // A pull started after this one failed is not this one's to end.
+            if running
+                .get(&digest)
+                .is_some_and(|r| r.state.same_channel(&mine))
+            {
+                running.remove(&digest);
+            }
         });
         rx
     }
@@ -156,6 +283,7 @@ impl Pulls {
             blob,
             progress,
             pull,
+            _credentials: None,
             pull_ended: false,
             pos: start,
             end,
@@ -170,6 +298,8 @@ pub struct BlobReader {
     blob: Arc<Blob>,
     progress: watch::Receiver<Progress>,
     pull: watch::Receiver<PullState>,
+    /// Keeps this reader's credentials in the pull while it reads.
+    _credentials: Option<ReaderGuard>,
     pull_ended: bool,
     pos: u64,
     end: u64,
@@ -178,6 +308,13 @@ pub struct BlobReader {
 }
 
 impl BlobReader {
+    /// Keeps `credentials` (from [`Pulls::ensure_from`]) in the pull for as
+    /// long as this reader reads.
+    pub fn holding(mut self, credentials: Option<ReaderGuard>) -> Self {
+        self._credentials = credentials;
+        self
+    }
+
     /// The rest of the range as a stream of frames. An error ends it early, so
     /// a reader sees a short read, never unverified bytes.
     pub fn into_stream(self) -> BoxStream<'static, std::io::Result<Bytes>> {

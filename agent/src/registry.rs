@@ -9,7 +9,7 @@ use dray_protocol::BlobDigest;
 use reqwest::StatusCode;
 use reqwest::header::{AUTHORIZATION, HeaderValue, RANGE, WWW_AUTHENTICATE};
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Attempts per request on server errors and broken connections.
@@ -42,6 +42,12 @@ pub enum RegistryError {
         status: StatusCode,
         what: String,
     },
+    #[error("registry {registry} sent more than {limit} bytes for {what}; refused")]
+    TooLarge {
+        registry: String,
+        what: String,
+        limit: u64,
+    },
     #[error("registry {registry}: {what}: {detail}")]
     Http {
         registry: String,
@@ -68,6 +74,57 @@ pub struct RegistryClient {
     forwarded: Option<HeaderValue>,
     /// Hand 401 challenges back to the caller rather than answering them.
     relay_challenges: bool,
+    /// The credentials of the clients waiting on a shared pull.
+    readers: Option<Arc<Readers>>,
+}
+
+/// How reading a body went wrong.
+enum Read {
+    /// The connection broke: another attempt may do.
+    Cut(RegistryError),
+    /// The registry sent what was not asked for.
+    Refused(RegistryError),
+}
+
+/// Reads a response body of at most `limit` bytes, refusing a longer one
+/// from its `Content-Length` or as soon as the stream passes the limit, so
+/// no more than `limit` bytes are ever held.
+pub async fn read_limited(
+    mut resp: reqwest::Response,
+    limit: usize,
+    registry: &str,
+    what: &str,
+) -> Result<Bytes, RegistryError> {
+    let too_large = || RegistryError::TooLarge {
+        registry: registry.into(),
+        what: what.into(),
+        limit: limit as u64,
+    };
+    let declared = resp
+        .headers()
+        .get(reqwest::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|l| l > limit as u64) {
+        return Err(too_large());
+    }
+    // The pieces as they came, joined once the body ended within the limit:
+    // a refused body costs no buffer of its own.
+    let (mut pieces, mut total) = (Vec::new(), 0);
+    while let Some(piece) = resp.chunk().await.map_err(|e| RegistryError::Http {
+        registry: registry.into(),
+        what: what.into(),
+        detail: error_chain(&e),
+    })? {
+        total += piece.len();
+        if total > limit {
+            return Err(too_large());
+        }
+        pieces.push(piece);
+    }
+    Ok(match pieces.len() {
+        1 => pieces.pop().expect("one piece"),
+        _ => pieces.concat().into(),
+    })
 }
 
 /// Installs rustls' ring provider as the process default (reqwest needs one);
@@ -95,6 +152,7 @@ impl RegistryClient {
             tokens: Mutex::new(HashMap::new()),
             forwarded: None,
             relay_challenges: false,
+            readers: None,
         })
     }
 
@@ -116,7 +174,10 @@ impl RegistryClient {
             })
     }
 
-    /// Bytes `[start, start + len)` of a blob.
+    /// Bytes `[start, start + len)` of a blob, read as they stream in: a
+    /// registry that ignores the range (200, the whole blob) is read only up
+    /// to the range's end and the connection dropped; a 206 longer than the
+    /// range, or for another range, is refused. At most `len` bytes are held.
     pub async fn blob_range(
         &self,
         repo: &str,
@@ -131,20 +192,14 @@ impl RegistryClient {
                 .send(repo, digest, reqwest::Method::GET, Some(&range))
                 .await?;
             let status = resp.status();
-            let body = match resp.bytes().await {
-                Ok(b) => b,
-                Err(e) if attempt < ATTEMPTS => {
-                    tracing::debug!(error = %e, attempt, "registry body cut short; retrying");
-                    tokio::time::sleep(backoff(attempt)).await;
-                    continue;
+            let skip = match status {
+                StatusCode::PARTIAL_CONTENT => {
+                    self.check_partial(&resp, start, len, &what)?;
+                    0
                 }
-                Err(e) => return Err(self.http_err(&what, e)),
-            };
-            // A registry that ignores Range sends the whole blob with 200.
-            let body = match status {
-                StatusCode::PARTIAL_CONTENT => body,
-                StatusCode::OK if body.len() as u64 >= start + len => {
-                    body.slice(start as usize..(start + len) as usize)
+                StatusCode::OK => {
+                    tracing::debug!(registry = %self.base, %what, "the registry ignored the range; reading its whole-blob answer up to the range");
+                    start
                 }
                 _ => {
                     return Err(RegistryError::Status {
@@ -153,6 +208,15 @@ impl RegistryClient {
                         what,
                     });
                 }
+            };
+            let body = match self.read_span(resp, skip, len, &what).await {
+                Ok(b) => b,
+                Err(Read::Cut(e)) if attempt < ATTEMPTS => {
+                    tracing::debug!(error = %e, attempt, "registry body cut short; retrying");
+                    tokio::time::sleep(backoff(attempt)).await;
+                    continue;
+                }
+                Err(Read::Cut(e) | Read::Refused(e)) => return Err(e),
             };
             if body.len() as u64 != len {
                 return Err(RegistryError::Http {
@@ -164,6 +228,82 @@ impl RegistryClient {
             return Ok(body);
         }
         unreachable!("the last attempt returns")
+    }
+
+    /// Refuses a 206 whose length or `Content-Range` is not the range asked.
+    fn check_partial(
+        &self,
+        resp: &reqwest::Response,
+        start: u64,
+        len: u64,
+        what: &str,
+    ) -> Result<(), RegistryError> {
+        let header = |name| {
+            resp.headers()
+                .get(name)
+                .and_then(|v: &HeaderValue| v.to_str().ok())
+        };
+        if let Some(l) = header(reqwest::header::CONTENT_LENGTH).and_then(|v| v.parse::<u64>().ok())
+            && l > len
+        {
+            return Err(RegistryError::TooLarge {
+                registry: self.base.clone(),
+                what: format!("{what} (its Content-Length says {l})"),
+                limit: len,
+            });
+        }
+        if let Some(cr) = header(reqwest::header::CONTENT_RANGE) {
+            let first = cr
+                .strip_prefix("bytes ")
+                .and_then(|r| r.split_once('-'))
+                .and_then(|(a, _)| a.trim().parse::<u64>().ok());
+            if first != Some(start) {
+                return Err(RegistryError::Http {
+                    registry: self.base.clone(),
+                    what: what.into(),
+                    detail: format!("answered with another range: Content-Range {cr:?}"),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads `len` bytes of a body after skipping `skip`, then drops the
+    /// rest (and the connection); more than `skip + len` bytes from a 206
+    /// is refused. A broken connection is worth a retry; a refusal is not.
+    async fn read_span(
+        &self,
+        mut resp: reqwest::Response,
+        mut skip: u64,
+        len: u64,
+        what: &str,
+    ) -> Result<Bytes, Read> {
+        let partial = resp.status() == StatusCode::PARTIAL_CONTENT;
+        let mut buf = bytes::BytesMut::with_capacity(len as usize);
+        loop {
+            let piece = match resp.chunk().await {
+                Ok(Some(p)) => p,
+                Ok(None) => break,
+                Err(e) => return Err(Read::Cut(self.http_err(what, e))),
+            };
+            let mut piece = &piece[..];
+            let skipped = skip.min(piece.len() as u64);
+            piece = &piece[skipped as usize..];
+            skip -= skipped;
+            let room = (len - buf.len() as u64) as usize;
+            if piece.len() > room && partial {
+                return Err(Read::Refused(RegistryError::TooLarge {
+                    registry: self.base.clone(),
+                    what: what.into(),
+                    limit: len,
+                }));
+            }
+            buf.extend_from_slice(&piece[..piece.len().min(room)]);
+            if buf.len() as u64 == len && !partial {
+                break;
+            }
+        }
+        Ok(buf.freeze())
     }
 
     /// Downloads a whole blob to `path` in one GET, as a client without dray
@@ -261,6 +401,8 @@ impl RegistryClient {
     /// Sends `method` for `/v2/<repo>/<path>`, answering one auth challenge (or,
     /// for a client's own credentials, handing the challenge back) and retrying
     /// server errors and broken connections. Other statuses are the caller's.
+    /// A shared pull's client goes through its readers' credentials instead
+    /// (see [`Readers`]).
     pub async fn request(
         &self,
         repo: &str,
@@ -270,57 +412,140 @@ impl RegistryClient {
     ) -> Result<reqwest::Response, RegistryError> {
         let url = format!("{}/v2/{repo}/{path}", self.base);
         let what = format!("{method} {repo}/{path}");
+        if let Some(readers) = &self.readers {
+            return self
+                .request_as_readers(readers, repo, &url, &what, method, headers)
+                .await;
+        }
         let mut auth = self.forwarded.clone().or_else(|| {
             self.cached_auth(repo)
                 .and_then(|a| HeaderValue::from_str(&a).ok())
         });
         let mut challenged = false;
+        loop {
+            let resp = self
+                .send_retrying(&url, &what, &method, &headers, auth.as_ref())
+                .await?;
+            if resp.status() != StatusCode::UNAUTHORIZED {
+                return Ok(resp);
+            }
+            let challenge = resp.headers().get(WWW_AUTHENTICATE).cloned();
+            if self.relay_challenges {
+                // A client that gave Basic credentials where the registry
+                // wants a bearer token has the token flow run for it, once,
+                // as its own registry client would.
+                let basic = self.forwarded.as_ref().filter(|a| is_basic(a));
+                if let Some(basic) = basic.filter(|_| !challenged && is_bearer(&challenge)) {
+                    challenged = true;
+                    if let Ok(token) = self
+                        .bearer_token(repo, challenge.as_ref(), Some(basic), false)
+                        .await
+                    {
+                        auth = Some(token);
+                        continue;
+                    }
+                }
+                return Err(RegistryError::Challenge {
+                    registry: self.base.clone(),
+                    repo: repo.into(),
+                    challenge: challenge.and_then(|v| v.to_str().ok().map(str::to_string)),
+                });
+            }
+            if challenged {
+                return Ok(resp);
+            }
+            challenged = true;
+            auth = Some(self.answer_challenge(repo, challenge.as_ref()).await?);
+        }
+    }
+
+    /// A shared pull's request: made with the first waiting reader's
+    /// credentials that are still accepted; a refused one (an expired token)
+    /// is set aside and the next reader's tried, and a Basic credential (or
+    /// an anonymous reader) is exchanged for a fresh bearer token when the
+    /// registry asks for one. Fails only when no reader's credentials work.
+    async fn request_as_readers(
+        &self,
+        readers: &Readers,
+        repo: &str,
+        url: &str,
+        what: &str,
+        method: reqwest::Method,
+        headers: reqwest::header::HeaderMap,
+    ) -> Result<reqwest::Response, RegistryError> {
+        // Each reader gets one fresh token per request, so this ends.
+        let mut minted = std::collections::HashSet::new();
+        loop {
+            let Some(reader) = readers.current() else {
+                return Err(RegistryError::Auth {
+                    registry: self.base.clone(),
+                    repo: repo.into(),
+                    detail: "the credentials of every client waiting for the blob were refused"
+                        .into(),
+                });
+            };
+            let resp = self
+                .send_retrying(url, what, &method, &headers, reader.send.as_ref())
+                .await?;
+            if resp.status() != StatusCode::UNAUTHORIZED {
+                return Ok(resp);
+            }
+            let challenge = resp.headers().get(WWW_AUTHENTICATE).cloned();
+            let can_mint = reader.header.as_ref().is_none_or(is_basic);
+            if can_mint && is_bearer(&challenge) && minted.insert(reader.id) {
+                match self
+                    .bearer_token(repo, challenge.as_ref(), reader.header.as_ref(), false)
+                    .await
+                {
+                    Ok(token) => {
+                        readers.set_token(reader.id, token);
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::info!(error = %e, "a waiting client's credentials got no token")
+                    }
+                }
+            }
+            tracing::info!(registry = %self.base, %what, "a waiting client's credentials were refused; going on with the next");
+            readers.refuse(reader.id);
+        }
+    }
+
+    /// Sends one request, retrying broken connections, server errors and
+    /// 429 with backoff; the last answer is returned whatever its status.
+    async fn send_retrying(
+        &self,
+        url: &str,
+        what: &str,
+        method: &reqwest::Method,
+        headers: &reqwest::header::HeaderMap,
+        auth: Option<&HeaderValue>,
+    ) -> Result<reqwest::Response, RegistryError> {
         let mut attempt = 0;
         loop {
             attempt += 1;
             let mut req = self
                 .http
-                .request(method.clone(), &url)
+                .request(method.clone(), url)
                 .headers(headers.clone());
-            if let Some(a) = &auth {
+            if let Some(a) = auth {
                 req = req.header(AUTHORIZATION, a);
             }
-            let resp = match req.send().await {
-                Ok(r) => r,
+            match req.send().await {
+                Ok(r)
+                    if (r.status().is_server_error()
+                        || r.status() == StatusCode::TOO_MANY_REQUESTS)
+                        && attempt < ATTEMPTS =>
+                {
+                    tracing::debug!(status = %r.status(), attempt, "registry server error; retrying");
+                }
+                Ok(r) => return Ok(r),
                 Err(e) if attempt < ATTEMPTS => {
                     tracing::debug!(error = %error_chain(&e), attempt, "registry request failed; retrying");
-                    tokio::time::sleep(backoff(attempt)).await;
-                    continue;
                 }
-                Err(e) => return Err(self.http_err(&what, e)),
-            };
-            match resp.status() {
-                StatusCode::UNAUTHORIZED if self.relay_challenges => {
-                    return Err(RegistryError::Challenge {
-                        registry: self.base.clone(),
-                        repo: repo.into(),
-                        challenge: resp
-                            .headers()
-                            .get(WWW_AUTHENTICATE)
-                            .and_then(|v| v.to_str().ok())
-                            .map(str::to_string),
-                    });
-                }
-                StatusCode::UNAUTHORIZED if !challenged => {
-                    challenged = true;
-                    let answer = self
-                        .answer_challenge(repo, resp.headers().get(WWW_AUTHENTICATE))
-                        .await?;
-                    auth = HeaderValue::from_str(&answer).ok();
-                }
-                s if (s.is_server_error() || s == StatusCode::TOO_MANY_REQUESTS)
-                    && attempt < ATTEMPTS =>
-                {
-                    tracing::debug!(status = %s, attempt, "registry server error; retrying");
-                    tokio::time::sleep(backoff(attempt)).await;
-                }
-                _ => return Ok(resp),
+                Err(e) => return Err(self.http_err(what, e)),
             }
+            tokio::time::sleep(backoff(attempt)).await;
         }
     }
 
@@ -363,6 +588,22 @@ impl RegistryClient {
             tokens: Mutex::new(HashMap::new()),
             forwarded: authorization,
             relay_challenges: true,
+            readers: None,
+        }
+    }
+
+    /// The same registry for a pull shared by several clients: every
+    /// request goes with the credentials of one of `readers` (see
+    /// [`Readers`]), never with the agent's own.
+    pub fn for_readers(&self, readers: Arc<Readers>) -> RegistryClient {
+        RegistryClient {
+            http: self.http.clone(),
+            base: self.base.clone(),
+            credentials: None,
+            tokens: Mutex::new(HashMap::new()),
+            forwarded: None,
+            relay_challenges: false,
+            readers: Some(readers),
         }
     }
 
@@ -371,75 +612,219 @@ impl RegistryClient {
         tokens.get(&pull_scope(repo)).map(|t| format!("Bearer {t}"))
     }
 
-    /// Builds the Authorization value a `WWW-Authenticate` challenge asks for.
+    /// The Authorization value a `WWW-Authenticate` challenge asks for, from
+    /// the agent's own credentials (bearer tokens cached by scope).
     async fn answer_challenge(
         &self,
         repo: &str,
         challenge: Option<&HeaderValue>,
-    ) -> Result<String, RegistryError> {
+    ) -> Result<HeaderValue, RegistryError> {
+        let own = self.credentials.as_ref().map(basic);
+        let own = own.and_then(|b| HeaderValue::from_str(&b).ok());
+        if is_bearer(&challenge.cloned()) {
+            return self.bearer_token(repo, challenge, own.as_ref(), true).await;
+        }
+        let scheme = challenge.and_then(|v| v.to_str().ok()).unwrap_or_default();
+        match parse_challenge(scheme).0.to_ascii_lowercase().as_str() {
+            "basic" => own.ok_or_else(|| RegistryError::Auth {
+                registry: self.base.clone(),
+                repo: repo.into(),
+                detail: "the registry requires credentials (basic auth) and none are configured"
+                    .into(),
+            }),
+            _ => Err(RegistryError::Auth {
+                registry: self.base.clone(),
+                repo: repo.into(),
+                detail: format!("unsupported auth challenge {scheme:?}"),
+            }),
+        }
+    }
+
+    /// Runs the bearer token flow a challenge names, presenting `basic` (a
+    /// Basic Authorization value) to the token server if given; `cache`
+    /// keeps the token for the agent's own later requests. The token server
+    /// must be HTTPS unless the registry itself is plain HTTP.
+    async fn bearer_token(
+        &self,
+        repo: &str,
+        challenge: Option<&HeaderValue>,
+        basic: Option<&HeaderValue>,
+        cache: bool,
+    ) -> Result<HeaderValue, RegistryError> {
         let auth_err = |detail: String| RegistryError::Auth {
             registry: self.base.clone(),
             repo: repo.into(),
             detail,
         };
         let challenge = challenge.and_then(|v| v.to_str().ok()).unwrap_or_default();
-        let (scheme, params) = parse_challenge(challenge);
-        match scheme.to_ascii_lowercase().as_str() {
-            "basic" => {
-                let c = self.credentials.as_ref().ok_or_else(|| {
-                    auth_err(
-                        "the registry requires credentials (basic auth) and none are configured"
-                            .into(),
-                    )
-                })?;
-                Ok(basic(c))
-            }
-            "bearer" => {
-                let realm = params.get("realm").ok_or_else(|| {
-                    auth_err(format!("bearer challenge without realm: {challenge:?}"))
-                })?;
-                let scope = params
-                    .get("scope")
-                    .cloned()
-                    .unwrap_or_else(|| pull_scope(repo));
-                let mut req = self.http.get(realm).query(&[("scope", scope.as_str())]);
-                if let Some(service) = params.get("service") {
-                    req = req.query(&[("service", service.as_str())]);
-                }
-                if let Some(c) = &self.credentials {
-                    req = req.header(AUTHORIZATION, basic(c));
-                }
-                let resp = req.send().await.map_err(|e| {
-                    auth_err(format!("token request to {realm}: {}", error_chain(&e)))
-                })?;
-                if !resp.status().is_success() {
-                    return Err(auth_err(format!(
-                        "token server {realm} answered {}",
-                        resp.status()
-                    )));
-                }
-                #[derive(serde::Deserialize)]
-                struct Token {
-                    token: Option<String>,
-                    access_token: Option<String>,
-                }
-                let t: Token = resp
-                    .json()
-                    .await
-                    .map_err(|e| auth_err(format!("token response from {realm}: {e}")))?;
-                let token = t
-                    .token
-                    .or(t.access_token)
-                    .ok_or_else(|| auth_err(format!("token server {realm} sent no token")))?;
-                self.tokens
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(pull_scope(repo), token.clone());
-                Ok(format!("Bearer {token}"))
-            }
-            _ => Err(auth_err(format!(
-                "unsupported auth challenge {challenge:?}"
-            ))),
+        let (_, params) = parse_challenge(challenge);
+        let realm = params
+            .get("realm")
+            .ok_or_else(|| auth_err(format!("bearer challenge without realm: {challenge:?}")))?;
+        if !(realm.starts_with("https://")
+            || (realm.starts_with("http://") && self.base.starts_with("http://")))
+        {
+            return Err(auth_err(format!(
+                "token server {realm:?} is not HTTPS, and the registry is"
+            )));
+        }
+        let scope = params
+            .get("scope")
+            .cloned()
+            .unwrap_or_else(|| pull_scope(repo));
+        let mut req = self.http.get(realm).query(&[("scope", scope.as_str())]);
+        if let Some(service) = params.get("service") {
+            req = req.query(&[("service", service.as_str())]);
+        }
+        if let Some(b) = basic {
+            req = req.header(AUTHORIZATION, b);
+        }
+        let resp = req
+            .send()
+            .await
+            .map_err(|e| auth_err(format!("token request to {realm}: {}", error_chain(&e))))?;
+        if !resp.status().is_success() {
+            return Err(auth_err(format!(
+                "token server {realm} answered {}",
+                resp.status()
+            )));
+        }
+        #[derive(serde::Deserialize)]
+        struct Token {
+            token: Option<String>,
+            access_token: Option<String>,
+        }
+        let body = read_limited(resp, MAX_TOKEN_ANSWER, realm, "a token answer").await?;
+        let t: Token = serde_json::from_slice(&body)
+            .map_err(|e| auth_err(format!("token response from {realm}: {e}")))?;
+        let token = t
+            .token
+            .or(t.access_token)
+            .ok_or_else(|| auth_err(format!("token server {realm} sent no token")))?;
+        let value = HeaderValue::from_str(&format!("Bearer {token}"))
+            .map_err(|_| auth_err(format!("token server {realm} sent an unusable token")))?;
+        if cache {
+            self.tokens
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(pull_scope(repo), token);
+        }
+        Ok(value)
+    }
+}
+
+/// Largest token server answer read (tokens are a few KiB).
+const MAX_TOKEN_ANSWER: usize = 1 << 20;
+
+fn is_basic(v: &HeaderValue) -> bool {
+    v.as_bytes().len() > 6 && v.as_bytes()[..6].eq_ignore_ascii_case(b"basic ")
+}
+
+fn is_bearer(challenge: &Option<HeaderValue>) -> bool {
+    challenge.as_ref().is_some_and(|v| {
+        v.as_bytes().len() > 7 && v.as_bytes()[..7].eq_ignore_ascii_case(b"bearer ")
+    })
+}
+
+/// The `Authorization` headers of the clients waiting on one shared pull
+/// (each client's access was checked with them first). A pull must not
+/// fail for everyone because the credential it happened to use (its first
+/// client's bearer token) expired: the request is made again with the next
+/// reader's, and a Basic credential, or an anonymous reader, is exchanged
+/// for a fresh token whenever the registry asks for one.
+#[derive(Default)]
+pub struct Readers {
+    inner: Mutex<ReaderSet>,
+}
+
+#[derive(Default)]
+struct ReaderSet {
+    next_id: u64,
+    entries: Vec<ReaderAuth>,
+}
+
+struct ReaderAuth {
+    id: u64,
+    /// What the client sent; `None`: it sent none.
+    header: Option<HeaderValue>,
+    /// A bearer token obtained with `header`, sent instead of it.
+    token: Option<HeaderValue>,
+    /// The registry refused it: not tried again.
+    refused: bool,
+    /// Its reader left; kept only while no other reader's are.
+    left: bool,
+}
+
+/// A reader's credentials, as [`Readers::current`] hands them out.
+struct Current {
+    id: u64,
+    header: Option<HeaderValue>,
+    send: Option<HeaderValue>,
+}
+
+/// Keeps a reader's credentials in its pull while it waits.
+pub struct ReaderGuard {
+    readers: Arc<Readers>,
+    id: u64,
+}
+
+impl Drop for ReaderGuard {
+    fn drop(&mut self) {
+        let mut set = self.readers.lock();
+        // The last one stays, so that a pull whose readers all left (a
+        // client that wanted only a range) can still finish filling the store.
+        if set.entries.len() > 1 {
+            set.entries.retain(|e| e.id != self.id);
+        } else if let Some(e) = set.entries.first_mut() {
+            e.left = true;
+        }
+    }
+}
+
+impl Readers {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ReaderSet> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds a reader's `Authorization` (or none), kept until the guard drops.
+    pub fn join(self: &Arc<Self>, header: Option<HeaderValue>) -> ReaderGuard {
+        let mut set = self.lock();
+        set.next_id += 1;
+        let id = set.next_id;
+        // A leftover of a reader that left goes once another arrives.
+        set.entries.retain(|e| !e.left);
+        set.entries.push(ReaderAuth {
+            id,
+            header,
+            token: None,
+            refused: false,
+            left: false,
+        });
+        ReaderGuard {
+            readers: self.clone(),
+            id,
+        }
+    }
+
+    fn current(&self) -> Option<Current> {
+        let set = self.lock();
+        let e = set.entries.iter().find(|e| !e.refused)?;
+        Some(Current {
+            id: e.id,
+            header: e.header.clone(),
+            send: e.token.clone().or_else(|| e.header.clone()),
+        })
+    }
+
+    fn set_token(&self, id: u64, token: HeaderValue) {
+        if let Some(e) = self.lock().entries.iter_mut().find(|e| e.id == id) {
+            e.token = Some(token);
+        }
+    }
+
+    fn refuse(&self, id: u64) {
+        if let Some(e) = self.lock().entries.iter_mut().find(|e| e.id == id) {
+            e.refused = true;
         }
     }
 }

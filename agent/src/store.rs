@@ -15,6 +15,7 @@
 //! Memory does not grow with blob size: the store holds one bitfield per blob and
 //! reads chunks from disk when they are needed.
 
+use crate::bounded::BoundedMap;
 use crate::error::{Error, Result};
 use dray_protocol::chunkmap::{ChunkMapBuilder, PrefixHasher};
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap, VerifyError, pb};
@@ -31,9 +32,14 @@ use std::sync::{Arc, Mutex, RwLock};
 pub trait CompletionLog: Send + Sync + 'static {
     fn load(&self, digest: &BlobDigest) -> Result<Option<LogRecord>>;
     fn save(&self, digest: &BlobDigest, record: &LogRecord) -> Result<()>;
+    /// Forgets a blob's record and its origins.
     fn remove(&self, digest: &BlobDigest) -> Result<()>;
     /// Every blob with a record.
     fn digests(&self) -> Result<Vec<BlobDigest>>;
+    /// The registries (base URLs) the blob's bytes were pulled from.
+    fn origins(&self, digest: &BlobDigest) -> Result<Vec<String>>;
+    /// Records one more registry the blob's bytes are pulled from, durably.
+    fn add_origin(&self, digest: &BlobDigest, origin: &str) -> Result<()>;
 }
 
 /// One blob's durable state.
@@ -46,16 +52,22 @@ pub struct LogRecord {
     pub complete: bool,
 }
 
-/// [`CompletionLog`] on sled: one key per blob, flushed on every save.
+/// [`CompletionLog`] on sled: one key per blob, flushed on every save; the
+/// origins in a tree of their own, so that records keep their layout.
 pub struct SledLog {
     db: sled::Db,
+    origins: sled::Tree,
 }
+
+/// Origins kept per blob; the oldest is dropped past this. A blob is
+/// normally named by one registry, a few when mirrors of it are configured.
+const MAX_ORIGINS: usize = 8;
 
 impl SledLog {
     pub fn open(dir: &Path) -> Result<Self> {
-        Ok(Self {
-            db: sled::open(dir)?,
-        })
+        let db = sled::open(dir)?;
+        let origins = db.open_tree("origins")?;
+        Ok(Self { db, origins })
     }
 }
 
@@ -99,6 +111,28 @@ impl CompletionLog for SledLog {
 
     fn remove(&self, digest: &BlobDigest) -> Result<()> {
         self.db.remove(digest.as_bytes())?;
+        self.origins.remove(digest.as_bytes())?;
+        self.db.flush()?;
+        Ok(())
+    }
+
+    fn origins(&self, digest: &BlobDigest) -> Result<Vec<String>> {
+        let Some(raw) = self.origins.get(digest.as_bytes())? else {
+            return Ok(Vec::new());
+        };
+        let text = std::str::from_utf8(&raw).map_err(|_| corrupt(digest, "origins"))?;
+        Ok(text.lines().map(str::to_string).collect())
+    }
+
+    fn add_origin(&self, digest: &BlobDigest, origin: &str) -> Result<()> {
+        let mut all = self.origins(digest)?;
+        if all.iter().any(|o| o == origin) {
+            return Ok(());
+        }
+        all.push(origin.to_string());
+        let keep = all.len().saturating_sub(MAX_ORIGINS);
+        self.origins
+            .insert(digest.as_bytes(), all[keep..].join("\n").into_bytes())?;
         self.db.flush()?;
         Ok(())
     }
@@ -368,6 +402,46 @@ pub struct ChunkStore {
     dir: PathBuf,
     log: Arc<dyn CompletionLog>,
     blobs: Mutex<HashMap<BlobDigest, Arc<Blob>>>,
+    sizes: Mutex<SizeRule>,
+}
+
+/// The default `max_blob_size`: 64 GiB. Above the largest layer any public
+/// registry accepts (ECR's 52,000 MiB; Docker Hub's and GHCR's 10 GB), so no
+/// real layer is refused, and what one lying size can reserve on a node's
+/// disk (the file is freed again when its pull fails with nothing verified).
+pub const DEFAULT_MAX_BLOB_SIZE: u64 = 64 << 30;
+
+/// Sizes vouched for by verified manifests, kept at most.
+const MAX_VOUCHED: usize = 4096;
+
+/// What a blob may reserve on disk: its size as a manifest verified by
+/// digest gave it, or else at most `max`. A size read from a HEAD alone
+/// (a `Content-Length` anyone in front of the registry can write) is capped.
+struct SizeRule {
+    max: u64,
+    vouched: BoundedMap<BlobDigest, u64>,
+}
+
+impl SizeRule {
+    fn check(&self, digest: &BlobDigest, size: u64) -> Result<()> {
+        match self.vouched.get(digest) {
+            Some(&want) if want == size => Ok(()),
+            Some(&want) => Err(Error::BlobSize {
+                digest: *digest,
+                detail: format!(
+                    "the registry says {size} bytes but its verified manifest says {want}"
+                ),
+            }),
+            None if size > self.max => Err(Error::BlobSize {
+                digest: *digest,
+                detail: format!(
+                    "{size} bytes is more than max_blob_size ({} bytes) and no verified manifest gives that size",
+                    self.max
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
 }
 
 impl ChunkStore {
@@ -385,6 +459,10 @@ impl ChunkStore {
             dir: dir.to_path_buf(),
             log,
             blobs: Mutex::new(HashMap::new()),
+            sizes: Mutex::new(SizeRule {
+                max: DEFAULT_MAX_BLOB_SIZE,
+                vouched: BoundedMap::new(MAX_VOUCHED),
+            }),
         };
         // Complete blobs are served (and announced) again at once; partial ones
         // are resumed, with their re-verification, when pulled again.
@@ -395,6 +473,59 @@ impl ChunkStore {
             }
         }
         Ok(store)
+    }
+
+    fn sizes(&self) -> std::sync::MutexGuard<'_, SizeRule> {
+        self.sizes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The largest blob opened without a verified manifest's word for its size.
+    pub fn set_max_blob_size(&self, max: u64) {
+        self.sizes().max = max;
+    }
+
+    /// Records a blob's size as a manifest verified by its digest gives it:
+    /// the blob may then reserve that much, past `max_blob_size`, and a
+    /// registry naming another size for it is refused.
+    pub fn vouch_size(&self, digest: BlobDigest, size: u64) {
+        self.sizes().vouched.insert(digest, size);
+    }
+
+    /// Whether a blob of `size` bytes may be opened (see [`Self::vouch_size`]);
+    /// the refusal names the digest, the size and the limit.
+    pub fn check_size(&self, digest: &BlobDigest, size: u64) -> Result<()> {
+        self.sizes().check(digest, size)
+    }
+
+    /// The registries (base URLs) a blob's bytes were pulled from.
+    pub fn origins(&self, digest: &BlobDigest) -> Result<Vec<String>> {
+        self.log.origins(digest)
+    }
+
+    /// Records that the blob's bytes are being pulled from `origin`.
+    pub fn add_origin(&self, digest: &BlobDigest, origin: &str) -> Result<()> {
+        self.log.add_origin(digest, origin)
+    }
+
+    /// Whether the store holds anything of a blob: open, or recorded on disk.
+    pub fn knows(&self, digest: &BlobDigest) -> Result<bool> {
+        if self.blobs().contains_key(digest) {
+            return Ok(true);
+        }
+        Ok(self.log.load(digest)?.is_some())
+    }
+
+    /// Removes a blob that holds no verified chunk (a pull that failed before
+    /// its first one), so that its preallocated file does not keep the disk.
+    pub fn discard_if_empty(&self, digest: &BlobDigest) -> Result<bool> {
+        let empty = self
+            .blobs()
+            .get(digest)
+            .is_some_and(|b| !b.is_complete() && b.lock().held.count() == 0);
+        if empty {
+            self.remove(digest)?;
+        }
+        Ok(empty)
     }
 
     fn blob_path(&self, digest: &BlobDigest) -> PathBuf {
@@ -437,6 +568,8 @@ impl ChunkStore {
             return Ok(b);
         }
         let rec = self.log.load(&map.digest())?;
+        // Checked before anything is reserved on disk.
+        self.check_size(&map.digest(), map.size())?;
         let blob = self.open_blob(map.clone(), rec)?;
         blobs.insert(map.digest(), blob.clone());
         Ok(blob)
@@ -462,12 +595,16 @@ impl ChunkStore {
             .truncate(false)
             .open(&path)
             .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
-        reserve(&file, map.size()).map_err(|e| {
-            Error::io(
+        if let Err(e) = reserve(&file, map.size()) {
+            // A failed fallocate can leave blocks allocated: a new file goes.
+            if rec.is_none() {
+                let _ = std::fs::remove_file(&path);
+            }
+            return Err(Error::io(
                 format!("reserving {} bytes on disk for blob {digest}", map.size()),
                 e,
-            )
-        })?;
+            ));
+        }
         let count = map.chunk_count();
         let blob = Arc::new(Blob {
             digest,

@@ -404,6 +404,7 @@ impl MirrorProc {
             listen: listener.local_addr().unwrap(),
             upstreams: upstreams.iter().cloned().collect(),
             default_registry: upstreams.first().map(|(n, _)| n.clone()),
+            ..Default::default()
         };
         let mirror = dray_agent::mirror::Mirror::new(
             dray_agent::pulls::Pulls::new(agent.swarm.clone()),
@@ -456,6 +457,11 @@ impl DrayProc {
         file.write_all(banner.as_bytes()).unwrap();
         std::thread::spawn(move || std::io::copy(&mut stderr, &mut file));
         DrayProc { child, banner }
+    }
+
+    /// The process id (for reading its /proc entries).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// The text after `marker` in the banner, up to the next space or `)`.
