@@ -6,6 +6,8 @@
 //! runs the image. Damaged blobs and a lying config leave no snapshot.
 
 mod common;
+#[path = "common/cri.rs"]
+mod cri;
 #[path = "fixtures/hostile.rs"]
 mod hostile;
 
@@ -18,44 +20,6 @@ use std::io::Write;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-
-mod cri {
-    tonic::include_proto!("runtime.v1");
-}
-use cri::image_service_client::ImageServiceClient;
-
-/// A CRI image-service client on containerd's socket, as the kubelet has.
-async fn cri_client(socket: &Path) -> ImageServiceClient<tonic::transport::Channel> {
-    let path = socket.to_path_buf();
-    let channel = tonic::transport::Endpoint::try_from("http://containerd")
-        .unwrap()
-        .connect_with_connector(tower::service_fn(move |_| {
-            let path = path.clone();
-            async move {
-                let stream = tokio::net::UnixStream::connect(path).await?;
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
-            }
-        }))
-        .await
-        .unwrap();
-    ImageServiceClient::new(channel)
-}
-
-async fn pull_image(
-    client: &mut ImageServiceClient<tonic::transport::Channel>,
-    image: &str,
-) -> Result<String, tonic::Status> {
-    client
-        .pull_image(cri::PullImageRequest {
-            image: Some(cri::ImageSpec {
-                image: image.to_string(),
-                ..Default::default()
-            }),
-            auth: None,
-        })
-        .await
-        .map(|r| r.into_inner().image_ref)
-}
 
 /// The digests of a manifest's layers, read from the registry.
 fn layer_digests(registry: &Registry, repo: &str, tag: &str) -> Vec<String> {
@@ -139,9 +103,9 @@ async fn cri_pull_has_dray_unpack_every_layer_and_the_image_runs() {
             4 << 20,
             None,
         );
-        let mut client = cri_client(Path::new(&n.ctrd.address)).await;
+        let mut client = cri::client(Path::new(&n.ctrd.address)).await;
         let image = format!("{}/cri/app:{tag}", n.registry.host());
-        let image_ref = pull_image(&mut client, &image)
+        let image_ref = cri::pull_image(&mut client, &image)
             .await
             .unwrap_or_else(|e| panic!("PullImage {image}: {e}\nshim log:\n{}", n.shim.log_text()));
         assert!(image_ref.starts_with("sha256:"), "{image_ref}");
@@ -331,9 +295,9 @@ async fn damaged_blobs_and_lying_configs_leave_nothing_unpacked() {
 
         // Through CRI: the shim falls back to containerd, which fails the
         // same way; nothing is committed.
-        let mut client = cri_client(Path::new(&n.ctrd.address)).await;
+        let mut client = cri::client(Path::new(&n.ctrd.address)).await;
         let before = committed(&n.ctrd);
-        let pulled = pull_image(&mut client, &format!("{host}/{repo}:v1")).await;
+        let pulled = cri::pull_image(&mut client, &format!("{host}/{repo}:v1")).await;
         assert!(
             pulled.is_err(),
             "{repo}: PullImage of a damaged image succeeded"
@@ -577,9 +541,9 @@ async fn through_cri_a_long_name_bomb_commits_nothing_and_a_sparse_file_unpacks_
 
     // The agent refuses the bomb; the shim falls back to containerd, whose
     // archive/tar refuses a long name over 1 MiB too. Nothing is committed.
-    let mut client = cri_client(Path::new(&n.ctrd.address)).await;
+    let mut client = cri::client(Path::new(&n.ctrd.address)).await;
     let before = committed(&n.ctrd);
-    let pulled = pull_image(&mut client, &format!("{host}/hostile/long-name:v1")).await;
+    let pulled = cri::pull_image(&mut client, &format!("{host}/hostile/long-name:v1")).await;
     assert!(pulled.is_err(), "PullImage of the bomb succeeded");
     assert_eq!(committed(&n.ctrd), before, "a snapshot was committed");
     let log = n.shim.log_text();
@@ -590,7 +554,7 @@ async fn through_cri_a_long_name_bomb_commits_nothing_and_a_sparse_file_unpacks_
 
     // The agent is up: the sparse image pulls, its file sparse in the
     // dray snapshot.
-    pull_image(&mut client, &format!("{host}/hostile/sparse:v1"))
+    cri::pull_image(&mut client, &format!("{host}/hostile/sparse:v1"))
         .await
         .unwrap_or_else(|e| panic!("PullImage: {e}\nshim log:\n{}", n.shim.log_text()));
     let mut found = Vec::new();
@@ -749,8 +713,8 @@ async fn directories_a_layer_leaves_out_keep_the_lower_layers_mode_and_owner_as_
     );
     let chains = oci_image::chain_ids(&diff_ids);
 
-    let mut client = cri_client(Path::new(&n.ctrd.address)).await;
-    pull_image(&mut client, &format!("{host}/implicit/parents:v1"))
+    let mut client = cri::client(Path::new(&n.ctrd.address)).await;
+    cri::pull_image(&mut client, &format!("{host}/implicit/parents:v1"))
         .await
         .unwrap_or_else(|e| panic!("PullImage: {e}\nshim log:\n{}", n.shim.log_text()));
 
