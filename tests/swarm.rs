@@ -76,7 +76,7 @@ async fn eight_agents_pull_a_256mib_blob_at_once_and_it_leaves_the_registry_abou
     let size = 256u64 << 20;
     let digest = push_random(&registry, dir.path(), "test/big", size);
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
-    let ca = ClusterCa::generate().unwrap();
+    let ca = cluster_ca();
     let agents: Vec<Agent> =
         start_agents(&ca, dir.path(), "node", 8, quick_swarm(vec![tracker.url()]));
 
@@ -107,7 +107,7 @@ async fn every_agent_completes_when_the_tracker_dies_mid_pull_and_a_restart_reco
     registry.throttle(24 << 20);
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
     let addr = tracker.addr.to_string();
-    let ca = ClusterCa::generate().unwrap();
+    let ca = cluster_ca();
     let agents: Vec<Agent> =
         start_agents(&ca, dir.path(), "node", 4, quick_swarm(vec![tracker.url()]));
     let client = registry_client(&registry.url(), None);
@@ -156,7 +156,7 @@ async fn a_tracker_restarted_mid_pull_relearns_partial_holders_hashes_and_ends_t
     registry.throttle(8 << 20);
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
     let addr = tracker.addr.to_string();
-    let ca = ClusterCa::generate().unwrap();
+    let ca = cluster_ca();
     let agents = start_agents(&ca, dir.path(), "node", 4, quick_swarm(vec![tracker.url()]));
     let client = registry_client(&registry.url(), None);
     let d: BlobDigest = digest.parse().unwrap();
@@ -223,7 +223,7 @@ async fn a_node_killed_while_holding_registry_assignments_loses_them_and_the_oth
     // 16 MiB/s from the registry: the victim cannot finish its runs before it dies.
     registry.throttle(16 << 20);
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
-    let ca = ClusterCa::generate().unwrap();
+    let ca = cluster_ca();
     let mut cfg = quick_swarm(vec![tracker.url()]);
     cfg.stall_ms = 30_000; // prove reassignment, not the stall fallback
     let victim = Agent::start(
@@ -265,7 +265,7 @@ async fn a_private_repository_needs_credentials_and_refuses_anonymous_agents_cle
     let registry = Registry::start(Some(("alice", "s3cret"))).await;
     let digest = push_random(&registry, dir.path(), "private/p", 16 << 20);
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
-    let ca = ClusterCa::generate().unwrap();
+    let ca = cluster_ca();
     let agents: Vec<Agent> =
         start_agents(&ca, dir.path(), "node", 2, quick_swarm(vec![tracker.url()]));
 
@@ -328,7 +328,10 @@ async fn two_tracker_replicas_split_the_blobs_and_a_dead_one_hands_its_blobs_to_
     let replicas = vec![a.url(), b.url()];
     // Ownership hashes digests with the replicas' (random) addresses: push
     // blobs until each replica owns at least two.
-    let owners = dray_agent::tracker_client::TrackerClient::new(replicas.clone());
+    let owners = dray_agent::tracker_client::TrackerClient::new(
+        replicas.clone(),
+        &cluster_ca().issue("owners").unwrap(),
+    );
     let mut digests = Vec::new();
     for i in 0..40 {
         let owned_by = |r: &str| {
@@ -344,7 +347,7 @@ async fn two_tracker_replicas_split_the_blobs_and_a_dead_one_hands_its_blobs_to_
         random_file(&src, 8 << 20);
         digests.push(registry.push("test/r", &src));
     }
-    let ca = ClusterCa::generate().unwrap();
+    let ca = cluster_ca();
     let client = registry_client(&registry.url(), None);
     let first: Vec<Agent> =
         start_agents(&ca, dir.path(), "first", 2, quick_swarm(replicas.clone()));
@@ -392,7 +395,7 @@ async fn a_chunk_map_published_with_a_wrong_hash_is_caught_by_the_digest_withdra
     let digest = push_random(&registry, dir.path(), "test/w", size);
     let d: BlobDigest = digest.parse().unwrap();
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
-    let ca = ClusterCa::generate().unwrap();
+    let ca = cluster_ca();
 
     // A liar holds every chunk but the last, with chunk 2 forged, and publishes
     // a map whose hash for chunk 2 matches the forgery.
@@ -431,7 +434,7 @@ async fn a_chunk_map_published_with_a_wrong_hash_is_caught_by_the_digest_withdra
     assert!(
         tracker
             .tracker
-            .handle(publish, Instant::now())
+            .handle(publish, Some("liar"), Instant::now())
             .unwrap()
             .is_none()
     );

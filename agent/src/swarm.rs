@@ -140,7 +140,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Swarm {
     pub fn new(node: Arc<PeerNode>, config: SwarmConfig) -> Arc<Self> {
         Arc::new(Self {
-            tracker: TrackerClient::new(config.trackers.clone()),
+            tracker: TrackerClient::new(config.trackers.clone(), node.identity()),
             node,
             config,
             wanted: Mutex::new(HashMap::new()),

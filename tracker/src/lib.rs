@@ -11,12 +11,21 @@
 //!
 //! Next to `POST /v1/tracker` the same listener serves `/metrics` (see
 //! [`metrics`]), `/healthz` and `/readyz`.
+//!
+//! The listener speaks TLS with a certificate from the cluster CA (see
+//! [`tls`]). The tracker API needs a client certificate from the same CA,
+//! and the peer id of every announce, publication and report is the
+//! certificate's: a request naming another peer is refused. `/metrics`,
+//! `/healthz` and `/readyz` need none, so that probes and Prometheus reach
+//! them. Plain HTTP, where the request's own peer id is believed, exists only
+//! behind `insecure_plain_http`.
 
 pub mod metrics;
+pub mod tls;
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{ConnectInfo, DefaultBodyLimit, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -29,9 +38,10 @@ use prost::Message;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tls::{Caller, TlsListener};
 
 /// HTTP path of the tracker protocol.
 pub const TRACKER_PATH: &str = "/v1/tracker";
@@ -42,8 +52,21 @@ const MAX_ORIGIN_BYTES: usize = 1024;
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrackerConfig {
-    /// HTTP listen address. Loopback by default; a Deployment sets `0.0.0.0:7880`.
+    /// HTTPS listen address. Loopback by default; a Deployment sets `0.0.0.0:7880`.
     pub listen: SocketAddr,
+    /// The tracker's certificate (PEM, from `dray ca issue --tracker`).
+    pub cert: PathBuf,
+    /// Its private key (PKCS#8 PEM).
+    pub key: PathBuf,
+    /// The cluster CA certificate: agents' client certificates must chain to it.
+    pub ca: PathBuf,
+    /// Serve plain HTTP, no TLS: anyone who reaches the port may announce,
+    /// publish chunk maps and report under any peer id. For a trusted test
+    /// network only.
+    pub insecure_plain_http: bool,
+    /// Connections open at once; past it, new ones wait in the kernel's
+    /// backlog. Each idle agent keeps one open per replica.
+    pub max_connections: usize,
     /// Longest gap between an agent's announces, ms. Agents pulling a blob
     /// announce sooner, on progress.
     pub announce_interval_ms: u64,
@@ -68,6 +91,11 @@ impl Default for TrackerConfig {
         let s = SchedulerConfig::default();
         Self {
             listen: "127.0.0.1:7880".parse().expect("valid address"),
+            cert: "/etc/dray/tls/tracker.crt".into(),
+            key: "/etc/dray/tls/tracker.key".into(),
+            ca: "/etc/dray/tls/ca.crt".into(),
+            insecure_plain_http: false,
+            max_connections: 16_384,
             announce_interval_ms: s.announce_interval.as_millis() as u64,
             peers_per_blob: s.peers_per_blob,
             stripe_chunks: s.stripe_chunks,
@@ -110,6 +138,12 @@ pub enum TrackerError {
     Config(String),
     #[error("malformed request: {0}")]
     BadRequest(String),
+    #[error("{what} names peer {claimed:?}, but the client certificate is peer {certified:?}: a node speaks only for itself")]
+    NotYourId {
+        what: &'static str,
+        claimed: String,
+        certified: String,
+    },
     #[error(transparent)]
     Schedule(#[from] scheduler::ScheduleError),
     #[error(transparent)]
@@ -126,6 +160,24 @@ struct TrackerState {
     scheduler: Scheduler,
     /// Chunk maps as published so far, per blob; may be partial.
     maps: HashMap<BlobDigest, ChunkMap>,
+}
+
+/// The peer a request speaks for: the certificate's, which a non-empty
+/// field of the request must repeat.
+fn speaker(
+    what: &'static str,
+    claimed: String,
+    certified: Option<&str>,
+) -> Result<String, TrackerError> {
+    match certified {
+        None => Ok(claimed),
+        Some(c) if claimed.is_empty() || claimed == c => Ok(c.to_owned()),
+        Some(c) => Err(TrackerError::NotYourId {
+            what,
+            claimed,
+            certified: c.to_owned(),
+        }),
+    }
 }
 
 fn digest(s: &str) -> Result<BlobDigest, TrackerError> {
@@ -164,13 +216,16 @@ impl Tracker {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Handles one request; an announce gets an answer.
+    /// Handles one request from `certified` (the peer id of the caller's
+    /// certificate; `None` only on the insecure plain-HTTP listener, where the
+    /// request's own peer id is believed); an announce gets an answer.
     pub fn handle(
         &self,
         req: pb::TrackerRequest,
+        certified: Option<&str>,
         now: Instant,
     ) -> Result<Option<pb::AnnounceResponse>, TrackerError> {
-        let handled = self.handle_counted(req, now);
+        let handled = self.handle_counted(req, certified, now);
         if handled.is_err() {
             self.metrics.rejected();
         }
@@ -180,11 +235,13 @@ impl Tracker {
     fn handle_counted(
         &self,
         req: pb::TrackerRequest,
+        certified: Option<&str>,
         now: Instant,
     ) -> Result<Option<pb::AnnounceResponse>, TrackerError> {
         let mut st = self.lock();
         match req.body {
-            Some(Body::Announce(a)) => {
+            Some(Body::Announce(mut a)) => {
+                a.peer_id = speaker("an announce", a.peer_id, certified)?;
                 let started = Instant::now();
                 let kind = if a.full {
                     AnnounceKind::Full
@@ -198,6 +255,7 @@ impl Tracker {
                 Ok(Some(resp))
             }
             Some(Body::Publish(p)) => {
+                speaker("a chunk map publication", p.peer_id, certified)?;
                 let map = p.map.ok_or_else(|| {
                     TrackerError::BadRequest("publication without a chunk map".into())
                 })?;
@@ -214,7 +272,7 @@ impl Tracker {
             }
             Some(Body::BadChunk(r)) => {
                 let report = scheduler::BadChunk {
-                    reporter: r.reporter,
+                    reporter: speaker("a bad-chunk report", r.reporter, certified)?,
                     offender: r.offender,
                     digest: digest(&r.digest)?,
                     index: r.index,
@@ -229,11 +287,12 @@ impl Tracker {
                 Ok(None)
             }
             Some(Body::DigestFailed(f)) => {
+                let reporter = speaker("a digest-failure report", f.reporter, certified)?;
                 let d = digest(&f.digest)?;
-                st.scheduler.blob_failed(&f.reporter, &d)?;
+                st.scheduler.blob_failed(&reporter, &d)?;
                 st.maps.remove(&d);
                 self.metrics.digest_failed();
-                tracing::warn!(digest = %d, reporter = %f.reporter, "blob failed its digest; chunk map withdrawn");
+                tracing::warn!(digest = %d, %reporter, "blob failed its digest; chunk map withdrawn");
                 Ok(None)
             }
             None => Err(TrackerError::BadRequest("empty tracker request".into())),
@@ -357,10 +416,23 @@ impl TrackerState {
     }
 }
 
+/// How the tracker's listener speaks.
+pub enum Transport {
+    /// TLS with this configuration (see `Identity::tracker_server_tls`),
+    /// at most this many connections at once.
+    Tls {
+        config: Arc<rustls::ServerConfig>,
+        max_connections: usize,
+    },
+    /// Plain HTTP, no authentication: `insecure_plain_http`.
+    InsecurePlainHttp,
+}
+
 /// Serves the tracker on `listener` until the task is dropped.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     tracker: Arc<Tracker>,
+    transport: Transport,
 ) -> std::io::Result<()> {
     let ticker = tracker.clone();
     let tick = tokio::spawn(async move {
@@ -376,8 +448,15 @@ pub async fn serve(
         .route("/readyz", get(|| async { "ready\n" }))
         .route("/metrics", get(metrics_http))
         .layer(DefaultBodyLimit::max(MAX_TRACKER_FRAME))
-        .with_state(tracker);
-    let served = axum::serve(listener, app).await;
+        .with_state(tracker)
+        .into_make_service_with_connect_info::<Caller>();
+    let served = match transport {
+        Transport::Tls {
+            config,
+            max_connections,
+        } => axum::serve(TlsListener::new(listener, config, max_connections)?, app).await,
+        Transport::InsecurePlainHttp => axum::serve(listener, app).await,
+    };
     tick.abort();
     served
 }
@@ -390,7 +469,19 @@ async fn metrics_http(State(tracker): State<Arc<Tracker>>) -> Response {
         .into_response()
 }
 
-async fn handle_http(State(tracker): State<Arc<Tracker>>, body: Bytes) -> Response {
+async fn handle_http(
+    State(tracker): State<Arc<Tracker>>,
+    ConnectInfo(caller): ConnectInfo<Caller>,
+    body: Bytes,
+) -> Response {
+    let certified = match &caller {
+        Caller::Certified(id) => Some(id.as_str()),
+        Caller::InsecurePlainHttp => None,
+        Caller::Anonymous(why) => {
+            tracker.metrics.rejected();
+            return (StatusCode::UNAUTHORIZED, format!("{why}\n")).into_response();
+        }
+    };
     let req = match pb::TrackerRequest::decode(body) {
         Ok(r) => r,
         Err(e) => {
@@ -401,14 +492,21 @@ async fn handle_http(State(tracker): State<Arc<Tracker>>, body: Bytes) -> Respon
                 .into_response();
         }
     };
-    match tracker.handle(req, Instant::now()) {
+    match tracker.handle(req, certified, Instant::now()) {
         Ok(Some(resp)) => (
             [(header::CONTENT_TYPE, "application/x-protobuf")],
             resp.encode_to_vec(),
         )
             .into_response(),
         Ok(None) => StatusCode::NO_CONTENT.into_response(),
-        Err(e) => (StatusCode::BAD_REQUEST, e.to_string()).into_response(),
+        Err(e) => {
+            tracing::info!(?caller, error = %e, "tracker request refused");
+            let status = match e {
+                TrackerError::NotYourId { .. } => StatusCode::FORBIDDEN,
+                _ => StatusCode::BAD_REQUEST,
+            };
+            (status, e.to_string()).into_response()
+        }
     }
 }
 
@@ -452,7 +550,7 @@ mod tests {
         let mut covered = Bitfield::new(64);
         for p in ["a", "bb", "ccc", "dddd"] {
             let resp = t
-                .handle(announce(p, d, size, Some(&Bitfield::new(64)), true), now)
+                .handle(announce(p, d, size, Some(&Bitfield::new(64)), true), None, now)
                 .unwrap()
                 .unwrap();
             for a in &resp.assignments {
@@ -469,9 +567,9 @@ mod tests {
                 map: Some(map.to_pb()),
             })),
         };
-        assert!(t.handle(publish, now).unwrap().is_none());
+        assert!(t.handle(publish, None, now).unwrap().is_none());
         let resp = t
-            .handle(announce("a", d, size, None, false), now)
+            .handle(announce("a", d, size, None, false), None, now)
             .unwrap()
             .unwrap();
         let got = ChunkMap::from_pb(&resp.chunk_maps[0]).unwrap();
@@ -483,12 +581,13 @@ mod tests {
         let t = Tracker::new(&TrackerConfig::default());
         let d = BlobDigest::of(b"blob");
         let resp = t
-            .handle(announce("a", d, 1 << 22, None, false), Instant::now())
+            .handle(announce("a", d, 1 << 22, None, false), None, Instant::now())
             .unwrap()
             .unwrap();
         assert!(resp.resend_full);
         t.handle(
             announce("a", d, 1 << 22, Some(&Bitfield::new(1)), true),
+            None,
             Instant::now(),
         )
         .unwrap();
@@ -498,9 +597,9 @@ mod tests {
                 digest: d.to_string(),
             })),
         };
-        t.handle(failed, Instant::now()).unwrap();
+        t.handle(failed, None, Instant::now()).unwrap();
         let resp = t
-            .handle(announce("a", d, 1 << 22, None, false), Instant::now())
+            .handle(announce("a", d, 1 << 22, None, false), None, Instant::now())
             .unwrap()
             .unwrap();
         assert_eq!(resp.withdrawn, vec![d.to_string()]);
@@ -513,10 +612,10 @@ mod tests {
         let size = 64u64 << 22;
         let now = Instant::now();
         for p in ["a", "bb", "ccc", "dddd"] {
-            t.handle(announce(p, d, size, Some(&Bitfield::new(64)), true), now)
+            t.handle(announce(p, d, size, Some(&Bitfield::new(64)), true), None, now)
                 .unwrap();
         }
-        t.handle(announce("a", d, size, None, false), now).unwrap();
+        t.handle(announce("a", d, size, None, false), None, now).unwrap();
         for reporter in ["a", "bb", "ccc"] {
             let report = pb::TrackerRequest {
                 body: Some(Body::BadChunk(pb::BadChunkReport {
@@ -526,9 +625,9 @@ mod tests {
                     index: 0,
                 })),
             };
-            t.handle(report, now).unwrap();
+            t.handle(report, None, now).unwrap();
         }
-        assert!(t.handle(pb::TrackerRequest { body: None }, now).is_err());
+        assert!(t.handle(pb::TrackerRequest { body: None }, None, now).is_err());
         let text = t.encode_metrics();
         // Each of the 4 nodes holds as many runs as it may.
         let runs = format!(
@@ -563,10 +662,10 @@ mod tests {
                 ..Default::default()
             })),
         };
-        let err = t.handle(bad, Instant::now()).unwrap_err().to_string();
+        let err = t.handle(bad, None, Instant::now()).unwrap_err().to_string();
         assert!(err.contains("64 lowercase hex"), "{err}");
         let err = t
-            .handle(pb::TrackerRequest { body: None }, Instant::now())
+            .handle(pb::TrackerRequest { body: None }, None, Instant::now())
             .unwrap_err()
             .to_string();
         assert!(err.contains("empty tracker request"), "{err}");
@@ -580,7 +679,7 @@ mod tests {
         if let Some(Body::Announce(a)) = &mut long.body {
             a.blobs[0].origin = "x".repeat(MAX_ORIGIN_BYTES + 1);
         }
-        let err = t.handle(long, Instant::now()).unwrap_err().to_string();
+        let err = t.handle(long, None, Instant::now()).unwrap_err().to_string();
         assert!(
             err.contains("origin is 1025 bytes, more than 1024"),
             "{err}"
