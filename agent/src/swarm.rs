@@ -419,6 +419,9 @@ impl Swarm {
                     tracing::warn!(error = %e, %digest, "the published chunk map was wrong; pulling from the registry alone");
                     report.map_failures += 1;
                     self.node.metrics().fell_back(FallbackReason::MapFailure);
+                    // The tracker believes a digest failure only from a node
+                    // holding every chunk: make sure it has heard of them all.
+                    self.announce_once().await;
                     let failed = Body::DigestFailed(pb::BlobDigestFailed {
                         reporter: self.node.peer_id().to_string(),
                         digest: digest.to_string(),
