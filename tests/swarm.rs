@@ -424,6 +424,10 @@ async fn a_chunk_map_forged_by_a_node_that_fetched_none_of_it_never_reaches_hone
         blob.put_chunk(i, &forged[at..at + lie.chunk_len(i)])
             .unwrap();
     }
+    // A map is taken only for a blob some node announced.
+    while tracker.tracker.holders(&d, 2) < 1 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let publish = pb::TrackerRequest {
         body: Some(Body::Publish(pb::PublishChunkMap {
             peer_id: "liar".into(),
@@ -437,9 +441,6 @@ async fn a_chunk_map_forged_by_a_node_that_fetched_none_of_it_never_reaches_hone
             .unwrap()
             .is_none()
     );
-    while tracker.tracker.holders(&d, 2) < 1 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 
     let honest: Vec<Agent> =
         start_agents(&ca, dir.path(), "node", 2, quick_swarm(vec![tracker.url()]));

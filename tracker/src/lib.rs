@@ -258,7 +258,14 @@ fn too_large(what: impl Into<String>, got: usize, limit: usize) -> TrackerError 
 pub struct Tracker {
     state: Mutex<TrackerState>,
     metrics: TrackerMetrics,
+    /// Tracker requests decoded and handled at once, off the async workers
+    /// (which stay free for probes); bounds the memory of requests in hand.
+    api_slots: tokio::sync::Semaphore,
 }
+
+/// Tracker requests handled at once: about the cores a replica gets (the
+/// state's lock serialises most of the work anyway).
+const API_SLOTS: usize = 2;
 
 struct TrackerState {
     scheduler: Scheduler,
@@ -323,6 +330,7 @@ impl Tracker {
                 },
             }),
             metrics: TrackerMetrics::new(),
+            api_slots: tokio::sync::Semaphore::new(API_SLOTS),
         })
     }
 
@@ -816,24 +824,34 @@ async fn handle_http(
     body: Bytes,
 ) -> Response {
     let certified = match &caller {
-        Caller::Certified(id) => Some(id.as_str()),
+        Caller::Certified(id) => Some(id.clone()),
         Caller::InsecurePlainHttp => None,
         Caller::Anonymous(why) => {
             tracker.metrics.refused("unauthenticated");
             return (StatusCode::UNAUTHORIZED, format!("{why}\n")).into_response();
         }
     };
-    let req = match pb::TrackerRequest::decode(body) {
-        Ok(r) => r,
+    let Ok(_slot) = tracker.api_slots.acquire().await else {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    };
+    // Decoding a 4 MiB body and handling it is CPU work: on a blocking
+    // thread, so that /healthz answers meanwhile.
+    let worker = tracker.clone();
+    let handled = tokio::task::spawn_blocking(move || {
+        let req = pb::TrackerRequest::decode(body)
+            .map_err(|e| format!("body is not a TrackerRequest: {e}"))?;
+        Ok::<_, String>(worker.handle(req, certified.as_deref(), Instant::now()))
+    })
+    .await;
+    let handled = match handled {
+        Ok(Ok(h)) => h,
+        Ok(Err(malformed)) => return (StatusCode::BAD_REQUEST, malformed).into_response(),
         Err(e) => {
-            return (
-                StatusCode::BAD_REQUEST,
-                format!("body is not a TrackerRequest: {e}"),
-            )
-                .into_response();
+            tracing::error!(error = %e, "a tracker request's handler failed");
+            return StatusCode::INTERNAL_SERVER_ERROR.into_response();
         }
     };
-    match tracker.handle(req, certified, Instant::now()) {
+    match handled {
         Ok(Some(resp)) => (
             [(header::CONTENT_TYPE, "application/x-protobuf")],
             resp.encode_to_vec(),
