@@ -532,7 +532,13 @@ async fn run(command: Command) -> Result<()> {
                 )?;
                 let config = Arc::new(id.tracker_server_tls()?);
                 let max_connections = cfg.max_connections;
-                (Transport::Tls { config, max_connections }, "https")
+                (
+                    Transport::Tls {
+                        config,
+                        max_connections,
+                    },
+                    "https",
+                )
             };
             let listener = tokio::net::TcpListener::bind(cfg.listen)
                 .await

@@ -460,7 +460,11 @@ async fn a_chunk_map_forged_by_a_node_that_fetched_none_of_it_never_reaches_hone
     if let Some(map) = tracker.tracker.map(&d) {
         for (i, h) in map.hashes().iter().enumerate() {
             if h.is_some() {
-                assert_eq!(*h, real.hashes()[i], "chunk {i}: a forged hash is handed out");
+                assert_eq!(
+                    *h,
+                    real.hashes()[i],
+                    "chunk {i}: a forged hash is handed out"
+                );
             }
         }
     }

@@ -175,11 +175,7 @@ async fn a_node_cannot_announce_publish_or_report_under_another_nodes_id() {
             }),
         ),
     ] {
-        let err = a
-            .send(&tracker.url(), body)
-            .await
-            .unwrap_err()
-            .to_string();
+        let err = a.send(&tracker.url(), body).await.unwrap_err().to_string();
         assert!(
             err.contains(&format!(
                 "answered 403 Forbidden: {what} names peer \"node-b\", but the client certificate is peer \"node-a\": a node speaks only for itself"
@@ -203,7 +199,10 @@ async fn an_agent_refuses_a_tracker_that_presents_a_nodes_certificate() {
     // A node whose peer id is the tracker's host name.
     let impostor = ca.issue("localhost").unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("https://localhost:{}", listener.local_addr().unwrap().port());
+    let url = format!(
+        "https://localhost:{}",
+        listener.local_addr().unwrap().port()
+    );
     let served = tokio::spawn(dray_tracker::serve(
         listener,
         dray_tracker::Tracker::new(&quick_tracker()),

@@ -106,15 +106,29 @@ async fn a_flood_of_the_costliest_requests_leaves_the_tracker_bounded_and_answer
     let tls = dir.path().join("tracker-tls");
     dray(&["ca", "init", "--dir", ca_dir.to_str().unwrap()]);
     dray(&[
-        "ca", "issue", "--ca-dir", ca_dir.to_str().unwrap(), "--tracker", "--name", "localhost",
-        "--name", "127.0.0.1", "--out", tls.to_str().unwrap(),
+        "ca",
+        "issue",
+        "--ca-dir",
+        ca_dir.to_str().unwrap(),
+        "--tracker",
+        "--name",
+        "localhost",
+        "--name",
+        "127.0.0.1",
+        "--out",
+        tls.to_str().unwrap(),
     ]);
     let ca = ClusterCa::load(&ca_dir.join("ca.crt"), &ca_dir.join("ca.key")).unwrap();
     let port = free_port();
     let file = |f: &str| tls.join(f).to_str().unwrap().to_owned();
     let child = Command::new(env!("CARGO_BIN_EXE_dray"))
         .args(["tracker", "--listen", &format!("127.0.0.1:{port}")])
-        .args(["--cert", &file("tracker.crt"), "--key", &file("tracker.key")])
+        .args([
+            "--cert",
+            &file("tracker.crt"),
+            "--key",
+            &file("tracker.key"),
+        ])
         .args(["--ca", &file("ca.crt")])
         .env("DRAY_LOG", "warn")
         .stdout(Stdio::null())
@@ -146,7 +160,11 @@ async fn a_flood_of_the_costliest_requests_leaves_the_tracker_bounded_and_answer
                     .send()
                     .await
                     .is_ok_and(|r| r.status().is_success());
-                let ms = if ok { started.elapsed().as_millis() as u64 } else { u64::MAX };
+                let ms = if ok {
+                    started.elapsed().as_millis() as u64
+                } else {
+                    u64::MAX
+                };
                 slowest_ms.fetch_max(ms, Ordering::Relaxed);
                 n += 1;
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -156,7 +174,10 @@ async fn a_flood_of_the_costliest_requests_leaves_the_tracker_bounded_and_answer
 
     // The flood: two connections of the costliest announces and maps, and
     // announces under another node's id, for 30 s (a bounded count too).
-    let flooder = Arc::new(TrackerClient::new(vec![url.clone()], &ca.issue("flooder").unwrap()));
+    let flooder = Arc::new(TrackerClient::new(
+        vec![url.clone()],
+        &ca.issue("flooder").unwrap(),
+    ));
     let sent = Arc::new(AtomicU64::new(0));
     let floods: Vec<_> = (0..2u64)
         .map(|lane| {

@@ -125,7 +125,10 @@ impl TrackerClient {
                 // A refusal (4xx) is the tracker's answer, not a sign it is down.
                 return Err((
                     status.is_client_error(),
-                    format!("{url} answered {status}: {}", String::from_utf8_lossy(&bytes)),
+                    format!(
+                        "{url} answered {status}: {}",
+                        String::from_utf8_lossy(&bytes)
+                    ),
                 ));
             }
             if bytes.is_empty() {

@@ -423,7 +423,11 @@ mod tests {
         assert_eq!(chunk_count(d, MAX_BLOB_SIZE, MIN_CHUNK_SIZE), Ok(1 << 24));
         assert_eq!(chunk_count(d, 0, MIN_CHUNK_SIZE), Ok(0));
         let err = chunk_count(d, MAX_BLOB_SIZE + 1, MIN_CHUNK_SIZE).unwrap_err();
-        assert!(err.to_string().contains("exceeds the limit of 1099511627776 bytes"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("exceeds the limit of 1099511627776 bytes"),
+            "{err}"
+        );
     }
 
     fn blob(n: usize) -> Vec<u8> {

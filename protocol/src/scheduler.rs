@@ -257,7 +257,9 @@ pub enum ScheduleError {
         expected: u32,
         got: u32,
     },
-    #[error("blob {digest} is {expected_size} bytes in {expected_chunk_size}-byte chunks at the tracker, but the announce says {got_size} bytes in {got_chunk_size}-byte chunks")]
+    #[error(
+        "blob {digest} is {expected_size} bytes in {expected_chunk_size}-byte chunks at the tracker, but the announce says {got_size} bytes in {got_chunk_size}-byte chunks"
+    )]
     GeometryMismatch {
         digest: BlobDigest,
         expected_size: u64,
@@ -265,14 +267,18 @@ pub enum ScheduleError {
         got_size: u64,
         got_chunk_size: u32,
     },
-    #[error("blob {digest} would be blob number {limit} plus one, or take the tracker past {max_total_chunks} chunks over all blobs (it has {chunk_count}); refused")]
+    #[error(
+        "blob {digest} would be blob number {limit} plus one, or take the tracker past {max_total_chunks} chunks over all blobs (it has {chunk_count}); refused"
+    )]
     TooManyBlobs {
         digest: BlobDigest,
         limit: usize,
         max_total_chunks: u64,
         chunk_count: u32,
     },
-    #[error("peer {peer:?} already holds or wants {blobs} blobs ({chunks} chunks); blob {digest} would pass the limit of {max_blobs} blobs or {max_chunks} chunks per peer")]
+    #[error(
+        "peer {peer:?} already holds or wants {blobs} blobs ({chunks} chunks); blob {digest} would pass the limit of {max_blobs} blobs or {max_chunks} chunks per peer"
+    )]
     TooManyBlobsForPeer {
         peer: String,
         digest: BlobDigest,
@@ -281,7 +287,9 @@ pub enum ScheduleError {
         max_blobs: usize,
         max_chunks: u64,
     },
-    #[error("peer {reporter:?} reports chunk {index} of {digest} from {offender:?}, but the tracker never named {offender:?} to it for that blob")]
+    #[error(
+        "peer {reporter:?} reports chunk {index} of {digest} from {offender:?}, but the tracker never named {offender:?} to it for that blob"
+    )]
     NotNamed {
         reporter: String,
         offender: String,
@@ -290,7 +298,9 @@ pub enum ScheduleError {
     },
     #[error("peer {0:?} is banned: its reports are not taken")]
     ReporterBanned(String),
-    #[error("peer {peer:?} holds {held} of the {chunk_count} chunks of {digest}: only a node that assembled every chunk can report that the blob failed its digest")]
+    #[error(
+        "peer {peer:?} holds {held} of the {chunk_count} chunks of {digest}: only a node that assembled every chunk can report that the blob failed its digest"
+    )]
     NotAHolder {
         peer: String,
         digest: BlobDigest,
@@ -648,9 +658,7 @@ impl Record {
 
     /// Bans for `base` doubled per earlier ban, at most `max`.
     fn ban(&mut self, now: Instant, base: Duration, max: Duration) {
-        let length = base
-            .saturating_mul(1u32 << self.bans.min(16))
-            .min(max);
+        let length = base.saturating_mul(1u32 << self.bans.min(16)).min(max);
         self.banned = true;
         self.banned_until = now.checked_add(length);
         self.bans = self.bans.saturating_add(1);
@@ -1441,7 +1449,11 @@ impl Scheduler {
             if record.banned && record.banned_until.is_some_and(|t| now >= t) {
                 record.banned = false;
                 record.banned_until = None;
-                if let Some(peer) = self.index.get(id).and_then(|&k| peer_mut(&mut self.slots, k)) {
+                if let Some(peer) = self
+                    .index
+                    .get(id)
+                    .and_then(|&k| peer_mut(&mut self.slots, k))
+                {
                     peer.banned = false;
                 }
                 report.unbanned.push(id.clone());
@@ -1905,7 +1917,11 @@ mod tests {
             1
         );
         assert_eq!(s.holders(&blob(), 5), 0, "the bad chunk no longer counts");
-        assert!(s.report_bad_chunk(&report("same", true), now).unwrap().banned);
+        assert!(
+            s.report_bad_chunk(&report("same", true), now)
+                .unwrap()
+                .banned
+        );
         assert_eq!(s.holders(&blob(), 7), 0);
         let ids = peer_ids(&s.announce(added("asker", 8, vec![]), now));
         assert_eq!(ids, vec!["useful".to_owned(), "same".to_owned()]);
@@ -2017,7 +2033,10 @@ mod tests {
         assert_eq!(report.unbanned, vec!["bad".to_owned()]);
         assert!(!s.standing("bad").banned);
         // Handed out again once it announces what it holds.
-        s.announce(wants("bad", 8, &[0, 1, 2, 3, 4, 5, 6, 7]), t0 + Duration::from_secs(601));
+        s.announce(
+            wants("bad", 8, &[0, 1, 2, 3, 4, 5, 6, 7]),
+            t0 + Duration::from_secs(601),
+        );
         assert_eq!(s.holders(&blob(), 0), 1);
 
         let t1 = t0 + Duration::from_secs(700);
@@ -2073,7 +2092,11 @@ mod tests {
             s.report_bad_chunk(&bad_chunk("liar", &honest[4]), now),
             Err(ScheduleError::ReporterBanned("liar".into()))
         );
-        assert_eq!(s.holders(&blob(), 0), 5 - 3, "the three accused chunks no longer count");
+        assert_eq!(
+            s.holders(&blob(), 0),
+            5 - 3,
+            "the three accused chunks no longer count"
+        );
     }
 
     #[test]
@@ -2094,7 +2117,10 @@ mod tests {
         let mut other = entry(8, Held::Added(vec![]), true);
         other.chunk_size = 4_194_368;
         let d = s.announce(announce("b", true, vec![other]), now);
-        assert!(matches!(d.rejected[0], ScheduleError::GeometryMismatch { .. }));
+        assert!(matches!(
+            d.rejected[0],
+            ScheduleError::GeometryMismatch { .. }
+        ));
         assert_eq!(
             s.geometry(&blob()),
             Some(Geometry {
@@ -2120,21 +2146,36 @@ mod tests {
         };
         let d = s.announce(announce("a", true, vec![of(b"x", 8), of(b"y", 8)]), now);
         assert!(
-            matches!(&d.rejected[..], [ScheduleError::TooManyBlobsForPeer { blobs: 1, max_blobs: 1, .. }]),
+            matches!(
+                &d.rejected[..],
+                [ScheduleError::TooManyBlobsForPeer {
+                    blobs: 1,
+                    max_blobs: 1,
+                    ..
+                }]
+            ),
             "{:?}",
             d.rejected
         );
         s.announce(announce("b", true, vec![of(b"y", 8)]), now);
         let d = s.announce(announce("c", true, vec![of(b"z", 1)]), now);
         assert!(
-            d.rejected[0].to_string().contains("would be blob number 2 plus one"),
+            d.rejected[0]
+                .to_string()
+                .contains("would be blob number 2 plus one"),
             "{}",
             d.rejected[0]
         );
         s.leave("b");
         let d = s.announce(announce("c", true, vec![of(b"z", 13)]), now);
         assert!(
-            matches!(d.rejected[..], [ScheduleError::TooManyBlobs { chunk_count: 13, .. }]),
+            matches!(
+                d.rejected[..],
+                [ScheduleError::TooManyBlobs {
+                    chunk_count: 13,
+                    ..
+                }]
+            ),
             "{:?}",
             d.rejected
         );

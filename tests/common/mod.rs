@@ -63,10 +63,7 @@ impl TrackerProc {
         let addr = listener.local_addr().unwrap();
         let tracker = Tracker::new(config);
         let tls = cluster_ca()
-            .issue_tracker(
-                &["localhost".into(), "127.0.0.1".into(), "::1".into()],
-                1,
-            )
+            .issue_tracker(&["localhost".into(), "127.0.0.1".into(), "::1".into()], 1)
             .unwrap()
             .tracker_server_tls()
             .unwrap();

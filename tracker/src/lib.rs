@@ -29,10 +29,10 @@ use axum::extract::{ConnectInfo, DefaultBodyLimit, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use dray_protocol::chunkmap::ChunkHash;
 use dray_protocol::framing::MAX_TRACKER_FRAME;
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::scheduler::{self, Scheduler, SchedulerConfig};
-use dray_protocol::chunkmap::ChunkHash;
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap};
 use metrics::{AnnounceKind, OPENMETRICS_CONTENT_TYPE, TrackerMetrics};
 use prost::Message;
@@ -180,7 +180,9 @@ pub enum TrackerError {
     Config(String),
     #[error("malformed request: {0}")]
     BadRequest(String),
-    #[error("{what} names peer {claimed:?}, but the client certificate is peer {certified:?}: a node speaks only for itself")]
+    #[error(
+        "{what} names peer {claimed:?}, but the client certificate is peer {certified:?}: a node speaks only for itself"
+    )]
     NotYourId {
         what: &'static str,
         claimed: String,
@@ -191,23 +193,25 @@ pub enum TrackerError {
     #[error(transparent)]
     Map(#[from] dray_protocol::VerifyError),
     #[error("{what} is {got}, more than the limit of {limit}")]
-    TooLarge {
-        what: String,
-        got: u64,
-        limit: u64,
-    },
+    TooLarge { what: String, got: u64, limit: u64 },
     #[error("the tracker knows {limit} agents already; peer {peer:?} is refused until some expire")]
     TooManyNodes { peer: String, limit: usize },
-    #[error("chunk map for {digest}: the tracker holds {held} bytes of chunk maps and {more} more would pass its limit of {limit}")]
+    #[error(
+        "chunk map for {digest}: the tracker holds {held} bytes of chunk maps and {more} more would pass its limit of {limit}"
+    )]
     TooManyMapBytes {
         digest: BlobDigest,
         held: u64,
         more: u64,
         limit: u64,
     },
-    #[error("chunk map for {0}: no agent announced that blob, so the tracker cannot check the map against its swarm (announce it first)")]
+    #[error(
+        "chunk map for {0}: no agent announced that blob, so the tracker cannot check the map against its swarm (announce it first)"
+    )]
     MapForUnknownBlob(BlobDigest),
-    #[error("chunk map for {digest} says {got_size} bytes in {got_chunk_size}-byte chunks ({got_count} chunks), but the blob's swarm has {size} bytes in {chunk_size}-byte chunks ({count} chunks)")]
+    #[error(
+        "chunk map for {digest} says {got_size} bytes in {got_chunk_size}-byte chunks ({got_count} chunks), but the blob's swarm has {size} bytes in {chunk_size}-byte chunks ({count} chunks)"
+    )]
     MapDisagrees {
         digest: BlobDigest,
         got_size: u64,
@@ -346,7 +350,9 @@ impl Tracker {
             self.metrics.nodes.set(gauge(st.scheduler.peer_count()));
             self.metrics.blobs.set(gauge(st.scheduler.blob_count()));
             self.metrics.chunk_maps.set(gauge(st.maps.len()));
-            self.metrics.chunk_map_bytes.set(i64::try_from(st.map_bytes).unwrap_or(i64::MAX));
+            self.metrics
+                .chunk_map_bytes
+                .set(i64::try_from(st.map_bytes).unwrap_or(i64::MAX));
         }
         self.metrics.encode()
     }
@@ -424,7 +430,11 @@ impl Tracker {
                     confirmed: false,
                 };
                 if report.offender.len() > MAX_ID_BYTES {
-                    return Err(too_large("the offender's peer id", report.offender.len(), MAX_ID_BYTES));
+                    return Err(too_large(
+                        "the offender's peer id",
+                        report.offender.len(),
+                        MAX_ID_BYTES,
+                    ));
                 }
                 let mut st = self.lock();
                 let was_banned = st.scheduler.standing(&report.offender).banned;
@@ -506,10 +516,18 @@ fn checked_announce(
         return Err(too_large("the peer id", a.peer_id.len(), MAX_ID_BYTES));
     }
     if a.address.len() > MAX_ADDRESS_BYTES {
-        return Err(too_large("the peer address", a.address.len(), MAX_ADDRESS_BYTES));
+        return Err(too_large(
+            "the peer address",
+            a.address.len(),
+            MAX_ADDRESS_BYTES,
+        ));
     }
     if a.labels.len() > MAX_LABELS {
-        return Err(too_large("the number of labels", a.labels.len(), MAX_LABELS));
+        return Err(too_large(
+            "the number of labels",
+            a.labels.len(),
+            MAX_LABELS,
+        ));
     }
     if let Some((k, v)) = a
         .labels
@@ -533,13 +551,20 @@ fn checked_announce(
         let count = dray_protocol::chunkmap::chunk_count(d, b.size, b.chunk_size)?;
         if count > limits.max_chunks_per_blob {
             return Err(TrackerError::TooLarge {
-                what: format!("{d}: the chunk count ({} bytes in {}-byte chunks)", b.size, b.chunk_size),
+                what: format!(
+                    "{d}: the chunk count ({} bytes in {}-byte chunks)",
+                    b.size, b.chunk_size
+                ),
                 got: count.into(),
                 limit: limits.max_chunks_per_blob.into(),
             });
         }
         if b.added.len() > count as usize {
-            return Err(too_large(format!("{d}: the number of chunks added"), b.added.len(), count as usize));
+            return Err(too_large(
+                format!("{d}: the number of chunks added"),
+                b.added.len(),
+                count as usize,
+            ));
         }
         if b.origin.len() > MAX_ORIGIN_BYTES {
             return Err(TrackerError::BadRequest(format!(
@@ -650,7 +675,9 @@ impl TrackerState {
             .scheduler
             .geometry(&digest)
             .ok_or(TrackerError::MapForUnknownBlob(digest))?;
-        if (size, count) != (g.size, g.chunk_count) || (g.chunk_size != 0 && chunk_size != g.chunk_size) {
+        if (size, count) != (g.size, g.chunk_count)
+            || (g.chunk_size != 0 && chunk_size != g.chunk_size)
+        {
             return Err(TrackerError::MapDisagrees {
                 digest,
                 got_size: size,
@@ -689,7 +716,11 @@ impl TrackerState {
             let (i, Some(h)) = (i as u32, h) else {
                 continue;
             };
-            if self.maps.get(&d).is_some_and(|m| m.hashes()[i as usize].is_some()) {
+            if self
+                .maps
+                .get(&d)
+                .is_some_and(|m| m.hashes()[i as usize].is_some())
+            {
                 continue;
             }
             if self.scheduler.registry_fetcher(&d, i) == Some(publisher) {
@@ -909,7 +940,11 @@ mod tests {
         let mut covered = Bitfield::new(64);
         for p in ["a", "bb", "ccc", "dddd"] {
             let resp = t
-                .handle(announce(p, d, size, Some(&Bitfield::new(64)), true), None, now)
+                .handle(
+                    announce(p, d, size, Some(&Bitfield::new(64)), true),
+                    None,
+                    now,
+                )
                 .unwrap()
                 .unwrap();
             for a in &resp.assignments {
@@ -947,8 +982,12 @@ mod tests {
         assert!(resp.resend_full);
         let mut all = Bitfield::new(1);
         all.set(0);
-        t.handle(announce("a", d, 1 << 22, Some(&all), true), None, Instant::now())
-            .unwrap();
+        t.handle(
+            announce("a", d, 1 << 22, Some(&all), true),
+            None,
+            Instant::now(),
+        )
+        .unwrap();
         let failed = pb::TrackerRequest {
             body: Some(Body::DigestFailed(pb::BlobDigestFailed {
                 reporter: "a".into(),
@@ -970,12 +1009,17 @@ mod tests {
         let size = 64u64 << 22;
         let now = Instant::now();
         for p in ["a", "bb", "ccc", "dddd"] {
-            t.handle(announce(p, d, size, Some(&Bitfield::new(64)), true), None, now)
-                .unwrap();
+            t.handle(
+                announce(p, d, size, Some(&Bitfield::new(64)), true),
+                None,
+                now,
+            )
+            .unwrap();
         }
         for p in ["a", "bb", "ccc"] {
             // Each hears of "dddd" before it reports it.
-            t.handle(announce(p, d, size, None, false), None, now).unwrap();
+            t.handle(announce(p, d, size, None, false), None, now)
+                .unwrap();
         }
         for reporter in ["a", "bb", "ccc"] {
             let report = pb::TrackerRequest {
@@ -988,7 +1032,10 @@ mod tests {
             };
             t.handle(report, None, now).unwrap();
         }
-        assert!(t.handle(pb::TrackerRequest { body: None }, None, now).is_err());
+        assert!(
+            t.handle(pb::TrackerRequest { body: None }, None, now)
+                .is_err()
+        );
         let text = t.encode_metrics();
         // Each of the 4 nodes holds as many runs as it may.
         let runs = format!(
@@ -1041,7 +1088,10 @@ mod tests {
         if let Some(Body::Announce(a)) = &mut long.body {
             a.blobs[0].origin = "x".repeat(MAX_ORIGIN_BYTES + 1);
         }
-        let err = t.handle(long, None, Instant::now()).unwrap_err().to_string();
+        let err = t
+            .handle(long, None, Instant::now())
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("origin is 1025 bytes, more than 1024"),
             "{err}"
@@ -1068,8 +1118,12 @@ mod tests {
         let t = Tracker::new(&TrackerConfig::default());
         let d = BlobDigest::of(b"blob");
         let size = 32u64 << 20;
-        t.handle(announce("a", d, size, Some(&Bitfield::new(8)), true), Some("a"), Instant::now())
-            .unwrap();
+        t.handle(
+            announce("a", d, size, Some(&Bitfield::new(8)), true),
+            Some("a"),
+            Instant::now(),
+        )
+        .unwrap();
         // The forged map of issue 16: the real digest, 4 MiB larger, no hashes.
         let forged = ChunkMap::unhashed(d, size + (4 << 20), 1 << 22).unwrap();
         assert_eq!(
@@ -1079,14 +1133,19 @@ mod tests {
             )
         );
         let other_chunks = ChunkMap::unhashed(d, size, 8 << 20).unwrap();
-        assert!(refusal(&t, publish("a", &other_chunks), "a").contains("in 8388608-byte chunks (4 chunks), but the blob's swarm has"));
-        let unknown = ChunkMap::unhashed(BlobDigest::of(b"other"), size, 1 << 22).unwrap();
         assert!(
-            refusal(&t, publish("a", &unknown), "a")
-                .contains("no agent announced that blob, so the tracker cannot check the map against its swarm")
+            refusal(&t, publish("a", &other_chunks), "a")
+                .contains("in 8388608-byte chunks (4 chunks), but the blob's swarm has")
         );
+        let unknown = ChunkMap::unhashed(BlobDigest::of(b"other"), size, 1 << 22).unwrap();
+        assert!(refusal(&t, publish("a", &unknown), "a").contains(
+            "no agent announced that blob, so the tracker cannot check the map against its swarm"
+        ));
         assert!(t.map(&d).is_none());
-        assert!(t.encode_metrics().contains("dray_tracker_refusals_total{reason=\"map_disagrees\"} 3"));
+        assert!(
+            t.encode_metrics()
+                .contains("dray_tracker_refusals_total{reason=\"map_disagrees\"} 3")
+        );
     }
 
     #[test]
@@ -1099,7 +1158,9 @@ mod tests {
         }
         assert_eq!(
             refusal(&t, req, "a"),
-            format!("{d}: the chunk count (1099511627776 bytes in 65536-byte chunks) is 16777216, more than the limit of 262144")
+            format!(
+                "{d}: the chunk count (1099511627776 bytes in 65536-byte chunks) is 16777216, more than the limit of 262144"
+            )
         );
         assert_eq!(t.peer_count(), 0);
     }
@@ -1112,8 +1173,12 @@ mod tests {
         let now = Instant::now();
         // One run of one chunk each: a has chunk 0, b chunk 1, c chunk 2.
         for p in ["a", "b", "c", "d"] {
-            t.handle(announce(p, d, size, Some(&Bitfield::new(64)), true), Some(p), now)
-                .unwrap();
+            t.handle(
+                announce(p, d, size, Some(&Bitfield::new(64)), true),
+                Some(p),
+                now,
+            )
+            .unwrap();
         }
         let one = |i: u32, h: u8| {
             let mut m = ChunkMap::unhashed(d, size, 1 << 22).unwrap();
@@ -1129,7 +1194,11 @@ mod tests {
         // Two nodes other than its fetcher agreeing on chunk 2's hash.
         t.handle(publish("a", &one(2, 5)), Some("a"), now).unwrap();
         t.handle(publish("a", &one(2, 5)), Some("a"), now).unwrap();
-        assert_eq!(handed(&t), Some(vec![Some([7; 32]), None, None]), "one node twice is one node");
+        assert_eq!(
+            handed(&t),
+            Some(vec![Some([7; 32]), None, None]),
+            "one node twice is one node"
+        );
         t.handle(publish("d", &one(2, 5)), Some("d"), now).unwrap();
         assert_eq!(handed(&t), Some(vec![Some([7; 32]), None, Some([5; 32])]));
         // A hash that differs from a taken one is refused, naming the chunk.
@@ -1144,8 +1213,12 @@ mod tests {
         let t = Tracker::new(&TrackerConfig::default());
         let d = BlobDigest::of(b"blob");
         let now = Instant::now();
-        t.handle(announce("a", d, 2 << 22, Some(&Bitfield::new(2)), true), Some("a"), now)
-            .unwrap();
+        t.handle(
+            announce("a", d, 2 << 22, Some(&Bitfield::new(2)), true),
+            Some("a"),
+            now,
+        )
+        .unwrap();
         let failed = pb::TrackerRequest {
             body: Some(Body::DigestFailed(pb::BlobDigestFailed {
                 reporter: "a".into(),
@@ -1154,7 +1227,9 @@ mod tests {
         };
         assert_eq!(
             refusal(&t, failed, "a"),
-            format!("peer \"a\" holds 0 of the 2 chunks of {d}: only a node that assembled every chunk can report that the blob failed its digest")
+            format!(
+                "peer \"a\" holds 0 of the 2 chunks of {d}: only a node that assembled every chunk can report that the blob failed its digest"
+            )
         );
     }
 
@@ -1167,10 +1242,18 @@ mod tests {
         });
         let d = BlobDigest::of(b"blob");
         let now = Instant::now();
-        t.handle(announce("a", d, 1 << 22, Some(&Bitfield::new(1)), true), Some("a"), now)
-            .unwrap();
+        t.handle(
+            announce("a", d, 1 << 22, Some(&Bitfield::new(1)), true),
+            Some("a"),
+            now,
+        )
+        .unwrap();
         assert_eq!(
-            refusal(&t, announce("b", d, 1 << 22, Some(&Bitfield::new(1)), true), "b"),
+            refusal(
+                &t,
+                announce("b", d, 1 << 22, Some(&Bitfield::new(1)), true),
+                "b"
+            ),
             "the tracker knows 1 agents already; peer \"b\" is refused until some expire"
         );
         let with = |f: &dyn Fn(&mut pb::Announce)| {
@@ -1185,26 +1268,41 @@ mod tests {
             "the peer address is 300, more than the limit of 256"
         );
         assert_eq!(
-            refusal(&t, with(&|a| {
-                a.labels = (0..17).map(|i| (format!("k{i}"), "v".into())).collect();
-            }), "a"),
+            refusal(
+                &t,
+                with(&|a| {
+                    a.labels = (0..17).map(|i| (format!("k{i}"), "v".into())).collect();
+                }),
+                "a"
+            ),
             "the number of labels is 17, more than the limit of 16"
         );
         assert_eq!(
-            refusal(&t, with(&|a| {
-                a.labels.insert("zone".into(), "z".repeat(254));
-            }), "a"),
+            refusal(
+                &t,
+                with(&|a| {
+                    a.labels.insert("zone".into(), "z".repeat(254));
+                }),
+                "a"
+            ),
             "label \"zone\" is 254, more than the limit of 253"
         );
         assert_eq!(
-            refusal(&t, with(&|a| {
-                let extra = a.blobs[0].clone();
-                a.blobs.push(extra);
-            }), "a"),
+            refusal(
+                &t,
+                with(&|a| {
+                    let extra = a.blobs[0].clone();
+                    a.blobs.push(extra);
+                }),
+                "a"
+            ),
             "the number of blobs in one announce is 2, more than the limit of 1"
         );
         let text = t.encode_metrics();
-        assert!(text.contains("dray_tracker_refusals_total{reason=\"limit\"} 5"), "{text}");
+        assert!(
+            text.contains("dray_tracker_refusals_total{reason=\"limit\"} 5"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -1218,8 +1316,12 @@ mod tests {
         let size = 64u64 << 22;
         for (p, name) in [("a", b"x"), ("b", b"y")] {
             let d = BlobDigest::of(name);
-            t.handle(announce(p, d, size, Some(&Bitfield::new(64)), true), Some(p), now)
-                .unwrap();
+            t.handle(
+                announce(p, d, size, Some(&Bitfield::new(64)), true),
+                Some(p),
+                now,
+            )
+            .unwrap();
             let mut m = ChunkMap::unhashed(d, size, 1 << 22).unwrap();
             m.set_hash(0, [1; 32]).unwrap();
             let published = t.handle(publish(p, &m), Some(p), now);
@@ -1228,7 +1330,9 @@ mod tests {
             } else {
                 assert_eq!(
                     published.unwrap_err().to_string(),
-                    format!("chunk map for {d}: the tracker holds 2112 bytes of chunk maps and 2112 more would pass its limit of 2112")
+                    format!(
+                        "chunk map for {d}: the tracker holds 2112 bytes of chunk maps and 2112 more would pass its limit of 2112"
+                    )
                 );
             }
         }
