@@ -168,7 +168,8 @@ async fn a_tracker_restarted_mid_pull_relearns_partial_holders_hashes_and_ends_t
         let restarted = TrackerProc::start(&quick_tracker(), &addr).await;
         // The full announces bring back the holders and, from partial
         // holders too, the hashes without which nobody else could verify
-        // what they hold.
+        // what they hold: a hash no registry run of this tracker vouches
+        // for is taken once two holders publish it.
         let started = Instant::now();
         loop {
             let map = restarted.tracker.map(&d);
@@ -179,8 +180,10 @@ async fn a_tracker_restarted_mid_pull_relearns_partial_holders_hashes_and_ends_t
                 .iter()
                 .copied()
                 .filter(|&i| {
-                    map.as_ref()
-                        .is_none_or(|m| m.hashes()[i as usize].is_none())
+                    restarted.tracker.holders(&d, i) >= 2
+                        && map
+                            .as_ref()
+                            .is_none_or(|m| m.hashes()[i as usize].is_none())
                 })
                 .collect();
             if restarted.tracker.peer_count() == 4 && !held.is_empty() && unvouched.is_empty() {
@@ -206,10 +209,13 @@ async fn a_tracker_restarted_mid_pull_relearns_partial_holders_hashes_and_ends_t
     assert!(reports.iter().any(|r| r.fell_back), "{reports:?}");
     // The fallback took only what no peer had, and stopped when the tracker
     // answered: not every node fetching every unclaimed chunk to the end.
+    // A chunk only one node held when the tracker restarted has no hash
+    // until a second node publishes the same (issue 16: one node cannot
+    // vouch alone), so some are fetched again: 1.92x measured, was < 1.8x.
     let ratio = registry.egress() as f64 / size as f64;
     eprintln!("registry egress {ratio:.2}x the blob");
     assert!(
-        ratio < 1.8,
+        ratio < 2.2,
         "registry served {ratio:.2}x the blob: {reports:?}"
     );
 }
