@@ -159,7 +159,8 @@ echo "== the dray binary accepts the rendered configs"
 # Loopback only: the rendered admin address is rewritten, the trackers replaced
 # by a closed local port, the peer and mirror listeners set by flags.
 sed 's/0\.0\.0\.0:/127.0.0.1:/' "$r/agent.toml" >"$work/agent.toml"
-sed 's/0\.0\.0\.0:[0-9]*/127.0.0.1:0/' "$r/tracker.toml" >"$work/tracker.toml"
+sed "s/0\.0\.0\.0:[0-9]*/127.0.0.1:0/; s|/etc/dray/tls|$work/tracker-tls|g" "$r/tracker.toml" >"$work/tracker.toml"
+"$dray" ca issue --ca-dir "$node/ca" --tracker --name localhost --out "$work/tracker-tls" >/dev/null
 sed "s|/run/dray|$work/run|g; s|/var/lib/dray|$work/state|g" "$r/snapshotter.toml" >"$work/snapshotter.toml"
 sed -i "s|/etc/dray/tls|$node/tls|g; s|/var/lib/dray|$work/state|" "$work/agent.toml"
 mkdir -p "$work/run"
@@ -180,6 +181,6 @@ started() { # NAME CHECK COMMAND...: runs until the shell test CHECK passes (10 
 }
 started tracker 'grep -q listening "$work/tracker.log"' "$dray" tracker --config "$work/tracker.toml"
 started agent 'grep -q "serving peers" "$work/agent.log"' "$dray" agent --config "$work/agent.toml" \
-  --tracker http://127.0.0.1:9 --peer-listen 127.0.0.1:0 --mirror-listen 127.0.0.1:0
+  --tracker https://127.0.0.1:9 --peer-listen 127.0.0.1:0 --mirror-listen 127.0.0.1:0
 started snapshotter 'test -S "$work/run/snapshotter.sock"' "$dray" snapshotter --config "$work/snapshotter.toml"
 echo "validate-deploy: all checks passed"

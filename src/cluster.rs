@@ -1,6 +1,7 @@
 //! A swarm in this process: a tracker and N agents on loopback, each with
 //! its own chunk store under one root directory and its own certificate from
-//! one in-memory cluster CA. Shared by `dray bench swarm` and `dray demo`.
+//! one in-memory cluster CA (the tracker's too: they speak TLS to it as in a
+//! cluster). Shared by `dray bench swarm` and `dray demo`.
 
 use anyhow::{Context, Result};
 use dray_agent::identity::ClusterCa;
@@ -23,15 +24,23 @@ impl LocalCluster {
     /// Starts a tracker on 127.0.0.1 and `nodes` agents with their stores in
     /// [`Self::node_dir`]`(root, i)`; `swarm.trackers` is set to the tracker.
     pub async fn start(root: &Path, nodes: usize, swarm: SwarmConfig) -> Result<LocalCluster> {
+        let ca = ClusterCa::generate()?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .context("binding the tracker to 127.0.0.1")?;
-        let tracker_url = format!("http://{}", listener.local_addr()?);
+        let tracker_url = format!("https://{}", listener.local_addr()?);
+        let config = dray_tracker::TrackerConfig::default();
+        let tls = ca
+            .issue_tracker(&["localhost".into(), "127.0.0.1".into()], 1)?
+            .tracker_server_tls()?;
         let tracker = tokio::spawn(dray_tracker::serve(
             listener,
-            dray_tracker::Tracker::new(&Default::default()),
+            dray_tracker::Tracker::new(&config),
+            dray_tracker::Transport::Tls {
+                config: Arc::new(tls),
+                max_connections: config.max_connections,
+            },
         ));
-        let ca = ClusterCa::generate()?;
         let mut cluster = LocalCluster {
             agents: Vec::new(),
             announcers: Vec::new(),

@@ -23,7 +23,7 @@ use dray_agent::store::ChunkStore;
 use dray_agent::swarm::Swarm;
 use dray_protocol::{ChunkMap, DEFAULT_CHUNK_SIZE, pb};
 use dray_snapshotter_shim::SnapshotterConfig;
-use dray_tracker::{Tracker, TrackerConfig};
+use dray_tracker::{Tracker, TrackerConfig, Transport};
 use prost::Message;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -197,6 +197,18 @@ struct TrackerArgs {
     /// Overrides `listen`.
     #[arg(long, env = "DRAY_TRACKER_LISTEN")]
     listen: Option<std::net::SocketAddr>,
+    /// Overrides `cert` (the tracker's certificate, from `dray ca issue --tracker`).
+    #[arg(long, env = "DRAY_TRACKER_CERT")]
+    cert: Option<PathBuf>,
+    /// Overrides `key`.
+    #[arg(long, env = "DRAY_TRACKER_KEY")]
+    key: Option<PathBuf>,
+    /// Overrides `ca` (the cluster CA agents' certificates must chain to).
+    #[arg(long, env = "DRAY_TRACKER_CA")]
+    ca: Option<PathBuf>,
+    /// Sets `insecure_plain_http`: no TLS, and any client may speak as any peer.
+    #[arg(long)]
+    insecure_plain_http: bool,
 }
 
 /// The agent's TOML config and the flags that override it.
@@ -311,13 +323,25 @@ enum CaCommand {
         dir: PathBuf,
     },
     /// Issue an agent certificate signed by the CA in --ca-dir: writes
-    /// agent.crt, agent.key and ca.crt into --out.
+    /// agent.crt, agent.key and ca.crt into --out (with --tracker: the
+    /// tracker's, tracker.crt, tracker.key and ca.crt).
     Issue {
         #[arg(long)]
         ca_dir: PathBuf,
         /// The agent's peer id (a DNS name such as the node name).
-        #[arg(long)]
-        peer_id: String,
+        #[arg(long, required_unless_present = "tracker", conflicts_with = "tracker")]
+        peer_id: Option<String>,
+        /// Issue the tracker's certificate (server authentication only) for
+        /// each --name.
+        #[arg(long, requires = "names")]
+        tracker: bool,
+        /// A DNS name or IP address agents reach the tracker by (repeat; the
+        /// first must be a DNS name), e.g. each replica's name.
+        #[arg(long = "name", requires = "tracker")]
+        names: Vec<String>,
+        /// Days the certificate is valid.
+        #[arg(long, default_value_t = dray_agent::identity::DEFAULT_VALIDITY_DAYS)]
+        days: u32,
         #[arg(long)]
         out: PathBuf,
     },
@@ -446,16 +470,45 @@ async fn run(command: Command) -> Result<()> {
             if let Some(l) = args.listen {
                 cfg.listen = l;
             }
+            for (flag, key) in [
+                (args.cert, &mut cfg.cert),
+                (args.key, &mut cfg.key),
+                (args.ca, &mut cfg.ca),
+            ] {
+                if let Some(path) = flag {
+                    *key = path;
+                }
+            }
+            cfg.insecure_plain_http |= args.insecure_plain_http;
+            let (transport, scheme) = if cfg.insecure_plain_http {
+                tracing::warn!(
+                    "insecure_plain_http: the tracker serves plain HTTP, and anyone who reaches it may announce, publish and report as any peer"
+                );
+                (Transport::InsecurePlainHttp, "http")
+            } else {
+                let id = Identity::load(&cfg.cert, &cfg.key, &cfg.ca).context(
+                    "loading the tracker's certificate (`cert`, `key`, `ca`; issue one with `dray ca issue --tracker`)",
+                )?;
+                let config = Arc::new(id.tracker_server_tls()?);
+                let max_connections = cfg.max_connections;
+                (
+                    Transport::Tls {
+                        config,
+                        max_connections,
+                    },
+                    "https",
+                )
+            };
             let listener = tokio::net::TcpListener::bind(cfg.listen)
                 .await
                 .with_context(|| format!("binding the tracker to {}", cfg.listen))?;
             eprintln!(
-                "dray tracker listening on http://{}",
+                "dray tracker listening on {scheme}://{}",
                 listener.local_addr()?
             );
             let stop = service::shutdown_signal()?;
             tokio::select! {
-                served = dray_tracker::serve(listener, Tracker::new(&cfg)) => served?,
+                served = dray_tracker::serve(listener, Tracker::new(&cfg), transport) => served?,
                 signal = stop => eprintln!("dray tracker: {signal}: stopped"),
             }
             Ok(())
@@ -467,15 +520,23 @@ async fn run(command: Command) -> Result<()> {
         Command::Ca(CaCommand::Issue {
             ca_dir,
             peer_id,
+            tracker,
+            names,
+            days,
             out,
         }) => {
             let ca = ClusterCa::load(&ca_dir.join("ca.crt"), &ca_dir.join("ca.key"))?;
-            let id = ca.issue(&peer_id)?;
+            let (id, name) = match peer_id {
+                Some(peer) => (ca.issue_for_days(&peer, days)?, "agent"),
+                None if tracker => (ca.issue_tracker(&names, days)?, "tracker"),
+                None => anyhow::bail!("`dray ca issue` needs --peer-id or --tracker"),
+            };
+            let (crt, key) = (format!("{name}.crt"), format!("{name}.key"));
             write_new(
                 &out,
                 &[
-                    ("agent.crt", id.cert_pem()),
-                    ("agent.key", id.key_pem()),
+                    (crt.as_str(), id.cert_pem()),
+                    (key.as_str(), id.key_pem()),
                     ("ca.crt", &ca.cert_pem),
                 ],
             )

@@ -224,20 +224,7 @@ async fn storm(
     push(&blob, &digest).await?;
     std::fs::remove_file(&blob)?;
 
-    let tracker = spawn_in(
-        TRACKER_NS,
-        exe.as_os_str(),
-        &[
-            "tracker".as_ref(),
-            "--listen".as_ref(),
-            TRACKER_ADDR.as_ref(),
-        ],
-        &dir.join("tracker.log"),
-    )?;
-    cluster.services.push(tracker);
-    wait_listening(TRACKER_ADDR, "dray tracker").await?;
-
-    // The cluster CA, and a certificate and config per node.
+    // The cluster CA, the tracker's certificate, and a certificate and config per node.
     let ca = dir.join("ca");
     run_cmd(
         exe.as_os_str(),
@@ -249,6 +236,44 @@ async fn storm(
         ],
     )
     .await?;
+    let tracker_tls = dir.join("tracker-tls");
+    let tracker_ip = TRACKER_ADDR.split(':').next().unwrap_or(TRACKER_ADDR);
+    run_cmd(
+        exe.as_os_str(),
+        &[
+            "ca".as_ref(),
+            "issue".as_ref(),
+            "--ca-dir".as_ref(),
+            ca.as_os_str(),
+            "--tracker".as_ref(),
+            "--name".as_ref(),
+            "dray-tracker".as_ref(),
+            "--name".as_ref(),
+            tracker_ip.as_ref(),
+            "--out".as_ref(),
+            tracker_tls.as_os_str(),
+        ],
+    )
+    .await?;
+    let tracker = spawn_in(
+        TRACKER_NS,
+        exe.as_os_str(),
+        &[
+            "tracker".as_ref(),
+            "--listen".as_ref(),
+            TRACKER_ADDR.as_ref(),
+            "--cert".as_ref(),
+            tracker_tls.join("tracker.crt").as_os_str(),
+            "--key".as_ref(),
+            tracker_tls.join("tracker.key").as_os_str(),
+            "--ca".as_ref(),
+            tracker_tls.join("ca.crt").as_os_str(),
+        ],
+        &dir.join("tracker.log"),
+    )?;
+    cluster.services.push(tracker);
+    wait_listening(TRACKER_ADDR, "dray tracker").await?;
+
     for i in 0..b.nodes {
         let node = dir.join(format!("node-{i}"));
         run_cmd(
@@ -270,7 +295,7 @@ async fn storm(
         std::fs::write(
             node.join("node.toml"),
             format!(
-                "state_dir = {}\npeer_listen = \"{}:7881\"\ncert = {}\nkey = {}\nca = {}\n\n[peer]\nupload_bytes_per_s = {upload_cap}\nmax_uploads = {}\nmax_downloads = {}\n\n[mirror]\nlisten = \"127.0.0.1:0\"\n\n[swarm]\ntrackers = [\"http://{TRACKER_ADDR}\"]\n",
+                "state_dir = {}\npeer_listen = \"{}:7881\"\ncert = {}\nkey = {}\nca = {}\n\n[peer]\nupload_bytes_per_s = {upload_cap}\nmax_uploads = {}\nmax_downloads = {}\n\n[mirror]\nlisten = \"127.0.0.1:0\"\n\n[swarm]\ntrackers = [\"https://{TRACKER_ADDR}\"]\n",
                 path("state"),
                 node_ip(i),
                 path("agent.crt"),

@@ -216,7 +216,7 @@ async fn four_containerds_pulling_one_image_at_once_take_it_from_the_registry_ab
         None,
     );
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
-    let ca = ClusterCa::generate().unwrap();
+    let ca = cluster_ca();
     let side_door = registry.side_door().await;
     let image = format!("{}/test/big:gzip", registry.host());
     // The image's compressed size: its blobs as the registry lists them.

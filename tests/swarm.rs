@@ -76,7 +76,7 @@ async fn eight_agents_pull_a_256mib_blob_at_once_and_it_leaves_the_registry_abou
     let size = 256u64 << 20;
     let digest = push_random(&registry, dir.path(), "test/big", size);
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
-    let ca = ClusterCa::generate().unwrap();
+    let ca = cluster_ca();
     let agents: Vec<Agent> =
         start_agents(&ca, dir.path(), "node", 8, quick_swarm(vec![tracker.url()]));
 
@@ -107,7 +107,7 @@ async fn every_agent_completes_when_the_tracker_dies_mid_pull_and_a_restart_reco
     registry.throttle(24 << 20);
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
     let addr = tracker.addr.to_string();
-    let ca = ClusterCa::generate().unwrap();
+    let ca = cluster_ca();
     let agents: Vec<Agent> =
         start_agents(&ca, dir.path(), "node", 4, quick_swarm(vec![tracker.url()]));
     let client = registry_client(&registry.url(), None);
@@ -156,7 +156,7 @@ async fn a_tracker_restarted_mid_pull_relearns_partial_holders_hashes_and_ends_t
     registry.throttle(8 << 20);
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
     let addr = tracker.addr.to_string();
-    let ca = ClusterCa::generate().unwrap();
+    let ca = cluster_ca();
     let agents = start_agents(&ca, dir.path(), "node", 4, quick_swarm(vec![tracker.url()]));
     let client = registry_client(&registry.url(), None);
     let d: BlobDigest = digest.parse().unwrap();
@@ -168,7 +168,8 @@ async fn a_tracker_restarted_mid_pull_relearns_partial_holders_hashes_and_ends_t
         let restarted = TrackerProc::start(&quick_tracker(), &addr).await;
         // The full announces bring back the holders and, from partial
         // holders too, the hashes without which nobody else could verify
-        // what they hold.
+        // what they hold: a hash no registry run of this tracker vouches
+        // for is taken once two holders publish it.
         let started = Instant::now();
         loop {
             let map = restarted.tracker.map(&d);
@@ -179,8 +180,10 @@ async fn a_tracker_restarted_mid_pull_relearns_partial_holders_hashes_and_ends_t
                 .iter()
                 .copied()
                 .filter(|&i| {
-                    map.as_ref()
-                        .is_none_or(|m| m.hashes()[i as usize].is_none())
+                    restarted.tracker.holders(&d, i) >= 2
+                        && map
+                            .as_ref()
+                            .is_none_or(|m| m.hashes()[i as usize].is_none())
                 })
                 .collect();
             if restarted.tracker.peer_count() == 4 && !held.is_empty() && unvouched.is_empty() {
@@ -206,10 +209,13 @@ async fn a_tracker_restarted_mid_pull_relearns_partial_holders_hashes_and_ends_t
     assert!(reports.iter().any(|r| r.fell_back), "{reports:?}");
     // The fallback took only what no peer had, and stopped when the tracker
     // answered: not every node fetching every unclaimed chunk to the end.
+    // A chunk only one node held when the tracker restarted has no hash
+    // until a second node publishes the same (issue 16: one node cannot
+    // vouch alone), so some are fetched again: 1.92x measured, was < 1.8x.
     let ratio = registry.egress() as f64 / size as f64;
     eprintln!("registry egress {ratio:.2}x the blob");
     assert!(
-        ratio < 1.8,
+        ratio < 2.2,
         "registry served {ratio:.2}x the blob: {reports:?}"
     );
 }
@@ -223,7 +229,7 @@ async fn a_node_killed_while_holding_registry_assignments_loses_them_and_the_oth
     // 16 MiB/s from the registry: the victim cannot finish its runs before it dies.
     registry.throttle(16 << 20);
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
-    let ca = ClusterCa::generate().unwrap();
+    let ca = cluster_ca();
     let mut cfg = quick_swarm(vec![tracker.url()]);
     cfg.stall_ms = 30_000; // prove reassignment, not the stall fallback
     let victim = Agent::start(
@@ -265,7 +271,7 @@ async fn a_private_repository_needs_credentials_and_refuses_anonymous_agents_cle
     let registry = Registry::start(Some(("alice", "s3cret"))).await;
     let digest = push_random(&registry, dir.path(), "private/p", 16 << 20);
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
-    let ca = ClusterCa::generate().unwrap();
+    let ca = cluster_ca();
     let agents: Vec<Agent> =
         start_agents(&ca, dir.path(), "node", 2, quick_swarm(vec![tracker.url()]));
 
@@ -328,7 +334,10 @@ async fn two_tracker_replicas_split_the_blobs_and_a_dead_one_hands_its_blobs_to_
     let replicas = vec![a.url(), b.url()];
     // Ownership hashes digests with the replicas' (random) addresses: push
     // blobs until each replica owns at least two.
-    let owners = dray_agent::tracker_client::TrackerClient::new(replicas.clone());
+    let owners = dray_agent::tracker_client::TrackerClient::new(
+        replicas.clone(),
+        &cluster_ca().issue("owners").unwrap(),
+    );
     let mut digests = Vec::new();
     for i in 0..40 {
         let owned_by = |r: &str| {
@@ -344,7 +353,7 @@ async fn two_tracker_replicas_split_the_blobs_and_a_dead_one_hands_its_blobs_to_
         random_file(&src, 8 << 20);
         digests.push(registry.push("test/r", &src));
     }
-    let ca = ClusterCa::generate().unwrap();
+    let ca = cluster_ca();
     let client = registry_client(&registry.url(), None);
     let first: Vec<Agent> =
         start_agents(&ca, dir.path(), "first", 2, quick_swarm(replicas.clone()));
@@ -384,15 +393,14 @@ async fn two_tracker_replicas_split_the_blobs_and_a_dead_one_hands_its_blobs_to_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_chunk_map_published_with_a_wrong_hash_is_caught_by_the_digest_withdrawn_and_pulled_from_the_registry()
- {
+async fn a_chunk_map_forged_by_a_node_that_fetched_none_of_it_never_reaches_honest_nodes() {
     let dir = tempfile::tempdir().unwrap();
     let registry = Registry::start(None).await;
     let size = 32u64 << 20;
     let digest = push_random(&registry, dir.path(), "test/w", size);
     let d: BlobDigest = digest.parse().unwrap();
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
-    let ca = ClusterCa::generate().unwrap();
+    let ca = cluster_ca();
 
     // A liar holds every chunk but the last, with chunk 2 forged, and publishes
     // a map whose hash for chunk 2 matches the forgery.
@@ -422,6 +430,10 @@ async fn a_chunk_map_published_with_a_wrong_hash_is_caught_by_the_digest_withdra
         blob.put_chunk(i, &forged[at..at + lie.chunk_len(i)])
             .unwrap();
     }
+    // A map is taken only for a blob some node announced.
+    while tracker.tracker.holders(&d, 2) < 1 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let publish = pb::TrackerRequest {
         body: Some(Body::Publish(pb::PublishChunkMap {
             peer_id: "liar".into(),
@@ -431,13 +443,10 @@ async fn a_chunk_map_published_with_a_wrong_hash_is_caught_by_the_digest_withdra
     assert!(
         tracker
             .tracker
-            .handle(publish, Instant::now())
+            .handle(publish, Some("liar"), Instant::now())
             .unwrap()
             .is_none()
     );
-    while tracker.tracker.holders(&d, 2) < 1 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 
     let honest: Vec<Agent> =
         start_agents(&ca, dir.path(), "node", 2, quick_swarm(vec![tracker.url()]));
@@ -450,10 +459,19 @@ async fn a_chunk_map_published_with_a_wrong_hash_is_caught_by_the_digest_withdra
     .await;
 
     assert_identical(&honest, &digest);
-    assert!(reports.iter().any(|r| r.map_failures >= 1), "{reports:?}");
-    // The forged map is gone; what the tracker holds now (republished by the
-    // honest agents after their registry pull) is the true one.
+    // The liar was no chunk's registry fetcher: its hashes waited for a
+    // second node to agree, the forged one never did, and no honest pull met
+    // a wrong map.
+    assert!(reports.iter().all(|r| r.map_failures == 0), "{reports:?}");
     if let Some(map) = tracker.tracker.map(&d) {
-        assert_eq!(map, real, "the tracker still hands out the forged hashes");
+        for (i, h) in map.hashes().iter().enumerate() {
+            if h.is_some() {
+                assert_eq!(
+                    *h,
+                    real.hashes()[i],
+                    "chunk {i}: a forged hash is handed out"
+                );
+            }
+        }
     }
 }

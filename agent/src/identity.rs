@@ -2,6 +2,13 @@
 //! whose DNS subject-alternative name is the agent's peer id. Both ends of every
 //! peer connection present a certificate and check the other's against the CA;
 //! an agent whose certificate the CA did not sign is refused during the handshake.
+//!
+//! The tracker gets a certificate from the same CA, for the DNS names and
+//! addresses agents reach it by, usable for TLS server authentication only: the
+//! agents' tracker client checks it against the CA and the URL's host, and
+//! refuses a certificate that also allows client authentication (a node's), so
+//! a compromised node cannot pose as the tracker. The tracker asks agents for
+//! their certificate and reads the caller's peer id from it.
 
 use crate::error::{Error, Result};
 use rcgen::{
@@ -15,7 +22,14 @@ use std::sync::Arc;
 /// ALPN protocol id of dray's peer protocol.
 pub const ALPN: &[u8] = b"dray/1";
 
+/// ALPN protocol id of the tracker's HTTP/1.1 over TLS.
+pub const TRACKER_ALPN: &[u8] = b"http/1.1";
+
+/// Lifetime of an issued certificate unless told otherwise: a year.
+pub const DEFAULT_VALIDITY_DAYS: u32 = 365;
+
 /// A cluster certificate authority (its certificate and signing key, PEM).
+#[derive(Clone)]
 pub struct ClusterCa {
     pub cert_pem: String,
     pub key_pem: String,
@@ -68,17 +82,65 @@ impl ClusterCa {
         })
     }
 
-    /// Signs a certificate for `peer_id`, usable as both TLS client and server.
+    /// Signs a certificate for `peer_id`, usable as both TLS client and
+    /// server, valid for [`DEFAULT_VALIDITY_DAYS`].
     pub fn issue(&self, peer_id: &str) -> Result<Identity> {
+        self.issue_for_days(peer_id, DEFAULT_VALIDITY_DAYS)
+    }
+
+    /// Signs a certificate for `peer_id` valid from an hour ago (clocks
+    /// differ) for `days` days.
+    pub fn issue_for_days(&self, peer_id: &str, days: u32) -> Result<Identity> {
         check_peer_id(peer_id)?;
-        let ca_key = KeyPair::from_pem(&self.key_pem).map_err(tls_err)?;
-        let issuer = Issuer::from_ca_cert_pem(&self.cert_pem, ca_key).map_err(tls_err)?;
         let mut params = CertificateParams::new(vec![peer_id.to_string()]).map_err(tls_err)?;
         params.distinguished_name.push(DnType::CommonName, peer_id);
         params.extended_key_usages = vec![
             ExtendedKeyUsagePurpose::ServerAuth,
             ExtendedKeyUsagePurpose::ClientAuth,
         ];
+        self.sign(params, days)
+    }
+
+    /// Signs the tracker's certificate for `names`, the DNS names and IP
+    /// addresses agents reach it by (the first must be a DNS name), usable for
+    /// TLS server authentication only, valid for `days` days.
+    pub fn issue_tracker(&self, names: &[String], days: u32) -> Result<Identity> {
+        let first_is_dns = names
+            .first()
+            .is_some_and(|n| n.parse::<std::net::IpAddr>().is_err());
+        if !first_is_dns {
+            return Err(Error::Config(format!(
+                "the tracker's certificate needs a DNS name first (the name agents reach it by), got {names:?}"
+            )));
+        }
+        for n in names {
+            if n.parse::<std::net::IpAddr>().is_err() {
+                check_peer_id(n).map_err(|_| {
+                    Error::Config(format!(
+                        "tracker name {n:?} must be an IP address or a DNS name of lowercase letters, digits, '-' and '.'"
+                    ))
+                })?;
+            }
+        }
+        let mut params = CertificateParams::new(names.to_vec()).map_err(tls_err)?;
+        params
+            .distinguished_name
+            .push(DnType::CommonName, format!("dray tracker {}", names[0]));
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        self.sign(params, days)
+    }
+
+    fn sign(&self, mut params: CertificateParams, days: u32) -> Result<Identity> {
+        if days == 0 {
+            return Err(Error::Config(
+                "a certificate must be valid for at least 1 day".into(),
+            ));
+        }
+        let now = time::OffsetDateTime::now_utc();
+        params.not_before = now - time::Duration::hours(1);
+        params.not_after = now + time::Duration::days(i64::from(days));
+        let ca_key = KeyPair::from_pem(&self.key_pem).map_err(tls_err)?;
+        let issuer = Issuer::from_ca_cert_pem(&self.cert_pem, ca_key).map_err(tls_err)?;
         let key = KeyPair::generate().map_err(tls_err)?;
         let cert = params.signed_by(&key, &issuer).map_err(tls_err)?;
         Identity::from_pem(&cert.pem(), &key.serialize_pem(), &self.cert_pem)
@@ -196,6 +258,104 @@ impl Identity {
         cfg.alpn_protocols = vec![ALPN.to_vec()];
         Ok(cfg)
     }
+
+    /// TLS for the tracker's listener: its certificate, and a client
+    /// certificate signed by the CA checked when one is offered. One is
+    /// optional at the handshake so that probes and Prometheus reach
+    /// `/healthz`, `/readyz` and `/metrics`; the tracker API refuses a
+    /// request without one.
+    pub fn tracker_server_tls(&self) -> Result<rustls::ServerConfig> {
+        let verifier =
+            rustls::server::WebPkiClientVerifier::builder_with_provider(self.roots()?, provider())
+                .allow_unauthenticated()
+                .build()
+                .map_err(tls_err)?;
+        let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(tls_err)?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(
+                vec![self.cert.clone()],
+                PrivateKeyDer::Pkcs8(self.key.clone_key()),
+            )
+            .map_err(tls_err)?;
+        cfg.alpn_protocols = vec![TRACKER_ALPN.to_vec()];
+        Ok(cfg)
+    }
+
+    /// TLS for talking to the tracker: its certificate must be signed by the
+    /// CA for the host dialled and must not be a node's; we present ours.
+    pub fn tracker_client_tls(&self) -> Result<rustls::ClientConfig> {
+        let webpki =
+            rustls::client::WebPkiServerVerifier::builder_with_provider(self.roots()?, provider())
+                .build()
+                .map_err(tls_err)?;
+        let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(tls_err)?
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(TrackerVerifier(webpki)))
+            .with_client_auth_cert(
+                vec![self.cert.clone()],
+                PrivateKeyDer::Pkcs8(self.key.clone_key()),
+            )
+            .map_err(tls_err)?;
+        cfg.alpn_protocols = vec![TRACKER_ALPN.to_vec()];
+        Ok(cfg)
+    }
+}
+
+/// The CA's WebPKI check of the tracker's certificate, plus one: a
+/// certificate that allows client authentication is a node's, and a node
+/// (even one whose peer id matches the tracker's host name) is not the tracker.
+#[derive(Debug)]
+struct TrackerVerifier(Arc<rustls::client::WebPkiServerVerifier>);
+
+impl rustls::client::danger::ServerCertVerifier for TrackerVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &rustls::pki_types::ServerName<'_>,
+        ocsp_response: &[u8],
+        now: rustls::pki_types::UnixTime,
+    ) -> std::result::Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        let verified = self.0.verify_server_cert(
+            end_entity,
+            intermediates,
+            server_name,
+            ocsp_response,
+            now,
+        )?;
+        if dray_protocol::identity::allows_client_auth(end_entity) {
+            return Err(rustls::Error::General(format!(
+                "the certificate {server_name:?} presented as the tracker is a node's (it allows client authentication); the tracker's comes from `dray ca issue --tracker`"
+            )));
+        }
+        Ok(verified)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> std::result::Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> std::result::Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
 }
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
@@ -204,21 +364,7 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 
 /// The peer id a certificate speaks for: its first DNS subject-alternative name.
 pub fn peer_id_of(cert: &CertificateDer<'_>) -> Result<String> {
-    use x509_parser::prelude::*;
-    let (_, x509) = X509Certificate::from_der(cert)
-        .map_err(|e| Error::Tls(format!("peer certificate: {e}")))?;
-    let san = x509
-        .subject_alternative_name()
-        .map_err(|e| Error::Tls(format!("peer certificate: {e}")))?
-        .ok_or_else(|| Error::Tls("peer certificate has no subject alternative name".into()))?;
-    san.value
-        .general_names
-        .iter()
-        .find_map(|n| match n {
-            GeneralName::DNSName(d) => Some(d.to_string()),
-            _ => None,
-        })
-        .ok_or_else(|| Error::Tls("peer certificate names no DNS peer id".into()))
+    dray_protocol::identity::peer_id_of(cert).map_err(|e| Error::Tls(e.to_string()))
 }
 
 /// The peer id proven by a QUIC connection's client or server certificate.

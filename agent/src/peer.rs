@@ -258,6 +258,11 @@ impl PeerNode {
             .map_err(|e| Error::io("reading the endpoint address", e))
     }
 
+    /// The certificate this node speaks with, to peers and to the tracker.
+    pub fn identity(&self) -> &Identity {
+        &self.identity
+    }
+
     pub fn peer_id(&self) -> &str {
         &self.identity.peer_id
     }

@@ -140,7 +140,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Swarm {
     pub fn new(node: Arc<PeerNode>, config: SwarmConfig) -> Arc<Self> {
         Arc::new(Self {
-            tracker: TrackerClient::new(config.trackers.clone()),
+            tracker: TrackerClient::new(config.trackers.clone(), node.identity()),
             node,
             config,
             wanted: Mutex::new(HashMap::new()),
@@ -442,6 +442,9 @@ impl Swarm {
                     tracing::warn!(error = %e, %digest, "the published chunk map was wrong; pulling from the registry alone");
                     report.map_failures += 1;
                     self.node.metrics().fell_back(FallbackReason::MapFailure);
+                    // The tracker believes a digest failure only from a node
+                    // holding every chunk: make sure it has heard of them all.
+                    self.announce_once().await;
                     let failed = Body::DigestFailed(pb::BlobDigestFailed {
                         reporter: self.node.peer_id().to_string(),
                         digest: digest.to_string(),

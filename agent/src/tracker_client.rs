@@ -3,7 +3,14 @@
 //! owner with no coordination, and when the owner is unreachable the next
 //! replica in that blob's order takes over (and rebuilds its state from the full
 //! announces that follow).
+//!
+//! Requests go over TLS: the client presents the node's certificate (the
+//! tracker reads the caller's peer id from it) and checks the tracker's
+//! against the cluster CA (see [`Identity::tracker_client_tls`]). An
+//! `http://` replica URL speaks plain HTTP to a tracker started with
+//! `insecure_plain_http`; the client warns once about each such replica.
 
+use crate::identity::Identity;
 use dray_protocol::BlobDigest;
 use dray_protocol::pb::{self, tracker_request::Body};
 use prost::Message;
@@ -27,14 +34,22 @@ pub struct TrackerClient {
 }
 
 impl TrackerClient {
-    /// `replicas` are base URLs such as `http://tracker-0.dray:7880`.
-    pub fn new(replicas: Vec<String>) -> Self {
+    /// `replicas` are base URLs such as `https://tracker-0.dray:7880`;
+    /// `identity` is the node's certificate, presented to them.
+    pub fn new(replicas: Vec<String>, identity: &Identity) -> Self {
         crate::registry::install_crypto_provider();
+        let tls = identity
+            .tracker_client_tls()
+            .expect("an identity whose key loaded builds a client TLS config");
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(2))
             .timeout(Duration::from_secs(5))
+            .tls_backend_preconfigured(tls)
             .build()
             .expect("static client settings are valid");
+        for r in replicas.iter().filter(|r| r.starts_with("http://")) {
+            tracing::warn!(replica = %r, "tracker replica named by an http:// URL: announces, reports and chunk maps travel unauthenticated and in the clear");
+        }
         Self {
             http,
             replicas: replicas
@@ -100,13 +115,20 @@ impl TrackerClient {
                 .body(req.encode_to_vec())
                 .send()
                 .await
-                .map_err(|e| format!("{url}: {e}"))?;
+                .map_err(|e| (false, format!("{url}: {}", with_causes(&e))))?;
             let status = resp.status();
-            let bytes = resp.bytes().await.map_err(|e| format!("{url}: {e}"))?;
+            let bytes = resp
+                .bytes()
+                .await
+                .map_err(|e| (false, format!("{url}: {}", with_causes(&e))))?;
             if !status.is_success() {
-                return Err(format!(
-                    "{url} answered {status}: {}",
-                    String::from_utf8_lossy(&bytes)
+                // A refusal (4xx) is the tracker's answer, not a sign it is down.
+                return Err((
+                    status.is_client_error(),
+                    format!(
+                        "{url} answered {status}: {}",
+                        String::from_utf8_lossy(&bytes)
+                    ),
                 ));
             }
             if bytes.is_empty() {
@@ -114,11 +136,13 @@ impl TrackerClient {
             }
             pb::AnnounceResponse::decode(bytes)
                 .map(Some)
-                .map_err(|e| format!("{url}: bad answer: {e}"))
+                .map_err(|e| (false, format!("{url}: bad answer: {e}")))
         }
         .await;
-        result.map_err(|e| {
-            self.mark_down(replica);
+        result.map_err(|(refused, e)| {
+            if !refused {
+                self.mark_down(replica);
+            }
             TrackerUnavailable(e)
         })
     }
@@ -144,24 +168,40 @@ impl TrackerClient {
     }
 }
 
+/// An error and its causes, one sentence: a refused TLS handshake says why
+/// only in its causes.
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn rendezvous_order_moves_only_the_blobs_of_a_removed_replica() {
-        let three = TrackerClient::new(vec![
-            "http://a".into(),
-            "http://b".into(),
-            "http://c".into(),
-        ]);
-        let two = TrackerClient::new(vec!["http://a".into(), "http://b".into()]);
+        let id = crate::identity::ClusterCa::generate()
+            .unwrap()
+            .issue("node-a")
+            .unwrap();
+        let three = TrackerClient::new(
+            vec!["https://a".into(), "https://b".into(), "https://c".into()],
+            &id,
+        );
+        let two = TrackerClient::new(vec!["https://a".into(), "https://b".into()], &id);
         let mut owned = HashMap::new();
         for i in 0..300u32 {
             let d = BlobDigest::of(&i.to_be_bytes());
             let before = three.order(&d)[0];
             let after = two.order(&d)[0];
-            if before != "http://c" {
+            if before != "https://c" {
                 assert_eq!(before, after, "a blob not owned by c moved");
             }
             *owned.entry(before).or_insert(0) += 1;

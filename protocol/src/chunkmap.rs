@@ -80,7 +80,9 @@ impl ChunkMap {
         )
     }
 
-    /// A map whose hashes are all still unknown.
+    /// A map whose hashes are all still unknown. It allocates a slot per
+    /// chunk: a size from the wire goes through [`chunk_count`] and the
+    /// caller's limit first.
     pub fn unhashed(digest: BlobDigest, size: u64, chunk_size: u32) -> Result<Self, VerifyError> {
         let count = check_geometry(digest, size, chunk_size)?;
         Self::partial(digest, size, chunk_size, vec![None; count as usize])
@@ -282,6 +284,15 @@ impl ChunkMap {
     }
 }
 
+/// The chunk count of a blob of `size` bytes in `chunk_size`-byte chunks,
+/// checked as [`ChunkMap::unhashed`] checks it but allocating nothing, so
+/// that a caller can hold it against its own limit first.
+pub fn chunk_count(digest: BlobDigest, size: u64, chunk_size: u32) -> Result<u32, VerifyError> {
+    let count = check_geometry(digest, size, chunk_size)?;
+    // At most 2^40 / 2^16 = 2^24 chunks: always fits.
+    Ok(u32::try_from(count).unwrap_or(u32::MAX))
+}
+
 /// Checks a blob's size and chunk size; returns the chunk count.
 fn check_geometry(digest: BlobDigest, size: u64, chunk_size: u32) -> Result<u64, VerifyError> {
     let bad = |reason: String| VerifyError::BadMap {
@@ -405,6 +416,19 @@ impl PrefixHasher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_chunk_count_is_checked_without_allocating_a_slot_per_chunk() {
+        let d = BlobDigest::of(b"x");
+        assert_eq!(chunk_count(d, MAX_BLOB_SIZE, MIN_CHUNK_SIZE), Ok(1 << 24));
+        assert_eq!(chunk_count(d, 0, MIN_CHUNK_SIZE), Ok(0));
+        let err = chunk_count(d, MAX_BLOB_SIZE + 1, MIN_CHUNK_SIZE).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("exceeds the limit of 1099511627776 bytes"),
+            "{err}"
+        );
+    }
 
     fn blob(n: usize) -> Vec<u8> {
         (0..n).map(|i| (i * 7 + i / 251) as u8).collect()

@@ -11,6 +11,7 @@ pub mod bitfield;
 pub mod chunkmap;
 pub mod digest;
 pub mod framing;
+pub mod identity;
 pub mod picker;
 pub mod scheduler;
 pub mod settings;

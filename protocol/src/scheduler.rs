@@ -58,9 +58,30 @@ pub struct SchedulerConfig {
     /// Ceiling on an assignment's deadline, so a bogus blob size cannot park chunks.
     pub max_fetch_timeout: Duration,
     /// Distinct reporters after which an offender is no longer handed out.
+    /// A report counts only from a peer the tracker named the offender to,
+    /// for that blob, and only for `report_window`.
     pub reports_to_ban: usize,
+    /// How long a bad-chunk report counts towards a ban.
+    pub report_window: Duration,
+    /// Distinct peers one reporter may accuse within `report_window`; one
+    /// more and the reporter is banned instead (a report storm is the
+    /// liar's sign: an honest node meets few bad peers).
+    pub max_accused_per_reporter: usize,
+    /// A first ban's length; each later ban of the same peer lasts twice the
+    /// one before, up to `max_ban`.
+    pub ban: Duration,
+    pub max_ban: Duration,
     /// Largest chunk count accepted, so an announce cannot make us allocate without bound.
     pub max_chunks: u32,
+    /// Blobs tracked at once; an announce of one more is refused.
+    pub max_blobs: usize,
+    /// Chunks over all tracked blobs (each costs a holder count and an
+    /// assignment bit), so many huge blobs cannot exhaust memory.
+    pub max_total_chunks: u64,
+    /// Blobs one peer may hold or want at once.
+    pub max_blobs_per_peer: usize,
+    /// Chunks over one peer's blobs (each costs a bit of its holdings).
+    pub max_chunks_per_peer: u64,
 }
 
 impl Default for SchedulerConfig {
@@ -77,7 +98,17 @@ impl Default for SchedulerConfig {
             min_fetch_timeout: Duration::from_secs(5),
             max_fetch_timeout: Duration::from_secs(600),
             reports_to_ban: 3,
-            max_chunks: 1 << 20,
+            report_window: Duration::from_secs(3600),
+            max_accused_per_reporter: 16,
+            ban: Duration::from_secs(600),
+            max_ban: Duration::from_secs(24 * 3600),
+            // 1 TiB in 4 MiB chunks; 16 GiB in the smallest (64 KiB).
+            max_chunks: 1 << 18,
+            max_blobs: 100_000,
+            // 16 TiB of blobs in 4 MiB chunks: 16 MiB of holder counts.
+            max_total_chunks: 1 << 22,
+            max_blobs_per_peer: 4096,
+            max_chunks_per_peer: 1 << 20,
         }
     }
 }
@@ -99,6 +130,9 @@ pub struct BlobAnnounce {
     pub chunk_count: u32,
     /// Blob size in bytes; 0 if unknown (deadlines then assume default-size chunks).
     pub size: u64,
+    /// Chunk size in bytes; 0 if unknown. With `size` and `chunk_count` it is
+    /// the blob's geometry, which every announce and chunk map must agree on.
+    pub chunk_size: u32,
     pub held: Held,
     /// The peer is pulling this blob and wants peers and assignments for it.
     pub wanted: bool,
@@ -179,10 +213,22 @@ pub struct BadChunk {
 /// How much a peer is trusted.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Standing {
-    /// Distinct peers that reported it.
+    /// Distinct peers whose reports of it count now.
     pub reporters: usize,
-    /// No longer handed out, its holdings ignored, no registry runs.
+    /// No longer handed out, its holdings ignored, no registry runs, its
+    /// reports not taken.
     pub banned: bool,
+    /// Bans it has had (the current one included).
+    pub bans: u32,
+}
+
+/// A blob's geometry as the tracker knows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    pub size: u64,
+    /// 0 while no announce said.
+    pub chunk_size: u32,
+    pub chunk_count: u32,
 }
 
 /// What a tick changed.
@@ -190,6 +236,8 @@ pub struct Standing {
 pub struct TickReport {
     /// Peers dropped for silence.
     pub expired: Vec<String>,
+    /// Peers whose ban ended.
+    pub unbanned: Vec<String>,
     /// Runs taken back from stalled peers, with the peer that held them.
     pub reclaimed: Vec<(String, Assignment)>,
 }
@@ -208,6 +256,56 @@ pub enum ScheduleError {
         digest: BlobDigest,
         expected: u32,
         got: u32,
+    },
+    #[error(
+        "blob {digest} is {expected_size} bytes in {expected_chunk_size}-byte chunks at the tracker, but the announce says {got_size} bytes in {got_chunk_size}-byte chunks"
+    )]
+    GeometryMismatch {
+        digest: BlobDigest,
+        expected_size: u64,
+        expected_chunk_size: u32,
+        got_size: u64,
+        got_chunk_size: u32,
+    },
+    #[error(
+        "blob {digest} would be blob number {limit} plus one, or take the tracker past {max_total_chunks} chunks over all blobs (it has {chunk_count}); refused"
+    )]
+    TooManyBlobs {
+        digest: BlobDigest,
+        limit: usize,
+        max_total_chunks: u64,
+        chunk_count: u32,
+    },
+    #[error(
+        "peer {peer:?} already holds or wants {blobs} blobs ({chunks} chunks); blob {digest} would pass the limit of {max_blobs} blobs or {max_chunks} chunks per peer"
+    )]
+    TooManyBlobsForPeer {
+        peer: String,
+        digest: BlobDigest,
+        blobs: usize,
+        chunks: u64,
+        max_blobs: usize,
+        max_chunks: u64,
+    },
+    #[error(
+        "peer {reporter:?} reports chunk {index} of {digest} from {offender:?}, but the tracker never named {offender:?} to it for that blob"
+    )]
+    NotNamed {
+        reporter: String,
+        offender: String,
+        digest: BlobDigest,
+        index: u32,
+    },
+    #[error("peer {0:?} is banned: its reports are not taken")]
+    ReporterBanned(String),
+    #[error(
+        "peer {peer:?} holds {held} of the {chunk_count} chunks of {digest}: only a node that assembled every chunk can report that the blob failed its digest"
+    )]
+    NotAHolder {
+        peer: String,
+        digest: BlobDigest,
+        held: u32,
+        chunk_count: u32,
     },
     #[error("blob {digest}: bitfield of {got} chunks for a blob of {expected}")]
     BitfieldLength {
@@ -252,9 +350,15 @@ struct Peer {
     banned: bool,
 }
 
+/// The peers a member was last named for a blob (its candidates for
+/// bad-chunk reports), newest last.
+const NAMED_KEPT: usize = 64;
+
 #[derive(Debug)]
 struct Member {
     held: Bitfield,
+    /// Peers the tracker named to it for this blob, at most `NAMED_KEPT`.
+    named: Vec<PeerKey>,
     wants: bool,
     /// Position in `Swarm::sources` while it holds anything.
     source_slot: Option<usize>,
@@ -281,6 +385,12 @@ const PACE_WEIGHT: f64 = 0.25;
 #[derive(Debug)]
 struct Swarm {
     chunk_count: u32,
+    /// Exact size and chunk size, 0 until an announce says.
+    size: u64,
+    chunk_size: u32,
+    /// Who the registry run covering each chunk went to, while its hash is
+    /// unpublished: a registry chunk's hash is taken from that node.
+    fetchers: FxHashMap<u32, Arc<str>>,
     /// Approximate bytes per chunk, for deadlines.
     chunk_bytes: u64,
     /// Members (not banned) holding each chunk.
@@ -326,6 +436,9 @@ impl Swarm {
     fn new(chunk_count: u32, chunk_bytes: u64) -> Self {
         Self {
             chunk_count,
+            size: 0,
+            chunk_size: 0,
+            fetchers: FxHashMap::default(),
             chunk_bytes,
             holders: vec![0; chunk_count as usize],
             held_chunks: 0,
@@ -360,6 +473,7 @@ impl Swarm {
             roster.push(key);
             Member {
                 held: Bitfield::new(chunk_count),
+                named: Vec::new(),
                 wants: false,
                 source_slot: None,
                 roster_slot: roster.len() - 1,
@@ -521,10 +635,16 @@ impl Swarm {
     }
 }
 
+/// What the tracker remembers of a peer's conduct; outlives the peer.
 #[derive(Debug, Default)]
 struct Record {
-    reporters: BTreeSet<String>,
+    /// Who reported it, and when: reports lapse after `report_window`.
+    reporters: BTreeMap<String, Instant>,
+    /// Whom it accused, and when.
+    accused: BTreeMap<String, Instant>,
     banned: bool,
+    banned_until: Option<Instant>,
+    bans: u32,
 }
 
 impl Record {
@@ -532,7 +652,29 @@ impl Record {
         Standing {
             reporters: self.reporters.len(),
             banned: self.banned,
+            bans: self.bans,
         }
+    }
+
+    /// Bans for `base` doubled per earlier ban, at most `max`.
+    fn ban(&mut self, now: Instant, base: Duration, max: Duration) {
+        let length = base.saturating_mul(1u32 << self.bans.min(16)).min(max);
+        self.banned = true;
+        self.banned_until = now.checked_add(length);
+        self.bans = self.bans.saturating_add(1);
+        self.reporters.clear();
+        self.accused.clear();
+    }
+
+    /// Drops reports older than `window`.
+    fn lapse(&mut self, now: Instant, window: Duration) {
+        let fresh = |t: &mut Instant| now.saturating_duration_since(*t) <= window;
+        self.reporters.retain(|_, t| fresh(t));
+        self.accused.retain(|_, t| fresh(t));
+    }
+
+    fn is_idle(&self) -> bool {
+        !self.banned && self.reporters.is_empty() && self.accused.is_empty()
     }
 }
 
@@ -551,6 +693,8 @@ pub struct Scheduler {
     records: HashMap<String, Record>,
     /// Registry runs handed out since start (a monotonic count for metrics).
     runs_assigned: u64,
+    /// Chunks over all swarms, against `max_total_chunks`.
+    total_chunks: u64,
 }
 
 /// The run count shared by the swarms of `origin`; forgets origins no swarm has.
@@ -587,6 +731,7 @@ impl Scheduler {
             origins: HashMap::new(),
             records: HashMap::new(),
             runs_assigned: 0,
+            total_chunks: 0,
         }
     }
 
@@ -637,6 +782,33 @@ impl Scheduler {
                 Some((peer.id.clone(), assignment(*digest, first, run)))
             })
             .collect()
+    }
+
+    /// Whether `peer` is known now (it announced and did not expire).
+    pub fn knows(&self, peer: &str) -> bool {
+        self.index.contains_key(peer)
+    }
+
+    /// The geometry of `digest`'s swarm, if the blob is tracked.
+    pub fn geometry(&self, digest: &BlobDigest) -> Option<Geometry> {
+        self.swarms.get(digest).map(|s| Geometry {
+            size: s.size,
+            chunk_size: s.chunk_size,
+            chunk_count: s.chunk_count,
+        })
+    }
+
+    /// The peer the registry run covering chunk `index` of `digest` went to,
+    /// while that chunk's hash is not settled.
+    pub fn registry_fetcher(&self, digest: &BlobDigest, index: u32) -> Option<&str> {
+        self.swarms.get(digest)?.fetchers.get(&index).map(|p| &**p)
+    }
+
+    /// Chunk `index` of `digest` has a hash now: nobody need vouch for it.
+    pub fn hash_settled(&mut self, digest: &BlobDigest, index: u32) {
+        if let Some(s) = self.swarms.get_mut(digest) {
+            s.fetchers.remove(&index);
+        }
     }
 
     pub fn standing(&self, peer: &str) -> Standing {
@@ -779,14 +951,62 @@ impl Scheduler {
                 max: self.config.max_chunks,
             });
         }
-        if let Some(swarm) = self.swarms.get(&digest)
-            && swarm.chunk_count != n
+        match self.swarms.get(&digest) {
+            Some(swarm) if swarm.chunk_count != n => {
+                return Err(ScheduleError::ChunkCountMismatch {
+                    digest,
+                    expected: swarm.chunk_count,
+                    got: n,
+                });
+            }
+            Some(swarm)
+                if (swarm.size != 0 && blob.size != 0 && swarm.size != blob.size)
+                    || (swarm.chunk_size != 0
+                        && blob.chunk_size != 0
+                        && swarm.chunk_size != blob.chunk_size) =>
+            {
+                return Err(ScheduleError::GeometryMismatch {
+                    digest,
+                    expected_size: swarm.size,
+                    expected_chunk_size: swarm.chunk_size,
+                    got_size: blob.size,
+                    got_chunk_size: blob.chunk_size,
+                });
+            }
+            Some(_) => {}
+            None if self.swarms.len() >= self.config.max_blobs
+                || self.total_chunks + u64::from(n) > self.config.max_total_chunks =>
+            {
+                return Err(ScheduleError::TooManyBlobs {
+                    digest,
+                    limit: self.config.max_blobs,
+                    max_total_chunks: self.config.max_total_chunks,
+                    chunk_count: n,
+                });
+            }
+            None => {}
+        }
+        if let Some(peer) = peer_ref(&self.slots, key)
+            && !peer.blobs.contains(&digest)
         {
-            return Err(ScheduleError::ChunkCountMismatch {
-                digest,
-                expected: swarm.chunk_count,
-                got: n,
-            });
+            let chunks: u64 = peer
+                .blobs
+                .iter()
+                .filter_map(|d| self.swarms.get(d))
+                .map(|s| u64::from(s.chunk_count))
+                .sum();
+            if peer.blobs.len() >= self.config.max_blobs_per_peer
+                || chunks + u64::from(n) > self.config.max_chunks_per_peer
+            {
+                return Err(ScheduleError::TooManyBlobsForPeer {
+                    peer: peer.id.clone(),
+                    digest,
+                    blobs: peer.blobs.len(),
+                    chunks,
+                    max_blobs: self.config.max_blobs_per_peer,
+                    max_chunks: self.config.max_chunks_per_peer,
+                });
+            }
         }
         match &blob.held {
             Held::Bits(bits) if bits.len() != n => {
@@ -808,11 +1028,19 @@ impl Scheduler {
             Held::Bits(_) => {}
         }
         let chunk_bytes = (blob.size > 0).then(|| blob.size.div_ceil(u64::from(n)));
+        let total_chunks = &mut self.total_chunks;
         let swarm = self.swarms.entry(digest).or_insert_with(|| {
+            *total_chunks += u64::from(n);
             Swarm::new(n, chunk_bytes.unwrap_or(crate::DEFAULT_CHUNK_SIZE.into()))
         });
         if let Some(bytes) = chunk_bytes {
             swarm.chunk_bytes = bytes;
+        }
+        if swarm.size == 0 {
+            swarm.size = blob.size;
+        }
+        if swarm.chunk_size == 0 {
+            swarm.chunk_size = blob.chunk_size;
         }
         swarm.join(key).wants = blob.wanted;
         if blob.wanted && !blob.origin.is_empty() && blob.origin != swarm.origin {
@@ -886,8 +1114,10 @@ impl Scheduler {
             swarm.remove_run(first);
         }
         swarm.remove_member(key);
-        if swarm.members.is_empty() {
-            self.swarms.remove(&digest);
+        if swarm.members.is_empty()
+            && let Some(gone) = self.swarms.remove(&digest)
+        {
+            self.total_chunks -= u64::from(gone.chunk_count);
         }
     }
 
@@ -919,6 +1149,10 @@ impl Scheduler {
                     break;
                 };
                 let timeout = fetch_timeout(&self.config, u64::from(count) * swarm.chunk_bytes);
+                let fetcher: Arc<str> = Arc::from(peer.id.as_str());
+                for i in first..first + count {
+                    swarm.fetchers.insert(i, fetcher.clone());
+                }
                 swarm.add_run(
                     first,
                     Run {
@@ -989,6 +1223,16 @@ impl Scheduler {
         // Stable: ties keep the rotated order.
         scored.sort_by_key(|&(score, _)| score);
         scored.truncate(self.config.peers_per_blob);
+        if let Some(m) = swarm.members.get_mut(&asker) {
+            for &(_, k) in &scored {
+                if !m.named.contains(&k) {
+                    if m.named.len() >= NAMED_KEPT {
+                        m.named.remove(0);
+                    }
+                    m.named.push(k);
+                }
+            }
+        }
         scored
             .into_iter()
             .filter_map(|(_, k)| {
@@ -1028,33 +1272,75 @@ impl Scheduler {
     }
 
     /// A peer sent a chunk that failed its hash. The offender no longer counts
-    /// as holding that chunk; once banned it is not handed out at all.
-    pub fn report_bad_chunk(&mut self, report: &BadChunk) -> Result<Standing, ScheduleError> {
+    /// as holding that chunk; reported by `reports_to_ban` distinct peers it
+    /// was named to for the blob, within `report_window`, it is banned for a
+    /// while (`ban`, doubling on each repeat). A reporter accusing more than
+    /// `max_accused_per_reporter` peers in that window is banned instead.
+    pub fn report_bad_chunk(
+        &mut self,
+        report: &BadChunk,
+        now: Instant,
+    ) -> Result<Standing, ScheduleError> {
         if report.reporter == report.offender {
             return Err(ScheduleError::SelfReport(report.reporter.clone()));
         }
-        if !self.index.contains_key(&report.reporter) {
+        let Some(&reporter) = self.index.get(&report.reporter) else {
             return Err(ScheduleError::UnknownPeer(report.reporter.clone()));
+        };
+        if peer_ref(&self.slots, reporter).is_some_and(|p| p.banned) {
+            return Err(ScheduleError::ReporterBanned(report.reporter.clone()));
         }
-        if let Some(swarm) = self.swarms.get(&report.digest)
-            && report.index >= swarm.chunk_count
-        {
+        let Some(swarm) = self.swarms.get(&report.digest) else {
+            return Err(ScheduleError::UnknownBlob(report.digest));
+        };
+        if report.index >= swarm.chunk_count {
             return Err(ScheduleError::ChunkOutOfRange {
                 digest: report.digest,
                 index: report.index,
                 chunk_count: swarm.chunk_count,
             });
         }
+        let offender = self.index.get(&report.offender).copied();
+        let named = offender.is_some_and(|o| {
+            swarm
+                .members
+                .get(&reporter)
+                .is_some_and(|m| m.named.contains(&o))
+        });
+        if !named && !report.confirmed {
+            return Err(ScheduleError::NotNamed {
+                reporter: report.reporter.clone(),
+                offender: report.offender.clone(),
+                digest: report.digest,
+                index: report.index,
+            });
+        }
+        let (window, base, max) = (
+            self.config.report_window,
+            self.config.ban,
+            self.config.max_ban,
+        );
+        let accuser = self.records.entry(report.reporter.clone()).or_default();
+        accuser.lapse(now, window);
+        accuser.accused.insert(report.offender.clone(), now);
+        if accuser.accused.len() > self.config.max_accused_per_reporter {
+            accuser.ban(now, base, max);
+            self.ban(reporter);
+            return Err(ScheduleError::ReporterBanned(report.reporter.clone()));
+        }
         let threshold = self.config.reports_to_ban.max(1);
         let record = self.records.entry(report.offender.clone()).or_default();
+        record.lapse(now, window);
         let was_banned = record.banned;
         if !record.banned {
             // Distinct reporters, so that one hostile peer cannot ban another alone.
-            record.reporters.insert(report.reporter.clone());
-            record.banned = report.confirmed || record.reporters.len() >= threshold;
+            record.reporters.insert(report.reporter.clone(), now);
+            if report.confirmed || record.reporters.len() >= threshold {
+                record.ban(now, base, max);
+            }
         }
         let standing = record.standing();
-        if let Some(&key) = self.index.get(&report.offender) {
+        if let Some(key) = offender {
             if let Some(swarm) = self.swarms.get_mut(&report.digest) {
                 swarm.remove_chunk(key, report.index);
             }
@@ -1096,12 +1382,24 @@ impl Scheduler {
         reporter: &str,
         digest: &BlobDigest,
     ) -> Result<(), ScheduleError> {
-        if !self.index.contains_key(reporter) {
+        let Some(&key) = self.index.get(reporter) else {
             return Err(ScheduleError::UnknownPeer(reporter.to_owned()));
-        }
+        };
         let Some(swarm) = self.swarms.get_mut(digest) else {
             return Err(ScheduleError::UnknownBlob(*digest));
         };
+        // Every holding is dropped below, so the nodes told of this
+        // withdrawal cannot report it again until they hold every chunk anew.
+        let held = swarm.members.get(&key).map_or(0, |m| m.held.count());
+        if held < swarm.chunk_count {
+            return Err(ScheduleError::NotAHolder {
+                peer: reporter.to_owned(),
+                digest: *digest,
+                held,
+                chunk_count: swarm.chunk_count,
+            });
+        }
+        swarm.fetchers.clear();
         let firsts: Vec<u32> = swarm.runs.keys().copied().collect();
         for first in firsts {
             if let Some(run) = swarm.remove_run(first)
@@ -1146,6 +1444,26 @@ impl Scheduler {
             }
             self.remove_peer(key);
         }
+        let window = self.config.report_window;
+        for (id, record) in &mut self.records {
+            if record.banned && record.banned_until.is_some_and(|t| now >= t) {
+                record.banned = false;
+                record.banned_until = None;
+                if let Some(peer) = self
+                    .index
+                    .get(id)
+                    .and_then(|&k| peer_mut(&mut self.slots, k))
+                {
+                    peer.banned = false;
+                }
+                report.unbanned.push(id.clone());
+            }
+            record.lapse(now, window);
+        }
+        // A record with no ban and no live report is dropped unless it
+        // counts past bans (which lengthen the next); records are made only
+        // for peers the tracker knew, so they stay as few as its peers.
+        self.records.retain(|_, r| !r.is_idle() || r.bans > 0);
         for (&digest, swarm) in &mut self.swarms {
             let pace = swarm.run_pace;
             let live = swarm.runs.len() as f64;
@@ -1328,6 +1646,7 @@ mod tests {
             digest: blob(),
             chunk_count: n,
             size: u64::from(n) * CHUNK,
+            chunk_size: CHUNK as u32,
             held,
             wanted,
             origin: String::new(),
@@ -1581,23 +1900,28 @@ mod tests {
             index: 5,
             confirmed,
         };
-        let standing = s.report_bad_chunk(&report("asker", false)).unwrap();
+        let standing = s.report_bad_chunk(&report("asker", false), now).unwrap();
         assert_eq!(
             standing,
             Standing {
                 reporters: 1,
-                banned: false
+                banned: false,
+                bans: 0,
             }
         );
         // The same reporter twice does not count twice.
         assert_eq!(
-            s.report_bad_chunk(&report("asker", false))
+            s.report_bad_chunk(&report("asker", false), now)
                 .unwrap()
                 .reporters,
             1
         );
         assert_eq!(s.holders(&blob(), 5), 0, "the bad chunk no longer counts");
-        assert!(s.report_bad_chunk(&report("same", true)).unwrap().banned);
+        assert!(
+            s.report_bad_chunk(&report("same", true), now)
+                .unwrap()
+                .banned
+        );
         assert_eq!(s.holders(&blob(), 7), 0);
         let ids = peer_ids(&s.announce(added("asker", 8, vec![]), now));
         assert_eq!(ids, vec!["useful".to_owned(), "same".to_owned()]);
@@ -1637,17 +1961,242 @@ mod tests {
             s.announce(wants(p, 8, &[0]), now);
         }
         for (i, r) in ["r1", "r2", "r3"].into_iter().enumerate() {
-            let st = s
-                .report_bad_chunk(&BadChunk {
-                    reporter: r.to_owned(),
-                    offender: "bad".to_owned(),
-                    digest: blob(),
-                    index: 0,
-                    confirmed: false,
-                })
-                .unwrap();
+            // Each is told of "bad" before it can report it.
+            s.announce(added(r, 8, vec![]), now);
+            let st = s.report_bad_chunk(&bad_chunk(r, "bad"), now).unwrap();
             assert_eq!(st.banned, i == 2);
         }
+    }
+
+    fn bad_chunk(reporter: &str, offender: &str) -> BadChunk {
+        BadChunk {
+            reporter: reporter.to_owned(),
+            offender: offender.to_owned(),
+            digest: blob(),
+            index: 0,
+            confirmed: false,
+        }
+    }
+
+    #[test]
+    fn a_report_counts_only_from_a_peer_the_offender_was_named_to() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            peers_per_blob: 1,
+            ..striped()
+        });
+        let now = Instant::now();
+        s.announce(wants("holder", 8, &[0, 1, 2, 3, 4, 5, 6, 7]), now);
+        s.announce(wants("stranger", 8, &[]), now);
+        let told = s.announce(wants("asker", 8, &[]), now);
+        assert_eq!(peer_ids(&told), vec!["holder"]);
+        let err = s
+            .report_bad_chunk(&bad_chunk("asker", "stranger"), now)
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "peer \"asker\" reports chunk 0 of {} from \"stranger\", but the tracker never named \"stranger\" to it for that blob",
+                blob()
+            )
+        );
+        assert_eq!(s.standing("stranger").reporters, 0);
+        assert_eq!(
+            s.report_bad_chunk(&bad_chunk("asker", "holder"), now)
+                .unwrap()
+                .reporters,
+            1
+        );
+    }
+
+    /// Three reporters, each told of "bad", report it at `now`.
+    fn banned_by_three(s: &mut Scheduler, now: Instant) -> Standing {
+        let mut last = Standing::default();
+        for r in ["r1", "r2", "r3"] {
+            s.announce(wants(r, 8, &[]), now);
+            last = s.report_bad_chunk(&bad_chunk(r, "bad"), now).unwrap();
+        }
+        last
+    }
+
+    #[test]
+    fn a_ban_ends_and_a_repeat_ban_lasts_twice_as_long() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            ban: Duration::from_secs(600),
+            expiry_intervals: 1_000,
+            ..striped()
+        });
+        let t0 = Instant::now();
+        s.announce(wants("bad", 8, &[0, 1, 2, 3, 4, 5, 6, 7]), t0);
+        assert!(banned_by_three(&mut s, t0).banned);
+        assert!(s.tick(t0 + Duration::from_secs(599)).unbanned.is_empty());
+        let report = s.tick(t0 + Duration::from_secs(600));
+        assert_eq!(report.unbanned, vec!["bad".to_owned()]);
+        assert!(!s.standing("bad").banned);
+        // Handed out again once it announces what it holds.
+        s.announce(
+            wants("bad", 8, &[0, 1, 2, 3, 4, 5, 6, 7]),
+            t0 + Duration::from_secs(601),
+        );
+        assert_eq!(s.holders(&blob(), 0), 1);
+
+        let t1 = t0 + Duration::from_secs(700);
+        let again = banned_by_three(&mut s, t1);
+        assert_eq!((again.banned, again.bans), (true, 2));
+        assert!(s.tick(t1 + Duration::from_secs(1_199)).unbanned.is_empty());
+        assert_eq!(
+            s.tick(t1 + Duration::from_secs(1_200)).unbanned,
+            vec!["bad".to_owned()]
+        );
+    }
+
+    #[test]
+    fn reports_older_than_the_window_lapse() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            report_window: Duration::from_secs(60),
+            expiry_intervals: 1_000,
+            ..striped()
+        });
+        let t0 = Instant::now();
+        s.announce(wants("bad", 8, &[0, 1, 2, 3, 4, 5, 6, 7]), t0);
+        for (r, at) in [("r1", 0), ("r2", 61), ("r3", 122)] {
+            let now = t0 + Duration::from_secs(at);
+            s.announce(wants(r, 8, &[]), now);
+            let st = s.report_bad_chunk(&bad_chunk(r, "bad"), now).unwrap();
+            assert!(!st.banned, "{r}: {st:?}");
+        }
+    }
+
+    #[test]
+    fn a_reporter_accusing_many_peers_is_banned_itself_not_the_accused() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            max_accused_per_reporter: 3,
+            peers_per_blob: 8,
+            ..striped()
+        });
+        let now = Instant::now();
+        let honest: Vec<String> = (0..5).map(|i| format!("honest-{i}")).collect();
+        for h in &honest {
+            s.announce(wants(h, 8, &[0, 1, 2, 3, 4, 5, 6, 7]), now);
+        }
+        s.announce(wants("liar", 8, &[]), now);
+        for h in &honest[..3] {
+            s.report_bad_chunk(&bad_chunk("liar", h), now).unwrap();
+        }
+        let err = s
+            .report_bad_chunk(&bad_chunk("liar", &honest[3]), now)
+            .unwrap_err();
+        assert_eq!(err, ScheduleError::ReporterBanned("liar".into()));
+        assert!(s.standing("liar").banned);
+        assert!(honest.iter().all(|h| !s.standing(h).banned));
+        assert_eq!(
+            s.report_bad_chunk(&bad_chunk("liar", &honest[4]), now),
+            Err(ScheduleError::ReporterBanned("liar".into()))
+        );
+        assert_eq!(
+            s.holders(&blob(), 0),
+            5 - 3,
+            "the three accused chunks no longer count"
+        );
+    }
+
+    #[test]
+    fn an_announce_disagreeing_with_the_blobs_size_or_chunk_size_is_refused() {
+        let mut s = Scheduler::new(striped());
+        let now = Instant::now();
+        s.announce(wants("a", 8, &[]), now);
+        let mut other = entry(8, Held::Added(vec![]), true);
+        other.size += 1;
+        let d = s.announce(announce("b", true, vec![other]), now);
+        assert_eq!(
+            d.rejected[0].to_string(),
+            format!(
+                "blob {} is 33554432 bytes in 4194304-byte chunks at the tracker, but the announce says 33554433 bytes in 4194304-byte chunks",
+                blob()
+            )
+        );
+        let mut other = entry(8, Held::Added(vec![]), true);
+        other.chunk_size = 4_194_368;
+        let d = s.announce(announce("b", true, vec![other]), now);
+        assert!(matches!(
+            d.rejected[0],
+            ScheduleError::GeometryMismatch { .. }
+        ));
+        assert_eq!(
+            s.geometry(&blob()),
+            Some(Geometry {
+                size: 8 * CHUNK,
+                chunk_size: CHUNK as u32,
+                chunk_count: 8
+            })
+        );
+    }
+
+    #[test]
+    fn caps_on_blobs_and_chunks_refuse_the_entries_past_them() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            max_blobs: 2,
+            max_total_chunks: 20,
+            max_blobs_per_peer: 1,
+            ..striped()
+        });
+        let now = Instant::now();
+        let of = |name: &[u8], n: u32| BlobAnnounce {
+            digest: BlobDigest::of(name),
+            ..entry(n, Held::Added(vec![]), true)
+        };
+        let d = s.announce(announce("a", true, vec![of(b"x", 8), of(b"y", 8)]), now);
+        assert!(
+            matches!(
+                &d.rejected[..],
+                [ScheduleError::TooManyBlobsForPeer {
+                    blobs: 1,
+                    max_blobs: 1,
+                    ..
+                }]
+            ),
+            "{:?}",
+            d.rejected
+        );
+        s.announce(announce("b", true, vec![of(b"y", 8)]), now);
+        let d = s.announce(announce("c", true, vec![of(b"z", 1)]), now);
+        assert!(
+            d.rejected[0]
+                .to_string()
+                .contains("would be blob number 2 plus one"),
+            "{}",
+            d.rejected[0]
+        );
+        s.leave("b");
+        let d = s.announce(announce("c", true, vec![of(b"z", 13)]), now);
+        assert!(
+            matches!(
+                d.rejected[..],
+                [ScheduleError::TooManyBlobs {
+                    chunk_count: 13,
+                    ..
+                }]
+            ),
+            "{:?}",
+            d.rejected
+        );
+        let d = s.announce(announce("c", true, vec![of(b"z", 12)]), now);
+        assert!(d.rejected.is_empty(), "{:?}", d.rejected);
+        assert_eq!(s.blob_count(), 2);
+    }
+
+    #[test]
+    fn a_registry_run_names_its_fetcher_until_each_hash_settles() {
+        let mut s = Scheduler::new(striped());
+        let now = Instant::now();
+        let d = s.announce(wants("a", 8, &[]), now);
+        assert_eq!(chunks_of(&d.assignments), (0..8).collect::<Vec<_>>());
+        assert_eq!(s.registry_fetcher(&blob(), 3), Some("a"));
+        // Announcing the chunk drops the run, not the fetcher: the hash may come later.
+        s.announce(added("a", 8, vec![0, 1, 2, 3]), now);
+        assert_eq!(s.registry_fetcher(&blob(), 3), Some("a"));
+        s.hash_settled(&blob(), 3);
+        assert_eq!(s.registry_fetcher(&blob(), 3), None);
+        assert_eq!(s.registry_fetcher(&blob(), 2), Some("a"));
     }
 
     #[test]
@@ -1674,10 +2223,17 @@ mod tests {
         let mut s = Scheduler::new(striped());
         let now = Instant::now();
         s.announce(wants("a", 16, &[0, 1, 2, 3]), now);
-        s.announce(wants("b", 16, &[]), now);
+        s.announce(wants("b", 16, &(0..16).collect::<Vec<_>>()), now);
         assert_eq!(
             s.blob_failed("nobody", &blob()),
             Err(ScheduleError::UnknownPeer("nobody".into()))
+        );
+        assert_eq!(
+            s.blob_failed("a", &blob()).unwrap_err().to_string(),
+            format!(
+                "peer \"a\" holds 4 of the 16 chunks of {}: only a node that assembled every chunk can report that the blob failed its digest",
+                blob()
+            )
         );
         s.blob_failed("b", &blob()).unwrap();
         assert_eq!(s.unheld_chunks(&blob()), Some(16));
@@ -1696,6 +2252,11 @@ mod tests {
             s.announce(added("b", 16, vec![]), now).withdrawn,
             vec![blob()]
         );
+        // Nobody holds every chunk now: those told cannot report again.
+        assert!(matches!(
+            s.blob_failed("b", &blob()),
+            Err(ScheduleError::NotAHolder { held: 0, .. })
+        ));
     }
 
     #[test]
@@ -1740,19 +2301,19 @@ mod tests {
             confirmed: true,
         };
         assert!(matches!(
-            s.report_bad_chunk(&report),
+            s.report_bad_chunk(&report, now),
             Err(ScheduleError::UnknownPeer(_))
         ));
         report.reporter = "a".into();
         assert!(matches!(
-            s.report_bad_chunk(&report),
+            s.report_bad_chunk(&report, now),
             Err(ScheduleError::SelfReport(_))
         ));
         s.announce(wants("b", 8, &[]), now);
         report.reporter = "b".into();
         report.index = 99;
         assert!(matches!(
-            s.report_bad_chunk(&report),
+            s.report_bad_chunk(&report, now),
             Err(ScheduleError::ChunkOutOfRange { .. })
         ));
         assert!(matches!(

@@ -631,6 +631,7 @@ impl World<'_> {
                     digest: info.digest,
                     chunk_count: info.chunks,
                     size: info.bytes,
+                    chunk_size: 0,
                     held,
                     wanted: !nb.complete,
                     // Every blob comes from the one registry.

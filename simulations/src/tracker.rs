@@ -149,6 +149,7 @@ mod tests {
                 digest,
                 chunk_count: 4,
                 size: 4 << 20,
+                chunk_size: 1 << 20,
                 held: Held::Bits(dray_protocol::Bitfield::new(4)),
                 wanted: true,
                 origin: String::new(),

@@ -40,7 +40,16 @@ pub fn random_file(path: &Path, size: u64) {
     assert!(status.success());
 }
 
-/// A tracker served from this process.
+/// This test process's cluster CA: the trackers of [`TrackerProc`] trust it
+/// and present a certificate from it, so agents that talk to them must hold
+/// certificates from it too (`Agent::start(&cluster_ca(), ...)`).
+pub fn cluster_ca() -> ClusterCa {
+    static CA: std::sync::OnceLock<ClusterCa> = std::sync::OnceLock::new();
+    CA.get_or_init(|| ClusterCa::generate().unwrap()).clone()
+}
+
+/// A tracker served from this process over TLS, with a certificate from
+/// [`cluster_ca`] for `localhost` and the loopback addresses.
 pub struct TrackerProc {
     pub tracker: Arc<Tracker>,
     pub addr: SocketAddr,
@@ -53,7 +62,16 @@ impl TrackerProc {
         let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let tracker = Tracker::new(config);
-        let task = tokio::spawn(dray_tracker::serve(listener, tracker.clone()));
+        let tls = cluster_ca()
+            .issue_tracker(&["localhost".into(), "127.0.0.1".into(), "::1".into()], 1)
+            .unwrap()
+            .tracker_server_tls()
+            .unwrap();
+        let transport = dray_tracker::Transport::Tls {
+            config: Arc::new(tls),
+            max_connections: config.max_connections,
+        };
+        let task = tokio::spawn(dray_tracker::serve(listener, tracker.clone(), transport));
         TrackerProc {
             tracker,
             addr,
@@ -62,7 +80,7 @@ impl TrackerProc {
     }
 
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("https://{}", self.addr)
     }
 
     /// Stops serving, as a crash would: every connection is dropped.

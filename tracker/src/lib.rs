@@ -11,15 +11,25 @@
 //!
 //! Next to `POST /v1/tracker` the same listener serves `/metrics` (see
 //! [`metrics`]), `/healthz` and `/readyz`.
+//!
+//! The listener speaks TLS with a certificate from the cluster CA (see
+//! [`tls`]). The tracker API needs a client certificate from the same CA,
+//! and the peer id of every announce, publication and report is the
+//! certificate's: a request naming another peer is refused. `/metrics`,
+//! `/healthz` and `/readyz` need none, so that probes and Prometheus reach
+//! them. Plain HTTP, where the request's own peer id is believed, exists only
+//! behind `insecure_plain_http`.
 
 pub mod metrics;
+pub mod tls;
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{ConnectInfo, DefaultBodyLimit, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use dray_protocol::chunkmap::ChunkHash;
 use dray_protocol::framing::MAX_TRACKER_FRAME;
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::scheduler::{self, Scheduler, SchedulerConfig};
@@ -29,21 +39,60 @@ use prost::Message;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tls::{Caller, TlsListener};
 
 /// HTTP path of the tracker protocol.
 pub const TRACKER_PATH: &str = "/v1/tracker";
 /// Longest origin (a registry's base URL) an announce may name.
 const MAX_ORIGIN_BYTES: usize = 1024;
+/// Longest peer id (a DNS name) and peer address an announce may carry.
+const MAX_ID_BYTES: usize = 253;
+const MAX_ADDRESS_BYTES: usize = 256;
+/// Topology labels per announce, and the longest key or value.
+const MAX_LABELS: usize = 16;
+const MAX_LABEL_BYTES: usize = 253;
+/// What one stored hash slot costs (an `Option<[u8; 32]>`).
+const HASH_SLOT_BYTES: u64 = 33;
 
 /// Tracker settings, from TOML; every key optional.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrackerConfig {
-    /// HTTP listen address. Loopback by default; a Deployment sets `0.0.0.0:7880`.
+    /// HTTPS listen address. Loopback by default; a Deployment sets `0.0.0.0:7880`.
     pub listen: SocketAddr,
+    /// The tracker's certificate (PEM, from `dray ca issue --tracker`).
+    pub cert: PathBuf,
+    /// Its private key (PKCS#8 PEM).
+    pub key: PathBuf,
+    /// The cluster CA certificate: agents' client certificates must chain to it.
+    pub ca: PathBuf,
+    /// Serve plain HTTP, no TLS: anyone who reaches the port may announce,
+    /// publish chunk maps and report under any peer id. For a trusted test
+    /// network only.
+    pub insecure_plain_http: bool,
+    /// Connections open at once; past it, new ones wait in the kernel's
+    /// backlog. Each idle agent keeps one open per replica.
+    pub max_connections: usize,
+    /// Agents known at once; an announce from one more is refused.
+    pub max_nodes: usize,
+    /// Blobs tracked at once.
+    pub max_blobs: usize,
+    /// Blobs one agent may hold or want at once (and list in one announce).
+    pub max_blobs_per_node: usize,
+    /// Chunks of one blob (1 TiB in 4 MiB chunks).
+    pub max_chunks_per_blob: u32,
+    /// Chunks over all tracked blobs.
+    pub max_total_chunks: u64,
+    /// Bytes of chunk maps held, over all blobs (33 bytes a chunk).
+    pub max_chunk_map_bytes: u64,
+    /// Chunk hashes held unconfirmed (published by a node that was not
+    /// the chunk's registry fetcher, waiting for a second one to agree).
+    pub max_unconfirmed_hashes: usize,
+    /// A first ban's length, s; each repeat lasts twice the one before.
+    pub ban_s: u64,
     /// Longest gap between an agent's announces, ms. Agents pulling a blob
     /// announce sooner, on progress.
     pub announce_interval_ms: u64,
@@ -68,6 +117,19 @@ impl Default for TrackerConfig {
         let s = SchedulerConfig::default();
         Self {
             listen: "127.0.0.1:7880".parse().expect("valid address"),
+            cert: "/etc/dray/tls/tracker.crt".into(),
+            key: "/etc/dray/tls/tracker.key".into(),
+            ca: "/etc/dray/tls/ca.crt".into(),
+            insecure_plain_http: false,
+            max_connections: 16_384,
+            max_nodes: 20_000,
+            max_blobs: s.max_blobs,
+            max_blobs_per_node: s.max_blobs_per_peer,
+            max_chunks_per_blob: s.max_chunks,
+            max_total_chunks: s.max_total_chunks,
+            max_chunk_map_bytes: 64 << 20,
+            max_unconfirmed_hashes: 1 << 16,
+            ban_s: s.ban.as_secs(),
             announce_interval_ms: s.announce_interval.as_millis() as u64,
             peers_per_blob: s.peers_per_blob,
             stripe_chunks: s.stripe_chunks,
@@ -98,6 +160,14 @@ impl TrackerConfig {
             max_runs_per_origin: self.max_runs_per_origin,
             min_fetch_rate: self.min_fetch_bytes_per_s,
             min_fetch_timeout: Duration::from_millis(self.min_fetch_timeout_ms),
+            max_chunks: self.max_chunks_per_blob,
+            max_blobs: self.max_blobs,
+            max_total_chunks: self.max_total_chunks,
+            max_blobs_per_peer: self.max_blobs_per_node,
+            max_chunks_per_peer: u64::from(self.max_chunks_per_blob)
+                .saturating_mul(4)
+                .max(1 << 20),
+            ban: Duration::from_secs(self.ban_s),
             ..SchedulerConfig::default()
         }
     }
@@ -110,22 +180,136 @@ pub enum TrackerError {
     Config(String),
     #[error("malformed request: {0}")]
     BadRequest(String),
+    #[error(
+        "{what} names peer {claimed:?}, but the client certificate is peer {certified:?}: a node speaks only for itself"
+    )]
+    NotYourId {
+        what: &'static str,
+        claimed: String,
+        certified: String,
+    },
     #[error(transparent)]
     Schedule(#[from] scheduler::ScheduleError),
     #[error(transparent)]
     Map(#[from] dray_protocol::VerifyError),
+    #[error("{what} is {got}, more than the limit of {limit}")]
+    TooLarge { what: String, got: u64, limit: u64 },
+    #[error("the tracker knows {limit} agents already; peer {peer:?} is refused until some expire")]
+    TooManyNodes { peer: String, limit: usize },
+    #[error(
+        "chunk map for {digest}: the tracker holds {held} bytes of chunk maps and {more} more would pass its limit of {limit}"
+    )]
+    TooManyMapBytes {
+        digest: BlobDigest,
+        held: u64,
+        more: u64,
+        limit: u64,
+    },
+    #[error(
+        "chunk map for {0}: no agent announced that blob, so the tracker cannot check the map against its swarm (announce it first)"
+    )]
+    MapForUnknownBlob(BlobDigest),
+    #[error(
+        "chunk map for {digest} says {got_size} bytes in {got_chunk_size}-byte chunks ({got_count} chunks), but the blob's swarm has {size} bytes in {chunk_size}-byte chunks ({count} chunks)"
+    )]
+    MapDisagrees {
+        digest: BlobDigest,
+        got_size: u64,
+        got_chunk_size: u32,
+        got_count: u32,
+        size: u64,
+        chunk_size: u32,
+        count: u32,
+    },
+}
+
+impl TrackerError {
+    /// The `reason` label of the refusal metric: a few fixed values.
+    fn reason(&self) -> &'static str {
+        match self {
+            Self::Config(_) => "config",
+            Self::BadRequest(_) | Self::Map(_) => "malformed",
+            Self::NotYourId { .. } => "not_your_id",
+            Self::TooLarge { .. }
+            | Self::TooManyNodes { .. }
+            | Self::TooManyMapBytes { .. }
+            | Self::Schedule(
+                scheduler::ScheduleError::TooManyBlobs { .. }
+                | scheduler::ScheduleError::TooManyBlobsForPeer { .. }
+                | scheduler::ScheduleError::ChunkCountOutOfRange { .. },
+            ) => "limit",
+            Self::MapForUnknownBlob(_) | Self::MapDisagrees { .. } => "map_disagrees",
+            Self::Schedule(
+                scheduler::ScheduleError::NotNamed { .. }
+                | scheduler::ScheduleError::ReporterBanned(_)
+                | scheduler::ScheduleError::NotAHolder { .. }
+                | scheduler::ScheduleError::SelfReport(_),
+            ) => "report_refused",
+            Self::Schedule(_) => "inconsistent",
+        }
+    }
+}
+
+fn too_large(what: impl Into<String>, got: usize, limit: usize) -> TrackerError {
+    TrackerError::TooLarge {
+        what: what.into(),
+        got: got as u64,
+        limit: limit as u64,
+    }
 }
 
 /// The tracker's soft state.
 pub struct Tracker {
     state: Mutex<TrackerState>,
     metrics: TrackerMetrics,
+    /// Tracker requests decoded and handled at once, off the async workers
+    /// (which stay free for probes); bounds the memory of requests in hand.
+    api_slots: tokio::sync::Semaphore,
 }
+
+/// Tracker requests handled at once: about the cores a replica gets (the
+/// state's lock serialises most of the work anyway).
+const API_SLOTS: usize = 2;
 
 struct TrackerState {
     scheduler: Scheduler,
-    /// Chunk maps as published so far, per blob; may be partial.
-    maps: HashMap<BlobDigest, ChunkMap>,
+    /// Chunk maps as published so far, per blob; may be partial. Shared
+    /// with answers being encoded, so that the lock is not held for that.
+    maps: HashMap<BlobDigest, Arc<ChunkMap>>,
+    /// Bytes the maps hold (`HASH_SLOT_BYTES` a chunk).
+    map_bytes: u64,
+    /// Hashes published by a node that was not the chunk's registry
+    /// fetcher, with the publisher: taken once another node agrees.
+    unconfirmed: HashMap<(BlobDigest, u32), (ChunkHash, String)>,
+    limits: Limits,
+}
+
+/// The limits the tracker checks itself (the scheduler checks the rest).
+#[derive(Clone, Copy)]
+struct Limits {
+    max_nodes: usize,
+    max_blobs_per_node: usize,
+    max_chunks_per_blob: u32,
+    max_chunk_map_bytes: u64,
+    max_unconfirmed_hashes: usize,
+}
+
+/// The peer a request speaks for: the certificate's, which a non-empty
+/// field of the request must repeat.
+fn speaker(
+    what: &'static str,
+    claimed: String,
+    certified: Option<&str>,
+) -> Result<String, TrackerError> {
+    match certified {
+        None => Ok(claimed),
+        Some(c) if claimed.is_empty() || claimed == c => Ok(c.to_owned()),
+        Some(c) => Err(TrackerError::NotYourId {
+            what,
+            claimed,
+            certified: c.to_owned(),
+        }),
+    }
 }
 
 fn digest(s: &str) -> Result<BlobDigest, TrackerError> {
@@ -139,8 +323,18 @@ impl Tracker {
             state: Mutex::new(TrackerState {
                 scheduler: Scheduler::new(config.scheduler()),
                 maps: HashMap::new(),
+                map_bytes: 0,
+                unconfirmed: HashMap::new(),
+                limits: Limits {
+                    max_nodes: config.max_nodes,
+                    max_blobs_per_node: config.max_blobs_per_node,
+                    max_chunks_per_blob: config.max_chunks_per_blob,
+                    max_chunk_map_bytes: config.max_chunk_map_bytes,
+                    max_unconfirmed_hashes: config.max_unconfirmed_hashes,
+                },
             }),
             metrics: TrackerMetrics::new(),
+            api_slots: tokio::sync::Semaphore::new(API_SLOTS),
         })
     }
 
@@ -156,6 +350,9 @@ impl Tracker {
             self.metrics.nodes.set(gauge(st.scheduler.peer_count()));
             self.metrics.blobs.set(gauge(st.scheduler.blob_count()));
             self.metrics.chunk_maps.set(gauge(st.maps.len()));
+            self.metrics
+                .chunk_map_bytes
+                .set(i64::try_from(st.map_bytes).unwrap_or(i64::MAX));
         }
         self.metrics.encode()
     }
@@ -164,15 +361,18 @@ impl Tracker {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Handles one request; an announce gets an answer.
+    /// Handles one request from `certified` (the peer id of the caller's
+    /// certificate; `None` only on the insecure plain-HTTP listener, where the
+    /// request's own peer id is believed); an announce gets an answer.
     pub fn handle(
         &self,
         req: pb::TrackerRequest,
+        certified: Option<&str>,
         now: Instant,
     ) -> Result<Option<pb::AnnounceResponse>, TrackerError> {
-        let handled = self.handle_counted(req, now);
-        if handled.is_err() {
-            self.metrics.rejected();
+        let handled = self.handle_counted(req, certified, now);
+        if let Err(e) = &handled {
+            self.metrics.refused(e.reason());
         }
         handled
     }
@@ -180,48 +380,72 @@ impl Tracker {
     fn handle_counted(
         &self,
         req: pb::TrackerRequest,
+        certified: Option<&str>,
         now: Instant,
     ) -> Result<Option<pb::AnnounceResponse>, TrackerError> {
-        let mut st = self.lock();
+        let limits = self.lock().limits;
         match req.body {
-            Some(Body::Announce(a)) => {
+            Some(Body::Announce(mut a)) => {
+                a.peer_id = speaker("an announce", a.peer_id, certified)?;
                 let started = Instant::now();
                 let kind = if a.full {
                     AnnounceKind::Full
                 } else {
                     AnnounceKind::Delta
                 };
-                let runs_before = st.scheduler.runs_assigned();
-                let resp = st.announce(a, now)?;
-                let new_runs = st.scheduler.runs_assigned() - runs_before;
+                // Checked and converted before the lock: the bitfields are
+                // allocated here, each within the chunk limit.
+                let (announce, wanted) = checked_announce(a, &limits)?;
+                let (resp, maps, new_runs) = {
+                    let mut st = self.lock();
+                    let runs_before = st.scheduler.runs_assigned();
+                    let (resp, maps) = st.announce(announce, &wanted, now)?;
+                    (resp, maps, st.scheduler.runs_assigned() - runs_before)
+                };
+                let mut resp = resp;
+                resp.chunk_maps = maps.iter().map(|m| m.to_pb()).collect();
                 self.metrics.announced(kind, started.elapsed(), new_runs);
                 Ok(Some(resp))
             }
             Some(Body::Publish(p)) => {
-                let map = p.map.ok_or_else(|| {
+                let publisher = speaker("a chunk map publication", p.peer_id, certified)?;
+                let m = p.map.ok_or_else(|| {
                     TrackerError::BadRequest("publication without a chunk map".into())
                 })?;
-                let map = ChunkMap::from_pb(&map)?;
-                match st.maps.get_mut(&map.digest()) {
-                    Some(known) => {
-                        known.merge(&map)?;
-                    }
-                    None => {
-                        st.maps.insert(map.digest(), map);
-                    }
-                }
+                let d = digest(&m.digest)?;
+                let count = dray_protocol::chunkmap::chunk_count(d, m.size, m.chunk_size)?;
+                // The swarm's geometry, before the map is built.
+                self.lock().check_map(d, m.size, m.chunk_size, count)?;
+                let map = ChunkMap::from_pb(&m)?;
+                let taken = self.lock().publish(&publisher, &map)?;
+                tracing::debug!(%publisher, digest = %d, taken, "chunk hashes published");
                 Ok(None)
             }
             Some(Body::BadChunk(r)) => {
                 let report = scheduler::BadChunk {
-                    reporter: r.reporter,
+                    reporter: speaker("a bad-chunk report", r.reporter, certified)?,
                     offender: r.offender,
                     digest: digest(&r.digest)?,
                     index: r.index,
                     confirmed: false,
                 };
+                if report.offender.len() > MAX_ID_BYTES {
+                    return Err(too_large(
+                        "the offender's peer id",
+                        report.offender.len(),
+                        MAX_ID_BYTES,
+                    ));
+                }
+                let mut st = self.lock();
                 let was_banned = st.scheduler.standing(&report.offender).banned;
-                let standing = st.scheduler.report_bad_chunk(&report)?;
+                let reported = st.scheduler.report_bad_chunk(&report, now);
+                if let Err(scheduler::ScheduleError::ReporterBanned(_)) = &reported
+                    && st.scheduler.standing(&report.reporter).bans > 0
+                {
+                    tracing::warn!(reporter = %report.reporter, "a node reporting many peers is banned itself");
+                }
+                let standing = reported?;
+                drop(st);
                 self.metrics
                     .bad_chunk_reported(standing.banned && !was_banned);
                 tracing::warn!(offender = %report.offender, reporter = %report.reporter, digest = %report.digest,
@@ -229,17 +453,21 @@ impl Tracker {
                 Ok(None)
             }
             Some(Body::DigestFailed(f)) => {
+                let reporter = speaker("a digest-failure report", f.reporter, certified)?;
                 let d = digest(&f.digest)?;
-                st.scheduler.blob_failed(&f.reporter, &d)?;
-                st.maps.remove(&d);
+                let mut st = self.lock();
+                st.scheduler.blob_failed(&reporter, &d)?;
+                st.forget_map(&d);
+                drop(st);
                 self.metrics.digest_failed();
-                tracing::warn!(digest = %d, reporter = %f.reporter, "blob failed its digest; chunk map withdrawn");
+                tracing::warn!(digest = %d, %reporter, "blob failed its digest; chunk map withdrawn");
                 Ok(None)
             }
             Some(Body::Leave(l)) => {
-                let known = st.scheduler.leave(&l.peer_id);
+                let peer = speaker("a leave", l.peer_id, certified)?;
+                let known = self.lock().scheduler.leave(&peer);
                 self.metrics.left(known);
-                tracing::info!(peer = %l.peer_id, known, "agent left");
+                tracing::info!(%peer, known, "agent left");
                 Ok(None)
             }
             None => Err(TrackerError::BadRequest("empty tracker request".into())),
@@ -258,12 +486,21 @@ impl Tracker {
 
     /// The chunk map (possibly partial) this replica hands out for `digest`.
     pub fn map(&self, digest: &BlobDigest) -> Option<ChunkMap> {
-        self.lock().maps.get(digest).cloned()
+        self.lock().maps.get(digest).map(|m| ChunkMap::clone(m))
     }
 
-    /// Expires silent agents and takes back stalled assignments.
+    /// Expires silent agents, takes back stalled assignments, ends bans and
+    /// drops the maps of blobs no agent holds or wants any more.
     pub fn tick(&self, now: Instant) {
-        let report = self.lock().scheduler.tick(now);
+        let report = {
+            let mut st = self.lock();
+            let report = st.scheduler.tick(now);
+            st.forget_untracked();
+            report
+        };
+        for peer in &report.unbanned {
+            tracing::info!(%peer, "ban ended");
+        }
         self.metrics
             .ticked(report.reclaimed.len(), report.expired.len());
         for (peer, a) in &report.reclaimed {
@@ -275,58 +512,132 @@ impl Tracker {
     }
 }
 
-impl TrackerState {
-    fn announce(
-        &mut self,
-        a: pb::Announce,
-        now: Instant,
-    ) -> Result<pb::AnnounceResponse, TrackerError> {
-        let mut blobs = Vec::with_capacity(a.blobs.len());
-        let mut wanted = Vec::new();
-        for b in &a.blobs {
-            let d = digest(&b.digest)?;
-            let count = ChunkMap::unhashed(d, b.size, b.chunk_size)?.chunk_count();
-            let held = if a.full || !b.bits.is_empty() {
-                let bits = Bitfield::from_bytes(count, &b.bits)
-                    .map_err(|e| TrackerError::BadRequest(format!("{d}: {e}")))?;
-                scheduler::Held::Bits(bits)
-            } else {
-                scheduler::Held::Added(b.added.clone())
-            };
-            if b.wanted {
-                wanted.push(d);
-            }
-            if b.origin.len() > MAX_ORIGIN_BYTES {
-                return Err(TrackerError::BadRequest(format!(
-                    "{d}: origin is {} bytes, more than {MAX_ORIGIN_BYTES}",
-                    b.origin.len()
-                )));
-            }
-            blobs.push(scheduler::BlobAnnounce {
-                digest: d,
-                chunk_count: count,
-                size: b.size,
-                held,
-                wanted: b.wanted,
-                origin: b.origin.clone(),
+/// Checks an announce against the limits and converts it, allocating each
+/// bitfield only once its chunk count is known to be within them. Returns
+/// the scheduler's announce and the blobs wanted.
+fn checked_announce(
+    a: pb::Announce,
+    limits: &Limits,
+) -> Result<(scheduler::Announce, Vec<BlobDigest>), TrackerError> {
+    if a.peer_id.len() > MAX_ID_BYTES {
+        return Err(too_large("the peer id", a.peer_id.len(), MAX_ID_BYTES));
+    }
+    if a.address.len() > MAX_ADDRESS_BYTES {
+        return Err(too_large(
+            "the peer address",
+            a.address.len(),
+            MAX_ADDRESS_BYTES,
+        ));
+    }
+    if a.labels.len() > MAX_LABELS {
+        return Err(too_large(
+            "the number of labels",
+            a.labels.len(),
+            MAX_LABELS,
+        ));
+    }
+    if let Some((k, v)) = a
+        .labels
+        .iter()
+        .find(|(k, v)| k.len() > MAX_LABEL_BYTES || v.len() > MAX_LABEL_BYTES)
+    {
+        let what = format!("label {:?}", k.chars().take(40).collect::<String>());
+        return Err(too_large(what, k.len().max(v.len()), MAX_LABEL_BYTES));
+    }
+    if a.blobs.len() > limits.max_blobs_per_node {
+        return Err(too_large(
+            "the number of blobs in one announce",
+            a.blobs.len(),
+            limits.max_blobs_per_node,
+        ));
+    }
+    let mut blobs = Vec::with_capacity(a.blobs.len());
+    let mut wanted = Vec::new();
+    for b in a.blobs {
+        let d = digest(&b.digest)?;
+        let count = dray_protocol::chunkmap::chunk_count(d, b.size, b.chunk_size)?;
+        if count > limits.max_chunks_per_blob {
+            return Err(TrackerError::TooLarge {
+                what: format!(
+                    "{d}: the chunk count ({} bytes in {}-byte chunks)",
+                    b.size, b.chunk_size
+                ),
+                got: count.into(),
+                limit: limits.max_chunks_per_blob.into(),
             });
         }
-        let decision = self.scheduler.announce(
-            scheduler::Announce {
-                peer: a.peer_id,
-                address: a.address,
-                upload_bytes_per_s: a.upload_bytes_per_s,
-                active_uploads: a.active_uploads,
-                labels: a.labels.into_iter().collect(),
-                blobs,
-                full: a.full,
-            },
-            now,
-        );
-        for e in &decision.rejected {
-            tracing::debug!(error = %e, "announce entry ignored");
+        if b.added.len() > count as usize {
+            return Err(too_large(
+                format!("{d}: the number of chunks added"),
+                b.added.len(),
+                count as usize,
+            ));
         }
-        Ok(pb::AnnounceResponse {
+        if b.origin.len() > MAX_ORIGIN_BYTES {
+            return Err(TrackerError::BadRequest(format!(
+                "{d}: origin is {} bytes, more than {MAX_ORIGIN_BYTES}",
+                b.origin.len()
+            )));
+        }
+        let held = if a.full || !b.bits.is_empty() {
+            let bits = Bitfield::from_bytes(count, &b.bits)
+                .map_err(|e| TrackerError::BadRequest(format!("{d}: {e}")))?;
+            scheduler::Held::Bits(bits)
+        } else {
+            scheduler::Held::Added(b.added)
+        };
+        if b.wanted {
+            wanted.push(d);
+        }
+        blobs.push(scheduler::BlobAnnounce {
+            digest: d,
+            chunk_count: count,
+            size: b.size,
+            chunk_size: b.chunk_size,
+            held,
+            wanted: b.wanted,
+            origin: b.origin,
+        });
+    }
+    let announce = scheduler::Announce {
+        peer: a.peer_id,
+        address: a.address,
+        upload_bytes_per_s: a.upload_bytes_per_s,
+        active_uploads: a.active_uploads,
+        labels: a.labels.into_iter().collect(),
+        blobs,
+        full: a.full,
+    };
+    Ok((announce, wanted))
+}
+
+impl TrackerState {
+    /// Answers an announce; the maps of wanted blobs are returned apart, to
+    /// be encoded after the lock is released.
+    fn announce(
+        &mut self,
+        a: scheduler::Announce,
+        wanted: &[BlobDigest],
+        now: Instant,
+    ) -> Result<(pb::AnnounceResponse, Vec<Arc<ChunkMap>>), TrackerError> {
+        if !self.scheduler.knows(&a.peer) && self.scheduler.peer_count() >= self.limits.max_nodes {
+            return Err(TrackerError::TooManyNodes {
+                peer: a.peer,
+                limit: self.limits.max_nodes,
+            });
+        }
+        let peer = a.peer.clone();
+        let decision = self.scheduler.announce(a, now);
+        for e in &decision.rejected {
+            // Visible at the default level: a refused entry is a node
+            // disagreeing with the others about a blob, or a limit reached.
+            tracing::info!(%peer, error = %e, "announce entry refused");
+        }
+        let maps = wanted
+            .iter()
+            .filter_map(|d| self.maps.get(d).cloned())
+            .collect();
+        let resp = pb::AnnounceResponse {
             peers: decision
                 .peers
                 .into_iter()
@@ -351,22 +662,164 @@ impl TrackerState {
                 })
                 .collect(),
             interval_ms: decision.interval.as_millis() as u32,
-            chunk_maps: wanted
-                .iter()
-                .filter_map(|d| self.maps.get(d))
-                .map(ChunkMap::to_pb)
-                .collect(),
+            chunk_maps: Vec::new(),
             resend_full: decision.resend_full,
             withdrawn: decision.withdrawn.iter().map(ToString::to_string).collect(),
             fetching: decision.fetching.iter().map(ToString::to_string).collect(),
-        })
+        };
+        Ok((resp, maps))
     }
+
+    /// A map of `digest` must have the geometry of its swarm.
+    fn check_map(
+        &self,
+        digest: BlobDigest,
+        size: u64,
+        chunk_size: u32,
+        count: u32,
+    ) -> Result<(), TrackerError> {
+        let g = self
+            .scheduler
+            .geometry(&digest)
+            .ok_or(TrackerError::MapForUnknownBlob(digest))?;
+        if (size, count) != (g.size, g.chunk_count)
+            || (g.chunk_size != 0 && chunk_size != g.chunk_size)
+        {
+            return Err(TrackerError::MapDisagrees {
+                digest,
+                got_size: size,
+                got_chunk_size: chunk_size,
+                got_count: count,
+                size: g.size,
+                chunk_size: g.chunk_size,
+                count: g.chunk_count,
+            });
+        }
+        Ok(())
+    }
+
+    /// Takes the hashes of `map` that `publisher` may vouch for: those of
+    /// chunks the tracker assigned it to fetch from the registry, and others
+    /// once a second node publishes the same. Returns how many it took. A
+    /// hash differing from one taken already refuses the whole map.
+    fn publish(&mut self, publisher: &str, map: &ChunkMap) -> Result<u32, TrackerError> {
+        let d = map.digest();
+        self.check_map(d, map.size(), map.chunk_size(), map.chunk_count())?;
+        if let Some(known) = self.maps.get(&d) {
+            for (i, (new, old)) in map.hashes().iter().zip(known.hashes()).enumerate() {
+                if let (Some(new), Some(old)) = (new, old)
+                    && new != old
+                {
+                    return Err(dray_protocol::VerifyError::HashConflict {
+                        digest: d,
+                        index: i as u32,
+                    }
+                    .into());
+                }
+            }
+        }
+        let mut take = Vec::new();
+        for (i, h) in map.hashes().iter().enumerate() {
+            let (i, Some(h)) = (i as u32, h) else {
+                continue;
+            };
+            if self
+                .maps
+                .get(&d)
+                .is_some_and(|m| m.hashes()[i as usize].is_some())
+            {
+                continue;
+            }
+            if self.scheduler.registry_fetcher(&d, i) == Some(publisher) {
+                take.push((i, *h));
+                continue;
+            }
+            match self.unconfirmed.get(&(d, i)) {
+                Some((seen, by)) if seen == h && by != publisher => take.push((i, *h)),
+                Some((seen, by)) if seen != h && by != publisher => {
+                    tracing::warn!(digest = %d, index = i, first = %by, second = %publisher,
+                        "two nodes published different hashes for a chunk; neither is handed out");
+                }
+                Some(_) => {}
+                None if self.unconfirmed.len() >= self.limits.max_unconfirmed_hashes => {
+                    return Err(too_large(
+                        "the number of unconfirmed chunk hashes",
+                        self.unconfirmed.len() + 1,
+                        self.limits.max_unconfirmed_hashes,
+                    ));
+                }
+                None => {
+                    self.unconfirmed.insert((d, i), (*h, publisher.to_owned()));
+                }
+            }
+        }
+        if take.is_empty() {
+            return Ok(0);
+        }
+        if !self.maps.contains_key(&d) {
+            let more = u64::from(map.chunk_count()) * HASH_SLOT_BYTES;
+            if self.map_bytes + more > self.limits.max_chunk_map_bytes {
+                return Err(TrackerError::TooManyMapBytes {
+                    digest: d,
+                    held: self.map_bytes,
+                    more,
+                    limit: self.limits.max_chunk_map_bytes,
+                });
+            }
+            let empty = ChunkMap::unhashed(d, map.size(), map.chunk_size())?;
+            self.maps.insert(d, Arc::new(empty));
+            self.map_bytes += more;
+        }
+        let stored = Arc::make_mut(self.maps.get_mut(&d).expect("inserted above"));
+        for &(i, h) in &take {
+            stored.set_hash(i, h)?;
+            self.unconfirmed.remove(&(d, i));
+            self.scheduler.hash_settled(&d, i);
+        }
+        Ok(take.len() as u32)
+    }
+
+    fn forget_map(&mut self, digest: &BlobDigest) {
+        if let Some(m) = self.maps.remove(digest) {
+            self.map_bytes -= u64::from(m.chunk_count()) * HASH_SLOT_BYTES;
+        }
+        self.unconfirmed.retain(|(d, _), _| d != digest);
+    }
+
+    /// Drops maps and unconfirmed hashes of blobs no longer tracked.
+    fn forget_untracked(&mut self) {
+        let gone: Vec<BlobDigest> = self
+            .maps
+            .keys()
+            .filter(|d| self.scheduler.geometry(d).is_none())
+            .copied()
+            .collect();
+        for d in gone {
+            self.forget_map(&d);
+        }
+        let scheduler = &self.scheduler;
+        self.unconfirmed
+            .retain(|(d, _), _| scheduler.geometry(d).is_some());
+    }
+}
+
+/// How the tracker's listener speaks.
+pub enum Transport {
+    /// TLS with this configuration (see `Identity::tracker_server_tls`),
+    /// at most this many connections at once.
+    Tls {
+        config: Arc<rustls::ServerConfig>,
+        max_connections: usize,
+    },
+    /// Plain HTTP, no authentication: `insecure_plain_http`.
+    InsecurePlainHttp,
 }
 
 /// Serves the tracker on `listener` until the task is dropped.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     tracker: Arc<Tracker>,
+    transport: Transport,
 ) -> std::io::Result<()> {
     let ticker = tracker.clone();
     let tick = tokio::spawn(async move {
@@ -382,8 +835,15 @@ pub async fn serve(
         .route("/readyz", get(|| async { "ready\n" }))
         .route("/metrics", get(metrics_http))
         .layer(DefaultBodyLimit::max(MAX_TRACKER_FRAME))
-        .with_state(tracker);
-    let served = axum::serve(listener, app).await;
+        .with_state(tracker)
+        .into_make_service_with_connect_info::<Caller>();
+    let served = match transport {
+        Transport::Tls {
+            config,
+            max_connections,
+        } => axum::serve(TlsListener::new(listener, config, max_connections)?, app).await,
+        Transport::InsecurePlainHttp => axum::serve(listener, app).await,
+    };
     tick.abort();
     served
 }
@@ -396,25 +856,54 @@ async fn metrics_http(State(tracker): State<Arc<Tracker>>) -> Response {
         .into_response()
 }
 
-async fn handle_http(State(tracker): State<Arc<Tracker>>, body: Bytes) -> Response {
-    let req = match pb::TrackerRequest::decode(body) {
-        Ok(r) => r,
-        Err(e) => {
-            return (
-                StatusCode::BAD_REQUEST,
-                format!("body is not a TrackerRequest: {e}"),
-            )
-                .into_response();
+async fn handle_http(
+    State(tracker): State<Arc<Tracker>>,
+    ConnectInfo(caller): ConnectInfo<Caller>,
+    body: Bytes,
+) -> Response {
+    let certified = match &caller {
+        Caller::Certified(id) => Some(id.clone()),
+        Caller::InsecurePlainHttp => None,
+        Caller::Anonymous(why) => {
+            tracker.metrics.refused("unauthenticated");
+            return (StatusCode::UNAUTHORIZED, format!("{why}\n")).into_response();
         }
     };
-    match tracker.handle(req, Instant::now()) {
+    let Ok(_slot) = tracker.api_slots.acquire().await else {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    };
+    // Decoding a 4 MiB body and handling it is CPU work: on a blocking
+    // thread, so that /healthz answers meanwhile.
+    let worker = tracker.clone();
+    let handled = tokio::task::spawn_blocking(move || {
+        let req = pb::TrackerRequest::decode(body)
+            .map_err(|e| format!("body is not a TrackerRequest: {e}"))?;
+        Ok::<_, String>(worker.handle(req, certified.as_deref(), Instant::now()))
+    })
+    .await;
+    let handled = match handled {
+        Ok(Ok(h)) => h,
+        Ok(Err(malformed)) => return (StatusCode::BAD_REQUEST, malformed).into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "a tracker request's handler failed");
+            return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+        }
+    };
+    match handled {
         Ok(Some(resp)) => (
             [(header::CONTENT_TYPE, "application/x-protobuf")],
             resp.encode_to_vec(),
         )
             .into_response(),
         Ok(None) => StatusCode::NO_CONTENT.into_response(),
-        Err(e) => (StatusCode::BAD_REQUEST, e.to_string()).into_response(),
+        Err(e) => {
+            tracing::info!(?caller, error = %e, "tracker request refused");
+            let status = match e {
+                TrackerError::NotYourId { .. } => StatusCode::FORBIDDEN,
+                _ => StatusCode::BAD_REQUEST,
+            };
+            (status, e.to_string()).into_response()
+        }
     }
 }
 
@@ -458,7 +947,11 @@ mod tests {
         let mut covered = Bitfield::new(64);
         for p in ["a", "bb", "ccc", "dddd"] {
             let resp = t
-                .handle(announce(p, d, size, Some(&Bitfield::new(64)), true), now)
+                .handle(
+                    announce(p, d, size, Some(&Bitfield::new(64)), true),
+                    None,
+                    now,
+                )
                 .unwrap()
                 .unwrap();
             for a in &resp.assignments {
@@ -467,21 +960,22 @@ mod tests {
                 }
             }
         }
+        // "a" holds the run of chunk 0: its hash is taken from "a".
         let mut map = ChunkMap::unhashed(d, size, 1 << 22).unwrap();
-        map.set_hash(3, [7; 32]).unwrap();
+        map.set_hash(0, [7; 32]).unwrap();
         let publish = pb::TrackerRequest {
             body: Some(Body::Publish(pb::PublishChunkMap {
                 peer_id: "a".into(),
                 map: Some(map.to_pb()),
             })),
         };
-        assert!(t.handle(publish, now).unwrap().is_none());
+        assert!(t.handle(publish, None, now).unwrap().is_none());
         let resp = t
-            .handle(announce("a", d, size, None, false), now)
+            .handle(announce("a", d, size, None, false), None, now)
             .unwrap()
             .unwrap();
         let got = ChunkMap::from_pb(&resp.chunk_maps[0]).unwrap();
-        assert_eq!(got.hashes()[3], Some([7; 32]));
+        assert_eq!(got.hashes()[0], Some([7; 32]));
     }
 
     #[test]
@@ -489,12 +983,15 @@ mod tests {
         let t = Tracker::new(&TrackerConfig::default());
         let d = BlobDigest::of(b"blob");
         let resp = t
-            .handle(announce("a", d, 1 << 22, None, false), Instant::now())
+            .handle(announce("a", d, 1 << 22, None, false), None, Instant::now())
             .unwrap()
             .unwrap();
         assert!(resp.resend_full);
+        let mut all = Bitfield::new(1);
+        all.set(0);
         t.handle(
-            announce("a", d, 1 << 22, Some(&Bitfield::new(1)), true),
+            announce("a", d, 1 << 22, Some(&all), true),
+            None,
             Instant::now(),
         )
         .unwrap();
@@ -504,9 +1001,9 @@ mod tests {
                 digest: d.to_string(),
             })),
         };
-        t.handle(failed, Instant::now()).unwrap();
+        t.handle(failed, None, Instant::now()).unwrap();
         let resp = t
-            .handle(announce("a", d, 1 << 22, None, false), Instant::now())
+            .handle(announce("a", d, 1 << 22, None, false), None, Instant::now())
             .unwrap()
             .unwrap();
         assert_eq!(resp.withdrawn, vec![d.to_string()]);
@@ -519,10 +1016,18 @@ mod tests {
         let size = 64u64 << 22;
         let now = Instant::now();
         for p in ["a", "bb", "ccc", "dddd"] {
-            t.handle(announce(p, d, size, Some(&Bitfield::new(64)), true), now)
+            t.handle(
+                announce(p, d, size, Some(&Bitfield::new(64)), true),
+                None,
+                now,
+            )
+            .unwrap();
+        }
+        for p in ["a", "bb", "ccc"] {
+            // Each hears of "dddd" before it reports it.
+            t.handle(announce(p, d, size, None, false), None, now)
                 .unwrap();
         }
-        t.handle(announce("a", d, size, None, false), now).unwrap();
         for reporter in ["a", "bb", "ccc"] {
             let report = pb::TrackerRequest {
                 body: Some(Body::BadChunk(pb::BadChunkReport {
@@ -532,9 +1037,12 @@ mod tests {
                     index: 0,
                 })),
             };
-            t.handle(report, now).unwrap();
+            t.handle(report, None, now).unwrap();
         }
-        assert!(t.handle(pb::TrackerRequest { body: None }, now).is_err());
+        assert!(
+            t.handle(pb::TrackerRequest { body: None }, None, now)
+                .is_err()
+        );
         let text = t.encode_metrics();
         // Each of the 4 nodes holds as many runs as it may.
         let runs = format!(
@@ -543,12 +1051,13 @@ mod tests {
         );
         for line in [
             "dray_tracker_announces_total{kind=\"full\"} 4",
-            "dray_tracker_announces_total{kind=\"delta\"} 1",
-            "dray_tracker_announce_duration_seconds_count 5",
+            "dray_tracker_announces_total{kind=\"delta\"} 3",
+            "dray_tracker_announce_duration_seconds_count 7",
             &runs,
             "dray_tracker_bad_chunk_reports_total 3",
             "dray_tracker_bans_total 1",
             "dray_tracker_rejected_requests_total 1",
+            "dray_tracker_refusals_total{reason=\"malformed\"} 1",
             "dray_tracker_nodes 4",
             "dray_tracker_blobs 1",
         ] {
@@ -564,7 +1073,7 @@ mod tests {
         let now = Instant::now();
         let mut all = Bitfield::new(4);
         (0..4).for_each(|i| _ = all.set(i));
-        t.handle(announce("a", d, size, Some(&all), true), now)
+        t.handle(announce("a", d, size, Some(&all), true), Some("a"), now)
             .unwrap();
         let peers_of = |resp: pb::AnnounceResponse| -> Vec<String> {
             resp.peers[&d.to_string()]
@@ -574,7 +1083,11 @@ mod tests {
                 .collect()
         };
         let resp = t
-            .handle(announce("bb", d, size, Some(&Bitfield::new(4)), true), now)
+            .handle(
+                announce("bb", d, size, Some(&Bitfield::new(4)), true),
+                Some("bb"),
+                now,
+            )
             .unwrap()
             .unwrap();
         assert_eq!(peers_of(resp), ["a"]);
@@ -583,13 +1096,20 @@ mod tests {
                 peer_id: peer.into(),
             })),
         };
-        assert!(t.handle(leave("a"), now).unwrap().is_none());
+        // A node cannot make another one leave.
+        let err = t
+            .handle(leave("a"), Some("bb"), now)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("\"a\"") && err.contains("bb"), "{err}");
+        assert_eq!(t.peer_count(), 2);
+        assert!(t.handle(leave("a"), Some("a"), now).unwrap().is_none());
         // Unknown: nothing to forget, nothing counted.
-        assert!(t.handle(leave("zz"), now).unwrap().is_none());
+        assert!(t.handle(leave("zz"), Some("zz"), now).unwrap().is_none());
         assert_eq!(t.peer_count(), 1);
         assert_eq!(t.holders(&d, 0), 0);
         let resp = t
-            .handle(announce("bb", d, size, None, false), now)
+            .handle(announce("bb", d, size, None, false), Some("bb"), now)
             .unwrap()
             .unwrap();
         assert!(
@@ -620,10 +1140,10 @@ mod tests {
                 ..Default::default()
             })),
         };
-        let err = t.handle(bad, Instant::now()).unwrap_err().to_string();
+        let err = t.handle(bad, None, Instant::now()).unwrap_err().to_string();
         assert!(err.contains("64 lowercase hex"), "{err}");
         let err = t
-            .handle(pb::TrackerRequest { body: None }, Instant::now())
+            .handle(pb::TrackerRequest { body: None }, None, Instant::now())
             .unwrap_err()
             .to_string();
         assert!(err.contains("empty tracker request"), "{err}");
@@ -637,10 +1157,253 @@ mod tests {
         if let Some(Body::Announce(a)) = &mut long.body {
             a.blobs[0].origin = "x".repeat(MAX_ORIGIN_BYTES + 1);
         }
-        let err = t.handle(long, Instant::now()).unwrap_err().to_string();
+        let err = t
+            .handle(long, None, Instant::now())
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("origin is 1025 bytes, more than 1024"),
             "{err}"
         );
+    }
+
+    fn publish(peer: &str, map: &ChunkMap) -> pb::TrackerRequest {
+        pb::TrackerRequest {
+            body: Some(Body::Publish(pb::PublishChunkMap {
+                peer_id: peer.into(),
+                map: Some(map.to_pb()),
+            })),
+        }
+    }
+
+    fn refusal(t: &Tracker, req: pb::TrackerRequest, as_peer: &str) -> String {
+        t.handle(req, Some(as_peer), Instant::now())
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn a_map_disagreeing_with_the_swarm_is_refused_and_never_handed_out() {
+        let t = Tracker::new(&TrackerConfig::default());
+        let d = BlobDigest::of(b"blob");
+        let size = 32u64 << 20;
+        t.handle(
+            announce("a", d, size, Some(&Bitfield::new(8)), true),
+            Some("a"),
+            Instant::now(),
+        )
+        .unwrap();
+        // The forged map of issue 16: the real digest, 4 MiB larger, no hashes.
+        let forged = ChunkMap::unhashed(d, size + (4 << 20), 1 << 22).unwrap();
+        assert_eq!(
+            refusal(&t, publish("a", &forged), "a"),
+            format!(
+                "chunk map for {d} says 37748736 bytes in 4194304-byte chunks (9 chunks), but the blob's swarm has 33554432 bytes in 4194304-byte chunks (8 chunks)"
+            )
+        );
+        let other_chunks = ChunkMap::unhashed(d, size, 8 << 20).unwrap();
+        assert!(
+            refusal(&t, publish("a", &other_chunks), "a")
+                .contains("in 8388608-byte chunks (4 chunks), but the blob's swarm has")
+        );
+        let unknown = ChunkMap::unhashed(BlobDigest::of(b"other"), size, 1 << 22).unwrap();
+        assert!(refusal(&t, publish("a", &unknown), "a").contains(
+            "no agent announced that blob, so the tracker cannot check the map against its swarm"
+        ));
+        assert!(t.map(&d).is_none());
+        assert!(
+            t.encode_metrics()
+                .contains("dray_tracker_refusals_total{reason=\"map_disagrees\"} 3")
+        );
+    }
+
+    #[test]
+    fn a_huge_blob_is_refused_by_its_chunk_count_before_anything_is_allocated() {
+        let t = Tracker::new(&TrackerConfig::default());
+        let d = BlobDigest::of(b"blob");
+        let mut req = announce("a", d, dray_protocol::chunkmap::MAX_BLOB_SIZE, None, true);
+        if let Some(Body::Announce(a)) = &mut req.body {
+            a.blobs[0].chunk_size = 64 << 10;
+        }
+        assert_eq!(
+            refusal(&t, req, "a"),
+            format!(
+                "{d}: the chunk count (1099511627776 bytes in 65536-byte chunks) is 16777216, more than the limit of 262144"
+            )
+        );
+        assert_eq!(t.peer_count(), 0);
+    }
+
+    #[test]
+    fn hashes_are_taken_from_the_chunks_registry_fetcher_or_from_two_nodes_agreeing() {
+        let t = Tracker::new(&TrackerConfig::default());
+        let d = BlobDigest::of(b"blob");
+        let size = 64u64 << 22;
+        let now = Instant::now();
+        // One run of one chunk each: a has chunk 0, b chunk 1, c chunk 2.
+        for p in ["a", "b", "c", "d"] {
+            t.handle(
+                announce(p, d, size, Some(&Bitfield::new(64)), true),
+                Some(p),
+                now,
+            )
+            .unwrap();
+        }
+        let one = |i: u32, h: u8| {
+            let mut m = ChunkMap::unhashed(d, size, 1 << 22).unwrap();
+            m.set_hash(i, [h; 32]).unwrap();
+            m
+        };
+        let handed = |t: &Tracker| t.map(&d).map(|m| m.hashes()[..3].to_vec());
+        // A node that did not fetch chunk 0 cannot vouch for it alone.
+        t.handle(publish("b", &one(0, 9)), Some("b"), now).unwrap();
+        assert_eq!(handed(&t), None);
+        t.handle(publish("a", &one(0, 7)), Some("a"), now).unwrap();
+        assert_eq!(handed(&t), Some(vec![Some([7; 32]), None, None]));
+        // Two nodes other than its fetcher agreeing on chunk 2's hash.
+        t.handle(publish("a", &one(2, 5)), Some("a"), now).unwrap();
+        t.handle(publish("a", &one(2, 5)), Some("a"), now).unwrap();
+        assert_eq!(
+            handed(&t),
+            Some(vec![Some([7; 32]), None, None]),
+            "one node twice is one node"
+        );
+        t.handle(publish("d", &one(2, 5)), Some("d"), now).unwrap();
+        assert_eq!(handed(&t), Some(vec![Some([7; 32]), None, Some([5; 32])]));
+        // A hash that differs from a taken one is refused, naming the chunk.
+        assert_eq!(
+            refusal(&t, publish("c", &one(0, 1)), "c"),
+            format!("chunk 0 of {d} was published with two different hashes")
+        );
+    }
+
+    #[test]
+    fn a_digest_failure_is_taken_only_from_a_node_holding_every_chunk() {
+        let t = Tracker::new(&TrackerConfig::default());
+        let d = BlobDigest::of(b"blob");
+        let now = Instant::now();
+        t.handle(
+            announce("a", d, 2 << 22, Some(&Bitfield::new(2)), true),
+            Some("a"),
+            now,
+        )
+        .unwrap();
+        let failed = pb::TrackerRequest {
+            body: Some(Body::DigestFailed(pb::BlobDigestFailed {
+                reporter: "a".into(),
+                digest: d.to_string(),
+            })),
+        };
+        assert_eq!(
+            refusal(&t, failed, "a"),
+            format!(
+                "peer \"a\" holds 0 of the 2 chunks of {d}: only a node that assembled every chunk can report that the blob failed its digest"
+            )
+        );
+    }
+
+    #[test]
+    fn limits_on_nodes_ids_addresses_labels_and_blobs_are_refused_with_the_limit() {
+        let t = Tracker::new(&TrackerConfig {
+            max_nodes: 1,
+            max_blobs_per_node: 1,
+            ..TrackerConfig::default()
+        });
+        let d = BlobDigest::of(b"blob");
+        let now = Instant::now();
+        t.handle(
+            announce("a", d, 1 << 22, Some(&Bitfield::new(1)), true),
+            Some("a"),
+            now,
+        )
+        .unwrap();
+        assert_eq!(
+            refusal(
+                &t,
+                announce("b", d, 1 << 22, Some(&Bitfield::new(1)), true),
+                "b"
+            ),
+            "the tracker knows 1 agents already; peer \"b\" is refused until some expire"
+        );
+        let with = |f: &dyn Fn(&mut pb::Announce)| {
+            let mut req = announce("a", d, 1 << 22, Some(&Bitfield::new(1)), true);
+            if let Some(Body::Announce(a)) = &mut req.body {
+                f(a);
+            }
+            req
+        };
+        assert_eq!(
+            refusal(&t, with(&|a| a.address = "x".repeat(300)), "a"),
+            "the peer address is 300, more than the limit of 256"
+        );
+        assert_eq!(
+            refusal(
+                &t,
+                with(&|a| {
+                    a.labels = (0..17).map(|i| (format!("k{i}"), "v".into())).collect();
+                }),
+                "a"
+            ),
+            "the number of labels is 17, more than the limit of 16"
+        );
+        assert_eq!(
+            refusal(
+                &t,
+                with(&|a| {
+                    a.labels.insert("zone".into(), "z".repeat(254));
+                }),
+                "a"
+            ),
+            "label \"zone\" is 254, more than the limit of 253"
+        );
+        assert_eq!(
+            refusal(
+                &t,
+                with(&|a| {
+                    let extra = a.blobs[0].clone();
+                    a.blobs.push(extra);
+                }),
+                "a"
+            ),
+            "the number of blobs in one announce is 2, more than the limit of 1"
+        );
+        let text = t.encode_metrics();
+        assert!(
+            text.contains("dray_tracker_refusals_total{reason=\"limit\"} 5"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn chunk_maps_past_their_byte_limit_are_refused() {
+        let t = Tracker::new(&TrackerConfig {
+            // Room for one 64-chunk map.
+            max_chunk_map_bytes: 64 * HASH_SLOT_BYTES,
+            ..TrackerConfig::default()
+        });
+        let now = Instant::now();
+        let size = 64u64 << 22;
+        for (p, name) in [("a", b"x"), ("b", b"y")] {
+            let d = BlobDigest::of(name);
+            t.handle(
+                announce(p, d, size, Some(&Bitfield::new(64)), true),
+                Some(p),
+                now,
+            )
+            .unwrap();
+            let mut m = ChunkMap::unhashed(d, size, 1 << 22).unwrap();
+            m.set_hash(0, [1; 32]).unwrap();
+            let published = t.handle(publish(p, &m), Some(p), now);
+            if p == "a" {
+                published.unwrap();
+            } else {
+                assert_eq!(
+                    published.unwrap_err().to_string(),
+                    format!(
+                        "chunk map for {d}: the tracker holds 2112 bytes of chunk maps and 2112 more would pass its limit of 2112"
+                    )
+                );
+            }
+        }
     }
 }

@@ -36,6 +36,12 @@ struct KindLabel {
     kind: AnnounceKind,
 }
 
+/// Why a request was refused: a few fixed words (see `TrackerError::reason`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
 /// Every metric of one tracker replica.
 #[derive(Debug)]
 pub struct TrackerMetrics {
@@ -43,7 +49,9 @@ pub struct TrackerMetrics {
     announces: Family<KindLabel, Counter>,
     announce_duration: Histogram,
     rejected_requests: Counter,
+    refusals: Family<ReasonLabel, Counter>,
     pub(crate) nodes: Gauge,
+    pub(crate) chunk_map_bytes: Gauge,
     pub(crate) blobs: Gauge,
     pub(crate) chunk_maps: Gauge,
     runs_assigned: Counter,
@@ -69,7 +77,9 @@ impl TrackerMetrics {
             // 25 µs to about 0.8 s.
             announce_duration: Histogram::new(exponential_buckets(25e-6, 2.0, 16)),
             rejected_requests: Counter::default(),
+            refusals: Family::default(),
             nodes: Gauge::default(),
+            chunk_map_bytes: Gauge::default(),
             blobs: Gauge::default(),
             chunk_maps: Gauge::default(),
             runs_assigned: Counter::default(),
@@ -97,7 +107,18 @@ impl TrackerMetrics {
             "Tracker requests refused as malformed or inconsistent",
             m.rejected_requests.clone(),
         );
+        r.register(
+            "refusals",
+            "Tracker requests refused, by reason (unauthenticated, not_your_id, malformed, limit, map_disagrees, report_refused, inconsistent)",
+            m.refusals.clone(),
+        );
         r.register("nodes", "Agents known now", m.nodes.clone());
+        r.register_with_unit(
+            "chunk_map_memory",
+            "Bytes the chunk maps held take (33 a chunk), against max_chunk_map_bytes",
+            Unit::Bytes,
+            m.chunk_map_bytes.clone(),
+        );
         r.register(
             "blobs",
             "Blobs with at least one agent holding or wanting them",
@@ -152,8 +173,10 @@ impl TrackerMetrics {
         self.runs_assigned.inc_by(new_runs);
     }
 
-    pub fn rejected(&self) {
+    /// A request refused, for `reason` (one of a few fixed words).
+    pub fn refused(&self, reason: &'static str) {
         self.rejected_requests.inc();
+        self.refusals.get_or_create(&ReasonLabel { reason }).inc();
     }
 
     pub fn bad_chunk_reported(&self, newly_banned: bool) {

@@ -25,7 +25,7 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- $name := printf "%s-tracker" (include "dray.fullname" .) -}}
 {{- $urls := list -}}
 {{- range $i := until (int .Values.tracker.replicas) -}}
-{{- $urls = append $urls (printf "http://%s-%d.%s.%s.svc.%s:%d" $name $i $name $.Release.Namespace $.Values.clusterDomain (int $.Values.tracker.port)) -}}
+{{- $urls = append $urls (printf "https://%s-%d.%s.%s.svc.%s:%d" $name $i $name $.Release.Namespace $.Values.clusterDomain (int $.Values.tracker.port)) -}}
 {{- end -}}
 {{- $urls | toJson -}}
 {{- end -}}
