@@ -13,10 +13,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// The value of the sample `series` in the exposition at `addr` (0 if absent).
-fn metric(addr: &str, series: &str) -> f64 {
-    let (status, body) = http_get(addr, "/metrics");
-    assert_eq!(status, 200, "{addr}/metrics: {body}");
+/// The value of the sample `series` in the exposition at `base` (0 if
+/// absent); `dir` holds the test's CA.
+fn metric(dir: &Path, base: &str, series: &str) -> f64 {
+    let (status, body) = curl_get(dir, &format!("{base}/metrics"));
+    assert_eq!(status, 200, "{base}/metrics: {body}");
     body.lines()
         .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
         .unwrap_or(0.0)
@@ -143,15 +144,16 @@ impl Storm {
         let tracker_toml = dir.path().join("tracker.toml");
         std::fs::write(
             &tracker_toml,
-            "listen = \"127.0.0.1:0\"\nannounce_interval_ms = 10000\nmin_fetch_timeout_ms = 2000\n",
+            tracker_tls_toml(dir.path())
+                + "listen = \"127.0.0.1:0\"\nannounce_interval_ms = 10000\nmin_fetch_timeout_ms = 2000\n",
         )
         .unwrap();
         let (tracker, banner) = spawn_with_banner(
             &["tracker", "-c", tracker_toml.to_str().unwrap()],
             &dir.path().join("tracker.log"),
         );
-        let tracker_addr = field(&banner, "listening on http://");
-        let tracker_url = format!("http://{tracker_addr}");
+        let tracker_addr = field(&banner, "listening on https://");
+        let tracker_url = format!("https://{tracker_addr}");
 
         let seeder_cfg = agent_config(
             dir.path(),
@@ -220,9 +222,9 @@ impl Storm {
 
     /// Waits until node-a has uploaded `bytes`, with every puller still running.
     fn until_seeder_uploaded(&mut self, bytes: f64) {
-        let admin = self.seeder_admin.clone();
+        let admin = format!("http://{}", self.seeder_admin);
         within(Duration::from_secs(20), || {
-            metric(&admin, "dray_agent_uploaded_bytes_total") >= bytes
+            metric(self.dir.path(), &admin, "dray_agent_uploaded_bytes_total") >= bytes
         })
         .expect("node-a uploads to the pullers");
         for (id, p) in &mut self.pullers {
@@ -273,17 +275,21 @@ async fn sigterm_stops_an_uploading_agent_within_its_grace_it_leaves_the_tracker
  {
     let mut storm = Storm::start().await;
     storm.until_seeder_uploaded(8.0 * 1024.0 * 1024.0);
-    let tracker = storm.tracker_addr.clone();
-    let nodes_before = metric(&tracker, "dray_tracker_nodes");
+    let tracker = format!("https://{}", storm.tracker_addr);
+    let dir = storm.dir.path().to_path_buf();
+    let nodes_before = metric(&dir, &tracker, "dray_tracker_nodes");
     assert_eq!(nodes_before, 4.0, "node-a and three pullers");
 
     let sent = Instant::now();
     sigterm(&storm.seeder);
     let dropped = within(Duration::from_secs(2), || {
-        metric(&tracker, "dray_tracker_left_nodes_total") >= 1.0
+        metric(&dir, &tracker, "dray_tracker_left_nodes_total") >= 1.0
     })
     .expect("the tracker drops node-a within 2 s of its SIGTERM, not after 3 intervals of 10 s");
-    assert_eq!(metric(&tracker, "dray_tracker_expired_nodes_total"), 0.0);
+    assert_eq!(
+        metric(&dir, &tracker, "dray_tracker_expired_nodes_total"),
+        0.0
+    );
     let (status, took) = exit_after(
         &mut storm.seeder,
         sent,
@@ -332,7 +338,7 @@ async fn sigterm_stops_the_tracker_at_once_and_the_agents_fall_back_and_complete
 fn sigterm_stops_an_agent_that_is_pid_1_of_its_pid_namespace() {
     let dir = tempfile::tempdir().unwrap();
     issue_certificates(dir.path(), &["node-a"]);
-    let cfg = agent_config(dir.path(), "node-a", "http://127.0.0.1:9", "");
+    let cfg = agent_config(dir.path(), "node-a", "https://127.0.0.1:9", "");
     let mut unshare = Command::new("unshare")
         .args(["--pid", "--fork", "--mount-proc"])
         .arg(env!("CARGO_BIN_EXE_dray"))

@@ -142,19 +142,25 @@ async fn two_agents_metrics_account_for_every_byte_and_the_tracker_counts_announ
     let tracker_toml = dir.path().join("tracker.toml");
     std::fs::write(
         &tracker_toml,
-        "listen = \"127.0.0.1:0\"\nannounce_interval_ms = 500\nmin_fetch_timeout_ms = 2000\n",
+        tracker_tls_toml(dir.path())
+            + "listen = \"127.0.0.1:0\"\nannounce_interval_ms = 500\nmin_fetch_timeout_ms = 2000\n",
     )
     .unwrap();
     let tracker = DrayProc::start(
         &["tracker", "-c", tracker_toml.to_str().unwrap()],
         &dir.path().join("tracker.log"),
     );
-    let tracker_addr = tracker.banner_field("listening on http://");
+    let tracker_addr = tracker.banner_field("listening on https://");
     let agents: Vec<DrayProc> = ["node-a", "node-b"]
         .iter()
         .map(|id| {
             let cfg = dir.path().join(format!("{id}.toml"));
-            let text = agent_config(dir.path(), id, &format!("http://{tracker_addr}"), &registry);
+            let text = agent_config(
+                dir.path(),
+                id,
+                &format!("https://{tracker_addr}"),
+                &registry,
+            );
             std::fs::write(&cfg, text).unwrap();
             DrayProc::start(
                 &["agent", "-c", cfg.to_str().unwrap()],
@@ -171,10 +177,11 @@ async fn two_agents_metrics_account_for_every_byte_and_the_tracker_counts_announ
         })
         .collect();
 
-    for addr in admin.iter().chain([&tracker_addr]) {
-        assert_eq!(http_get(addr, "/healthz").0, 200);
-        let (status, body) = http_get(addr, "/readyz");
-        assert_eq!(status, 200, "{addr}: {body}");
+    let bases = admin.iter().map(|a| format!("http://{a}"));
+    for base in bases.chain([format!("https://{tracker_addr}")]) {
+        assert_eq!(curl_get(dir.path(), &format!("{base}/healthz")).0, 200);
+        let (status, body) = curl_get(dir.path(), &format!("{base}/readyz"));
+        assert_eq!(status, 200, "{base}: {body}");
     }
 
     // Both nodes pull the blob through their mirrors at once, as two
@@ -273,7 +280,9 @@ async fn two_agents_metrics_account_for_every_byte_and_the_tracker_counts_announ
     );
     assert!(egress <= 1.1, "the registry sent {egress:.3} copies");
 
-    let t = scrape(&tracker_addr);
+    let (status, body) = curl_get(dir.path(), &format!("https://{tracker_addr}/metrics"));
+    assert_eq!(status, 200, "{body}");
+    let t = parse_exposition(&body);
     eprintln!("tracker: {t:?}");
     assert!(
         sample(&t, "dray_tracker_announces_total{kind=\"full\"}") >= 2.0,

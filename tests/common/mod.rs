@@ -537,6 +537,53 @@ pub fn issue_certificates(dir: &Path, ids: &[&str]) {
             dir.join(id).to_str().unwrap(),
         ]);
     }
+    dray_ok(&[
+        "ca",
+        "issue",
+        "--ca-dir",
+        ca.to_str().unwrap(),
+        "--tracker",
+        "--name",
+        "localhost",
+        "--name",
+        "127.0.0.1",
+        "--out",
+        dir.join("tracker").to_str().unwrap(),
+    ]);
+}
+
+/// The TLS lines of a `dray tracker` config for the tracker certificate
+/// [`issue_certificates`] wrote under `dir`.
+pub fn tracker_tls_toml(dir: &Path) -> String {
+    let file = |f: &str| dir.join("tracker").join(f);
+    format!(
+        "cert = {:?}\nkey = {:?}\nca = {:?}\n",
+        file("tracker.crt"),
+        file("tracker.key"),
+        file("ca.crt")
+    )
+}
+
+/// A GET of a small answer at `url` (http:// or https://; a tracker's
+/// certificate is checked against the CA [`issue_certificates`] made under
+/// `dir`), by curl: (status, body).
+pub fn curl_get(dir: &Path, url: &str) -> (u16, String) {
+    let out = Command::new("curl")
+        .args([
+            "-sS",
+            "--max-time",
+            "10",
+            "-w",
+            "\n%{http_code}",
+            "--cacert",
+        ])
+        .arg(dir.join("tracker").join("ca.crt"))
+        .arg(url)
+        .output()
+        .unwrap();
+    let text = ok(&out, &format!("GET {url}"));
+    let (body, status) = text.rsplit_once('\n').expect("curl's status line");
+    (status.trim().parse().unwrap(), body.to_string())
 }
 
 /// A plain HTTP/1.1 GET of a small response on loopback: (status, body).
