@@ -226,10 +226,20 @@ impl Identity {
 
     /// TLS for accepting peers: a client certificate signed by the CA is required.
     pub fn server_tls(&self) -> Result<rustls::ServerConfig> {
-        let verifier =
-            rustls::server::WebPkiClientVerifier::builder_with_provider(self.roots()?, provider())
-                .build()
-                .map_err(tls_err)?;
+        self.server_config(false, ALPN)
+    }
+
+    /// TLS 1.3 serving our certificate, client certificates checked against
+    /// the CA (required, or only checked when offered).
+    fn server_config(&self, optional_client: bool, alpn: &[u8]) -> Result<rustls::ServerConfig> {
+        let builder =
+            rustls::server::WebPkiClientVerifier::builder_with_provider(self.roots()?, provider());
+        let builder = if optional_client {
+            builder.allow_unauthenticated()
+        } else {
+            builder
+        };
+        let verifier = builder.build().map_err(tls_err)?;
         let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(tls_err)?
@@ -239,7 +249,7 @@ impl Identity {
                 PrivateKeyDer::Pkcs8(self.key.clone_key()),
             )
             .map_err(tls_err)?;
-        cfg.alpn_protocols = vec![ALPN.to_vec()];
+        cfg.alpn_protocols = vec![alpn.to_vec()];
         Ok(cfg)
     }
 
@@ -265,22 +275,7 @@ impl Identity {
     /// `/healthz`, `/readyz` and `/metrics`; the tracker API refuses a
     /// request without one.
     pub fn tracker_server_tls(&self) -> Result<rustls::ServerConfig> {
-        let verifier =
-            rustls::server::WebPkiClientVerifier::builder_with_provider(self.roots()?, provider())
-                .allow_unauthenticated()
-                .build()
-                .map_err(tls_err)?;
-        let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .map_err(tls_err)?
-            .with_client_cert_verifier(verifier)
-            .with_single_cert(
-                vec![self.cert.clone()],
-                PrivateKeyDer::Pkcs8(self.key.clone_key()),
-            )
-            .map_err(tls_err)?;
-        cfg.alpn_protocols = vec![TRACKER_ALPN.to_vec()];
-        Ok(cfg)
+        self.server_config(true, TRACKER_ALPN)
     }
 
     /// TLS for talking to the tracker: its certificate must be signed by the
