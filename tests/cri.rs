@@ -325,18 +325,6 @@ fn unchecked_diff_id() -> String {
     format!("sha256:{}", "0".repeat(64))
 }
 
-/// The peak resident set of this process (the agent's local API serves
-/// from it), from `/proc/self/status`.
-fn peak_rss_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap();
-    kb * 1024
-}
-
 /// The sparse corpus file: 1 GiB, six 4 KiB chunks, gzipped into `dir`;
 /// (the blob, the tar's diffID, the chunks).
 fn sparse_layer(dir: &Path) -> (PathBuf, String, Vec<(u64, Vec<u8>)>) {
@@ -496,7 +484,7 @@ async fn the_hostile_tar_corpus_is_refused_through_the_local_api_and_the_agent_s
         .await;
     assert_eq!(status, 200, "{body}");
     assert!(target.join("payload.bin").exists());
-    let peak = peak_rss_bytes();
+    let peak = peak_rss("self");
     eprintln!("peak RSS of the agent's process: {} MiB", peak >> 20);
     assert!(peak < 512 << 20, "peak RSS {peak} bytes");
 }
@@ -561,7 +549,7 @@ async fn through_cri_a_long_name_bomb_commits_nothing_and_a_sparse_file_unpacks_
     find_named(&n.shim.root, "lastlog", &mut found);
     assert_eq!(found.len(), 1, "{found:?}");
     assert_sparse(&found[0], &chunks);
-    let peak = peak_rss_bytes();
+    let peak = peak_rss("self");
     eprintln!("peak RSS of the agent's process: {} MiB", peak >> 20);
     assert!(peak < 512 << 20, "peak RSS {peak} bytes");
 }

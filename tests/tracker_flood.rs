@@ -37,16 +37,6 @@ impl Drop for TrackerProcess {
     }
 }
 
-fn peak_rss(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap();
-    kib << 10
-}
-
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -243,7 +233,7 @@ async fn a_flood_of_the_costliest_requests_leaves_the_tracker_bounded_and_answer
     stop.store(true, Ordering::Relaxed);
     probes.await.unwrap();
 
-    let rss = peak_rss(pid);
+    let rss = peak_rss(&pid.to_string());
     let slowest = slowest_ms.load(Ordering::Relaxed);
     eprintln!(
         "flood: {} requests in 30 s; tracker peak RSS {} MiB; slowest /healthz {slowest} ms",

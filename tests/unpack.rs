@@ -2,15 +2,14 @@
 //! unpacking the same blobs), against hostile layers, and against broken
 //! streams. Needs root (devices, ownership, trusted.* xattrs) and containerd.
 
+mod common;
 #[path = "fixtures/hostile.rs"]
 mod hostile;
-#[path = "../src/oci_image.rs"]
-mod oci_image;
 
+use common::oci_image::{self, Containerd, LayerBlob, chain_ids, write_oci_archive};
 use dray_agent::unpack::{
     Compression, MAX_HEADER_BODY, UnpackError, UnpackLimits, unpack_layer, unpack_layer_within,
 };
-use oci_image::{Containerd, LayerBlob, chain_ids, write_oci_archive};
 use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::io::Write;
@@ -729,17 +728,6 @@ fn refused(blob: impl std::io::Read, c: Compression, limits: &UnpackLimits) -> (
     (err, read.get())
 }
 
-/// The peak resident set of this process, from `/proc/self/status`.
-fn peak_rss_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap();
-    kb * 1024
-}
-
 #[test]
 fn headers_the_tar_crate_reads_whole_are_refused_past_a_mebibyte_before_their_body() {
     for (kind, what) in [
@@ -779,10 +767,10 @@ fn a_gzipped_2_gib_long_name_bomb_is_refused_in_bounded_memory() {
     let blob = dir.path().join("bomb.tar.gz");
     hostile::gzip_to(hostile::special_header_bomb(b'L', 2 << 30), &blob);
     let size = std::fs::metadata(&blob).unwrap().len();
-    let before = peak_rss_bytes();
+    let before = common::peak_rss("self");
     let file = std::fs::File::open(&blob).unwrap();
     let (err, read) = refused(file, Compression::Gzip, &UnpackLimits::default());
-    let after = peak_rss_bytes();
+    let after = common::peak_rss("self");
     eprintln!(
         "2 GiB long-name bomb, {size} bytes gzipped: {err}; read {read} bytes; peak RSS {} MiB before, {} MiB after",
         before >> 20,

@@ -564,6 +564,18 @@ pub fn tracker_tls_toml(dir: &Path) -> String {
     )
 }
 
+/// The peak resident set (VmHWM) of process `pid` (`"self"`: this test
+/// process), bytes.
+pub fn peak_rss(pid: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .expect("VmHWM in /proc/<pid>/status");
+    kib << 10
+}
+
 /// A GET of a small answer at `url` (http:// or https://; a tracker's
 /// certificate is checked against the CA [`issue_certificates`] made under
 /// `dir`), by curl: (status, body).
