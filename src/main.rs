@@ -417,6 +417,51 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+/// Makes mimalloc commit its arenas page by page as they are touched, not
+/// whole on creation, for the services that run on every node for months
+/// (`dray agent`, `tracker`, `snapshotter`). With transparent huge pages on
+/// (`always`, common on nodes), an eagerly committed arena turns into resident
+/// 2 MiB pages: measured on a `dray agent` at rest, 44 MiB of anonymous memory
+/// with it and 2.5 MiB without; at the peak of a 512 MiB mirror pull 126-135
+/// MiB with it and 73-95 MiB without, the agent's CPU time unchanged. Purging
+/// freed memory at once instead (`purge_delay` 0) saves less, 109 MiB, and
+/// doubles the pull's system time. The simulator keeps the default: lazily
+/// committed it took 12% more CPU (kraken-2600, 47 against 42 s).
+///
+/// The option must be set before the first allocation, which Rust's runtime
+/// makes before `main`, so this runs from `.init_array`, where glibc passes
+/// the program's arguments.
+extern "C" fn commit_heap_on_touch(
+    argc: libc::c_int,
+    argv: *const *const libc::c_char,
+    _envp: *const *const libc::c_char,
+) {
+    let service = (1..usize::try_from(argc).unwrap_or(0)).any(|i| {
+        // SAFETY: glibc calls `.init_array` functions with the argc/argv it
+        // gives `main`: argc valid, NUL-terminated strings.
+        let arg = unsafe { std::ffi::CStr::from_ptr(*argv.add(i)) };
+        matches!(arg.to_bytes(), b"agent" | b"tracker" | b"snapshotter")
+    });
+    if service {
+        // SAFETY: mi_option_set only stores an option value, read when
+        // mimalloc creates its first arena; only this thread exists yet.
+        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_ARENA_EAGER_COMMIT, 0) };
+    }
+}
+
+#[used]
+#[unsafe(link_section = ".init_array")]
+static COMMIT_HEAP_ON_TOUCH: extern "C" fn(
+    libc::c_int,
+    *const *const libc::c_char,
+    *const *const libc::c_char,
+) = commit_heap_on_touch;
+
+/// `mi_option_arena_eager_commit` in the `mi_option_e` enum of mimalloc.h
+/// (the same place in the v2 and v3 headers libmimalloc-sys builds); the
+/// crate names no constant for it.
+const MI_OPTION_ARENA_EAGER_COMMIT: libmimalloc_sys::mi_option_t = 4;
+
 /// Logs to stderr, keeping what `filter` selects.
 fn init_logging(format: LogFormat, filter: &str) {
     let builder = tracing_subscriber::fmt()
