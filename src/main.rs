@@ -145,8 +145,14 @@ enum AgentAction {
         config_path: PathBuf,
         /// A registry to mirror, as NAME or NAME=SERVER_URL (default server:
         /// https://NAME; docker.io maps to its real registry host); repeat.
-        #[arg(long = "registry", required = true)]
+        #[arg(long = "registry", required_unless_present = "all_registries")]
         registries: Vec<String>,
+        /// Also write `_default/hosts.toml`: every registry without a file of
+        /// its own tries the mirror first (the agent's `mirror.registries`
+        /// still decides which it serves; the others fall through to the
+        /// registry itself).
+        #[arg(long)]
+        all_registries: bool,
         /// The mirror's URL as containerd reaches it.
         #[arg(long, default_value = "http://127.0.0.1:5050")]
         mirror: String,
@@ -480,10 +486,18 @@ async fn run(command: Command) -> Result<()> {
                 Some(AgentAction::ConfigureContainerd {
                     config_path,
                     registries,
+                    all_registries,
                     mirror,
                 }),
             ..
         }) => {
+            if all_registries {
+                let outcome =
+                    containerd::write_default_hosts(&config_path, &mirror).with_context(|| {
+                        format!("writing {}/_default/hosts.toml", config_path.display())
+                    })?;
+                println!("{}: {outcome:?}", containerd::DEFAULT_HOSTS);
+            }
             for r in &registries {
                 let (name, server) = match r.split_once('=') {
                     Some((n, s)) => (n.to_string(), s.to_string()),

@@ -386,3 +386,80 @@ async fn the_mirror_answers_ranges_heads_and_bad_requests_as_the_distribution_sp
     let (status, body) = curl(&["-H", "Range: bytes=9999999-", &blob_url]);
     assert_eq!(status, 416, "{body}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_default_hosts_every_registry_goes_through_the_mirror_and_a_shared_layer_leaves_a_registry_once()
+ {
+    let work = tempfile::tempdir().unwrap();
+    let (a, agent, _) = one_node(work.path(), None, "shared/img", 8 << 20).await;
+    // The same image, byte for byte, in a second registry.
+    let b = Registry::start(None).await;
+    let out = Command::new("skopeo")
+        .args([
+            "copy",
+            "-q",
+            "--src-tls-verify=false",
+            "--dest-tls-verify=false",
+        ])
+        .arg(format!("docker://{}/shared/img:gzip", a.host()))
+        .arg(format!("docker://{}/other/img:gzip", b.host()))
+        .output()
+        .unwrap();
+    ok(&out, "skopeo copy between the registries");
+    // Images are named by the counting relays' addresses, so containerd's own
+    // fallback to a registry is counted too.
+    let (name_a, name_b) = (relay_host(&a), relay_host(&b));
+    let mirror = MirrorProc::start(
+        &agent,
+        &[(name_a.clone(), a.url()), (name_b.clone(), b.url())],
+    )
+    .await;
+    let hosts = work.path().join("certs.d");
+    ok(
+        &Command::new(env!("CARGO_BIN_EXE_dray"))
+            .args(["agent", "configure-containerd", "--all-registries"])
+            .arg("--config-path")
+            .arg(&hosts)
+            .args(["--mirror", &mirror.url])
+            .output()
+            .unwrap(),
+        "dray agent configure-containerd --all-registries",
+    );
+    assert!(hosts.join("_default/hosts.toml").is_file());
+    assert_eq!(
+        std::fs::read_dir(&hosts).unwrap().count(),
+        1,
+        "one file for all"
+    );
+
+    let ctrd = Containerd::start();
+    let (before_a, before_b) = (a.egress(), b.egress());
+    let image_a = format!("{name_a}/shared/img:gzip");
+    ok(
+        &ctrd.pull(&hosts, &image_a, None),
+        "pull from the first registry",
+    );
+    let from_a = a.egress() - before_a;
+    assert!(from_a > 8 << 20, "the layer came from the first registry");
+    let image_b = format!("{name_b}/other/img:gzip");
+    ok(
+        &ctrd.pull(&hosts, &image_b, None),
+        "pull from the second registry",
+    );
+    let from_b = b.egress() - before_b;
+    // Its manifest and the two 4 KiB ranges that prove it holds the layer.
+    assert!(
+        from_b < 256 << 10,
+        "the second registry sent {from_b} bytes, the first {from_a}: the shared layer was fetched twice"
+    );
+    let out = ok(
+        &ctrd.ctr(&["run", "--rm", &image_b, "t-b", "cat", "/etc/greeting"]),
+        "ctr run",
+    );
+    assert_eq!(out.trim(), "hello from dray");
+}
+
+/// `host:port` of a registry's counting relay.
+fn relay_host(r: &Registry) -> String {
+    r.url().trim_start_matches("http://").to_string()
+}

@@ -24,12 +24,22 @@ pub fn default_server(registry: &str) -> String {
     }
 }
 
-/// The `hosts.toml` text: the mirror first (pull and resolve), then `server`.
-/// containerd 1.6 rejects a file without a `[host]` table, so there always is one.
-pub fn hosts_toml(server: &str, mirror: &str) -> String {
+/// The directory containerd reads for every registry that has none of its
+/// own (containerd 1.6 and later).
+pub const DEFAULT_HOSTS: &str = "_default";
+
+/// The `hosts.toml` text: the mirror first (pull and resolve), then `server`;
+/// without one (the `_default` file) containerd falls back to each
+/// registry's own default server. containerd 1.6 rejects a file without a
+/// `[host]` table, so there always is one.
+fn hosts_toml(server: Option<&str>, mirror: &str) -> String {
+    let server = server.map_or_else(
+        || "# No server: containerd goes to each registry's own default.\n".to_string(),
+        |s| format!("server = \"{s}\"\n"),
+    );
     format!(
         "# Written by `dray agent configure-containerd`; the previous file, if any, is kept beside it.\n\
-         server = \"{server}\"\n\n\
+         {server}\n\
          [host.\"{mirror}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"
     )
 }
@@ -42,16 +52,31 @@ pub fn write_hosts(
     server: &str,
     mirror: &str,
 ) -> std::io::Result<HostsOutcome> {
-    if registry.is_empty() || registry.contains('/') || registry.starts_with('.') {
+    if registry.is_empty()
+        || registry.contains('/')
+        || registry.starts_with('.')
+        || registry == DEFAULT_HOSTS
+    {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
             format!("{registry:?} is not a registry host name"),
         ));
     }
-    let dir = config_path.join(registry);
+    write_file(config_path, registry, &hosts_toml(Some(server), mirror))
+}
+
+/// Writes `<config_path>/_default/hosts.toml`: every registry without a
+/// directory of its own goes to the mirror first, then to itself.
+pub fn write_default_hosts(config_path: &Path, mirror: &str) -> std::io::Result<HostsOutcome> {
+    write_file(config_path, DEFAULT_HOSTS, &hosts_toml(None, mirror))
+}
+
+/// Writes `<config_path>/<name>/hosts.toml` beside and renames it, keeping a
+/// different file it replaces as a backup.
+fn write_file(config_path: &Path, name: &str, text: &str) -> std::io::Result<HostsOutcome> {
+    let dir = config_path.join(name);
     std::fs::create_dir_all(&dir)?;
     let path = dir.join("hosts.toml");
-    let text = hosts_toml(server, mirror);
     let outcome = match std::fs::read_to_string(&path) {
         Ok(old) if old == text => return Ok(HostsOutcome::Unchanged),
         Ok(_) => {
@@ -104,5 +129,23 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(write_hosts(dir.path(), "../etc", &server, mirror).is_err());
+        assert!(write_hosts(dir.path(), DEFAULT_HOSTS, &server, mirror).is_err());
+    }
+
+    #[test]
+    fn the_default_file_names_the_mirror_and_no_server() {
+        let dir = tempfile::tempdir().unwrap();
+        let mirror = "http://127.0.0.1:5050";
+        assert_eq!(
+            write_default_hosts(dir.path(), mirror).unwrap(),
+            HostsOutcome::Written
+        );
+        let text = std::fs::read_to_string(dir.path().join("_default/hosts.toml")).unwrap();
+        assert!(!text.contains("server ="), "{text}");
+        assert!(text.contains("[host.\"http://127.0.0.1:5050\"]"), "{text}");
+        assert_eq!(
+            write_default_hosts(dir.path(), mirror).unwrap(),
+            HostsOutcome::Unchanged
+        );
     }
 }
