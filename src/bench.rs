@@ -4,22 +4,24 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
-use dray_agent::fetch::{PeerAddr, fetch_from_peers};
 use dray_agent::identity::ClusterCa;
 use dray_agent::peer::{PeerConfig, PeerNode};
 use dray_agent::pulls::Pulls;
 use dray_agent::store::ChunkStore;
-use dray_protocol::DEFAULT_CHUNK_SIZE;
 use serde::Serialize;
 use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::Instant;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[derive(Subcommand)]
 pub enum BenchCommand {
-    /// Agent-to-agent chunk transfer over QUIC vs a bare quinn stream and plain TCP.
-    Peer(PeerBench),
+    /// One blob from a sending agent process to a receiving one over QUIC vs
+    /// plain TCP, TCP with rustls and a bare quinn stream, each side's CPU
+    /// seconds per GiB, and the cost of writing the same bytes to a file.
+    Peer(crate::bench_peer::PeerBench),
+    /// The sending process of `dray bench peer` (started by it).
+    #[command(hide = true)]
+    PeerSend(crate::bench_peer::PeerSend),
     /// N agents pulling one blob through the swarm vs N direct pulls, from the
     /// real registry (`docker-registry`) on loopback.
     Swarm(SwarmBench),
@@ -64,25 +66,6 @@ pub struct SwarmBench {
     json: bool,
 }
 
-#[derive(Args)]
-pub struct PeerBench {
-    /// Blob size, e.g. 256MiB or 1GiB.
-    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
-    size: u64,
-    /// Print one JSON object instead of a table.
-    #[arg(long)]
-    json: bool,
-    /// Override the largest UDP payload MTU discovery may reach.
-    #[arg(long)]
-    max_udp_payload: Option<u16>,
-    /// Turn off segmentation offload (GSO/GRO).
-    #[arg(long)]
-    no_gso: bool,
-    /// Override the per-stream flow-control window, bytes.
-    #[arg(long)]
-    stream_window: Option<u32>,
-}
-
 /// Parses sizes such as `1GiB`, `256MiB`, `64KiB` or a plain byte count.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let (num, mult) = [
@@ -103,7 +86,8 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 
 pub async fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
-        BenchCommand::Peer(b) => peer(b).await,
+        BenchCommand::Peer(b) => crate::bench_peer::run(b).await,
+        BenchCommand::PeerSend(s) => crate::bench_peer::send(s).await,
         BenchCommand::Swarm(b) => swarm(b).await,
         BenchCommand::Mirror(b) => mirror(b).await,
         BenchCommand::Storm(b) => crate::storm::run(b).await,
@@ -356,22 +340,6 @@ async fn swarm(b: SwarmBench) -> Result<()> {
     })
 }
 
-#[derive(Serialize)]
-struct PeerResult {
-    size_bytes: u64,
-    agent_mb_s: f64,
-    raw_quic_mb_s: f64,
-    tcp_mb_s: f64,
-    agent_vs_tcp: f64,
-    agent_vs_raw_quic: f64,
-    /// CPU seconds of the whole process (sender and receiver both) per GiB moved.
-    cpu_s_per_gib: f64,
-    raw_quic_cpu_s_per_gib: f64,
-    tcp_cpu_s_per_gib: f64,
-    /// UDP payload size the agents' path reached through MTU discovery.
-    path_mtu: u16,
-}
-
 /// Prints `r` as one JSON line, or as the table `table` draws.
 pub(crate) fn emit<T: Serialize>(json: bool, r: &T, table: impl FnOnce(&T)) -> Result<()> {
     if json {
@@ -380,111 +348,6 @@ pub(crate) fn emit<T: Serialize>(json: bool, r: &T, table: impl FnOnce(&T)) -> R
         table(r);
     }
     Ok(())
-}
-
-/// Process CPU time (user + system), seconds.
-fn cpu_seconds() -> f64 {
-    // SAFETY: getrusage fills the struct we pass.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    tv(ru.ru_utime) + tv(ru.ru_stime)
-}
-
-/// Runs `f`, returning (MB/s, CPU s per GiB) for `bytes` moved.
-async fn measure<F: std::future::Future<Output = Result<()>>>(
-    bytes: u64,
-    f: F,
-) -> Result<(f64, f64)> {
-    let (cpu0, t0) = (cpu_seconds(), Instant::now());
-    f.await?;
-    let (cpu, wall) = (cpu_seconds() - cpu0, t0.elapsed().as_secs_f64());
-    Ok((
-        bytes as f64 / 1e6 / wall,
-        cpu / (bytes as f64 / (1u64 << 30) as f64),
-    ))
-}
-
-async fn peer(b: PeerBench) -> Result<()> {
-    if b.size == 0 {
-        bail!("--size must be positive");
-    }
-    let dir = tempfile::tempdir().context("creating a temporary directory")?;
-    let src = dir.path().join("blob");
-    write_random(&src, b.size)?;
-
-    let tcp = measure(b.size, tcp_stream(b.size))
-        .await
-        .context("TCP baseline")?;
-    let quic = measure(b.size, raw_quic_stream(b.size))
-        .await
-        .context("raw QUIC baseline")?;
-
-    let ca = ClusterCa::generate()?;
-    let mut cfg = PeerConfig::default();
-    if let Some(p) = b.max_udp_payload {
-        cfg.transport.max_udp_payload = p;
-    }
-    if let Some(w) = b.stream_window {
-        cfg.transport.stream_window = w;
-    }
-    cfg.transport.segmentation_offload = !b.no_gso;
-    let store_a = Arc::new(ChunkStore::open(&dir.path().join("a"))?);
-    let map = store_a.import(&src, DEFAULT_CHUNK_SIZE)?;
-    std::fs::remove_file(&src)?;
-    let loopback = "127.0.0.1:0".parse()?;
-    let a = PeerNode::bind(ca.issue("bench-a")?, store_a, loopback, cfg.clone())?;
-    let b_node = PeerNode::bind(
-        ca.issue("bench-b")?,
-        Arc::new(ChunkStore::open(&dir.path().join("b"))?),
-        loopback,
-        cfg,
-    )?;
-    let peers = [PeerAddr {
-        peer_id: "bench-a".into(),
-        addr: a.local_addr()?,
-    }];
-    let mut path_mtu = 0;
-    let agent = measure(b.size, async {
-        let report = fetch_from_peers(&b_node, &map, &peers).await?;
-        path_mtu = report.path_mtu_by_peer.values().copied().max().unwrap_or(0);
-        Ok(())
-    })
-    .await
-    .context("agent transfer")?;
-    a.close();
-    b_node.close();
-
-    let r = PeerResult {
-        size_bytes: b.size,
-        agent_mb_s: agent.0,
-        raw_quic_mb_s: quic.0,
-        tcp_mb_s: tcp.0,
-        agent_vs_tcp: agent.0 / tcp.0,
-        agent_vs_raw_quic: agent.0 / quic.0,
-        cpu_s_per_gib: agent.1,
-        raw_quic_cpu_s_per_gib: quic.1,
-        tcp_cpu_s_per_gib: tcp.1,
-        path_mtu,
-    };
-    emit(b.json, &r, |r| {
-        println!("size            {} bytes", r.size_bytes);
-        println!(
-            "agent (QUIC)    {:8.1} MB/s  {:.2} CPU s/GiB  (verified, on disk)",
-            r.agent_mb_s, r.cpu_s_per_gib
-        );
-        println!(
-            "raw quinn       {:8.1} MB/s  {:.2} CPU s/GiB  (defaults, memory)",
-            r.raw_quic_mb_s, r.raw_quic_cpu_s_per_gib
-        );
-        println!(
-            "plain TCP       {:8.1} MB/s  {:.2} CPU s/GiB  (memory)",
-            r.tcp_mb_s, r.tcp_cpu_s_per_gib
-        );
-        println!("path MTU        {} bytes (agents)", r.path_mtu);
-        println!("agent / TCP     {:.2}", r.agent_vs_tcp);
-        println!("agent / quinn   {:.2}", r.agent_vs_raw_quic);
-    })
 }
 
 /// Incompressible bytes, cheaply (xorshift), so no layer can shortcut them.
@@ -520,98 +383,4 @@ impl std::io::Read for RandomBytes {
         }
         Ok(buf.len())
     }
-}
-
-const BLOCK: usize = 1 << 20;
-
-async fn tcp_stream(size: u64) -> Result<()> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let sender = tokio::spawn(async move {
-        let mut s = tokio::net::TcpStream::connect(addr).await?;
-        let buf = vec![7u8; BLOCK];
-        let mut left = size;
-        while left > 0 {
-            let n = left.min(BLOCK as u64) as usize;
-            s.write_all(&buf[..n]).await?;
-            left -= n as u64;
-        }
-        anyhow::Ok(())
-    });
-    let (mut r, _) = listener.accept().await?;
-    let mut buf = vec![0u8; BLOCK];
-    let mut got = 0u64;
-    while got < size {
-        let n = r.read(&mut buf).await?;
-        if n == 0 {
-            bail!("TCP stream ended after {got} bytes");
-        }
-        got += n as u64;
-    }
-    sender.await??;
-    Ok(())
-}
-
-/// A bare quinn stream with default transport settings (self-signed server).
-async fn raw_quic_stream(size: u64) -> Result<()> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let cert = rcgen_self_signed()?;
-    let server_tls = rustls::ServerConfig::builder_with_provider(provider.clone())
-        .with_protocol_versions(&[&rustls::version::TLS13])?
-        .with_no_client_auth()
-        .with_single_cert(vec![cert.0.clone()], cert.1)?;
-    let server_cfg = quinn::ServerConfig::with_crypto(Arc::new(
-        quinn::crypto::rustls::QuicServerConfig::try_from(server_tls)?,
-    ));
-    let server = quinn::Endpoint::server(server_cfg, "127.0.0.1:0".parse()?)?;
-    let addr = server.local_addr()?;
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(cert.0)?;
-    let client_tls = rustls::ClientConfig::builder_with_provider(provider)
-        .with_protocol_versions(&[&rustls::version::TLS13])?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    let mut client = quinn::Endpoint::client("127.0.0.1:0".parse()?)?;
-    client.set_default_client_config(quinn::ClientConfig::new(Arc::new(
-        quinn::crypto::rustls::QuicClientConfig::try_from(client_tls)?,
-    )));
-    let sender = tokio::spawn(async move {
-        let conn = client.connect(addr, "localhost")?.await?;
-        let mut s = conn.open_uni().await?;
-        let buf = bytes::Bytes::from(vec![7u8; BLOCK]);
-        let mut left = size;
-        while left > 0 {
-            let n = left.min(BLOCK as u64) as usize;
-            s.write_chunk(buf.slice(..n)).await?;
-            left -= n as u64;
-        }
-        s.finish()?;
-        let _ = s.stopped().await;
-        anyhow::Ok(())
-    });
-    let conn = server
-        .accept()
-        .await
-        .context("no incoming connection")?
-        .await?;
-    let mut r = conn.accept_uni().await?;
-    let mut got = 0u64;
-    while let Some(chunk) = r.read_chunk(BLOCK, true).await? {
-        got += chunk.bytes.len() as u64;
-    }
-    if got != size {
-        bail!("QUIC stream ended after {got} of {size} bytes");
-    }
-    sender.await??;
-    server.close(0u32.into(), b"done");
-    Ok(())
-}
-
-fn rcgen_self_signed() -> Result<(
-    rustls::pki_types::CertificateDer<'static>,
-    rustls::pki_types::PrivateKeyDer<'static>,
-)> {
-    let c = rcgen::generate_simple_self_signed(vec!["localhost".into()])?;
-    let key = rustls::pki_types::PrivateKeyDer::Pkcs8(c.signing_key.serialize_der().into());
-    Ok((c.cert.der().clone(), key))
 }

@@ -1,6 +1,7 @@
 //! `dray`: the one binary. Each subcommand is a thin layer over the crates.
 
 mod bench;
+mod bench_peer;
 mod bench_unpack;
 mod client;
 mod cluster;

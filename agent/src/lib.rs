@@ -26,6 +26,7 @@ pub mod registry;
 pub mod store;
 pub mod swarm;
 pub mod tracker_client;
+pub mod udp;
 pub mod unpack;
 
 pub use error::{Error, Result};

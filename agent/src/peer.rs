@@ -234,8 +234,14 @@ impl PeerNode {
         grow_socket_buffers(&socket, config.transport.socket_buffer);
         let runtime =
             quinn::default_runtime().ok_or_else(|| Error::Config("no async runtime".into()))?;
-        let mut endpoint = quinn::Endpoint::new(endpoint_cfg, Some(server), socket, runtime)
-            .map_err(|e| Error::io(format!("starting QUIC endpoint on {addr}"), e))?;
+        let starting = |e| Error::io(format!("starting QUIC endpoint on {addr}"), e);
+        let socket = crate::udp::KernelSizedUdp::wrap(
+            runtime.wrap_udp_socket(socket).map_err(starting)?,
+            config.transport.max_udp_payload,
+        );
+        let mut endpoint =
+            quinn::Endpoint::new_with_abstract_socket(endpoint_cfg, Some(server), socket, runtime)
+                .map_err(starting)?;
         endpoint.set_default_client_config(client);
         let node = Arc::new(Self {
             endpoint,

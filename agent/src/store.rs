@@ -225,8 +225,8 @@ impl Blob {
 
     /// Reads `len` bytes at `offset`, which must lie in the verified prefix.
     pub fn read_range(&self, offset: u64, len: usize) -> Result<Vec<u8>> {
-        let mut buf = vec![0u8; len];
-        self.file.read_exact_at(&mut buf, offset).map_err(|e| {
+        let mut buf = Vec::new();
+        read_exact_uninit_at(&self.file, &mut buf, len, offset).map_err(|e| {
             Error::io(
                 format!("reading {len} bytes at {offset} of {}", self.digest),
                 e,
@@ -760,6 +760,46 @@ fn recover(blob: &Blob) -> Result<Bitfield> {
 
 /// Allocates the blob's blocks up front, so a full disk fails here with ENOSPC
 /// rather than halfway through a transfer.
+/// Reads exactly `len` bytes at `offset` into `buf`'s spare capacity, not
+/// zeroed first: zeroing each 4 MiB chunk served to a peer was 13% of the
+/// sender's CPU in `dray bench peer` (perf).
+fn read_exact_uninit_at(
+    file: &File,
+    buf: &mut Vec<u8>,
+    len: usize,
+    offset: u64,
+) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    buf.clear();
+    buf.reserve_exact(len);
+    while buf.len() < len {
+        let filled = buf.len();
+        let at = offset + filled as u64;
+        let spare = &mut buf.spare_capacity_mut()[..len - filled];
+        // SAFETY: pread writes at most `spare.len()` bytes into memory `buf` owns.
+        let n = unsafe {
+            libc::pread(
+                file.as_raw_fd(),
+                spare.as_mut_ptr().cast(),
+                spare.len(),
+                at as libc::off_t,
+            )
+        };
+        match n {
+            // SAFETY: pread initialised the `n` bytes past the old length.
+            n if n > 0 => unsafe { buf.set_len(filled + n as usize) },
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            _ => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 fn reserve(file: &File, size: u64) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     if size == 0 {

@@ -1,0 +1,38 @@
+//! Issue 20: `dray bench peer` measures a sending and a receiving agent as two
+//! processes, beside plain TCP, TCP with rustls and a bare quinn stream, and
+//! the cost of writing the same bytes to a file. A specification of the
+//! report's shape, not a timed test: the figures depend on the machine.
+
+mod common;
+
+use common::dray_ok;
+
+#[test]
+fn bench_peer_reports_each_sides_cpu_and_every_baseline_in_one_json_object() {
+    let out = dray_ok(&["bench", "peer", "--size", "64MiB", "--json"]);
+    let r: serde_json::Value = serde_json::from_str(&out)
+        .unwrap_or_else(|e| panic!("dray bench peer printed no JSON ({e}): {out}"));
+    for field in [
+        "agent_mb_s",
+        "tcp_mb_s",
+        "tls_tcp_mb_s",
+        "raw_quic_mb_s",
+        "sender_cpu_s_per_gib",
+        "receiver_cpu_s_per_gib",
+        "tcp_receiver_cpu_s_per_gib",
+        "tls_tcp_sender_cpu_s_per_gib",
+        "raw_quic_sender_cpu_s_per_gib",
+        "receiver_peak_rss_mib",
+        "sender_peak_rss_mib",
+    ] {
+        let v = r[field]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{field} missing in {out}"));
+        assert!(v > 0.0, "{field} is {v} in {out}");
+    }
+    // Page-cache writes may cost less than a clock tick at this size.
+    assert!(r["write_floor_cpu_s_per_gib"].as_f64().unwrap() >= 0.0);
+    // The agents verified the blob over loopback, whose MTU is 64K.
+    assert!(r["path_mtu"].as_u64().unwrap() > 1500, "{out}");
+    assert_eq!(r["size_bytes"], 64 << 20);
+}
