@@ -311,6 +311,10 @@ fn join_swarm(cfg: AgentConfig, metrics: Arc<AgentMetrics>) -> Result<Arc<Swarm>
     let identity = Identity::load(&cfg.cert, &cfg.key, &cfg.ca)?;
     let store = Arc::new(ChunkStore::open(&cfg.state_dir)?);
     store.set_max_blob_size(cfg.max_blob_size);
+    store
+        .gc()
+        .configure(cfg.gc.clone(), !cfg.swarm.trackers.is_empty());
+    store.gc().use_metrics(metrics.gc().clone());
     let node = PeerNode::bind_with_metrics(identity, store, cfg.peer_listen, cfg.peer, metrics)?;
     Ok(Swarm::new(node, cfg.swarm))
 }
