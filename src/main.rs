@@ -101,6 +101,17 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Run the agent's garbage collection now; with --dry-run, list what
+    /// it would evict and evict nothing.
+    Gc {
+        #[command(flatten)]
+        socket: SocketArg,
+        #[arg(long)]
+        dry_run: bool,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Measure dray against baselines in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -466,6 +477,11 @@ async fn run(command: Command) -> Result<()> {
             json,
         } => client::pull(&socket.path, &image, json).await,
         Command::Status { socket, json } => client::status(&socket.path, json).await,
+        Command::Gc {
+            socket,
+            dry_run,
+            json,
+        } => client::gc(&socket.path, dry_run, json).await,
         Command::Tracker(args) => {
             let mut cfg = match &args.config {
                 Some(p) => TrackerConfig::load(p)?,

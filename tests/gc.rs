@@ -43,9 +43,7 @@ impl Node {
             }
         };
         let metrics = Arc::new(AgentMetrics::new());
-        store
-            .gc()
-            .configure(gc, !swarm.trackers.is_empty());
+        store.gc().configure(gc, !swarm.trackers.is_empty());
         store.gc().use_metrics(metrics.gc().clone());
         let node = PeerNode::bind_with_metrics(
             cluster_ca().issue(id).unwrap(),
@@ -121,7 +119,18 @@ async fn blobs_keep_their_chunk_size_when_it_changes_and_are_still_served_to_pee
         ..quick_swarm(vec![tracker.url()])
     };
     let a = Node::start(dir.path(), "node-a", old, GcConfig::default()).await;
-    a.swarm.pull(&client, "test/gc", digest).await.unwrap();
+    let upstreams = [(registry.host(), registry.url())];
+    let url = |mirror: &MirrorProc| {
+        format!(
+            "{}/v2/test/gc/blobs/{digest}?ns={}",
+            mirror.url,
+            registry.host()
+        )
+    };
+    let mirror = MirrorProc::start_for(&a.swarm, &upstreams).await;
+    let (status, body) = get_body(&url(&mirror)).await;
+    assert_eq!((status, sha256(&body)), (200, digest.to_string()));
+    mirror.stop();
     a.stop().await;
 
     // The next run of node-a, and a new node, cut new blobs four times larger.
@@ -136,17 +145,19 @@ async fn blobs_keep_their_chunk_size_when_it_changes_and_are_still_served_to_pee
     eprintln!("node-b's pull: {report:?}");
     assert_eq!(report.bytes_from_registry, 0, "{report:?}");
     assert_eq!(report.bytes_from_peers, 3 << 20, "{report:?}");
-    assert!(registry.egress() - egress < 64 << 10, "the registry sent the blob again");
+    assert!(
+        registry.egress() - egress < 64 << 10,
+        "the registry sent the blob again"
+    );
     let b_blob = b.store().get(&digest).unwrap().unwrap();
-    assert_eq!(b_blob.chunk_size(), MIN_CHUNK_SIZE * 4, "node-b joined the swarm's chunks");
+    assert_eq!(
+        b_blob.chunk_size(),
+        MIN_CHUNK_SIZE * 4,
+        "node-b joined the swarm's chunks"
+    );
 
-    let mirror = MirrorProc::start_for(&a.swarm, &[(registry.host(), registry.url())]).await;
-    let (status, body) = get_body(&format!(
-        "{}/v2/test/gc/blobs/{digest}?ns={}",
-        mirror.url,
-        registry.host()
-    ))
-    .await;
+    let mirror = MirrorProc::start_for(&a.swarm, &upstreams).await;
+    let (status, body) = get_body(&url(&mirror)).await;
     assert_eq!(status, 200);
     assert_eq!(sha256(&body), digest.to_string());
 }
@@ -156,7 +167,13 @@ async fn a_layer_larger_than_the_budget_is_refused_at_once_and_containerd_pulls_
  {
     let work = tempfile::tempdir().unwrap();
     let registry = Registry::start(None).await;
-    build_image(&registry, &work.path().join("img"), "test/big", 4 << 20, None);
+    build_image(
+        &registry,
+        &work.path().join("img"),
+        "test/big",
+        4 << 20,
+        None,
+    );
     let budget = 1u64 << 20;
     let gc = GcConfig {
         budget: Some(budget),
@@ -171,7 +188,10 @@ async fn a_layer_larger_than_the_budget_is_refused_at_once_and_containerd_pulls_
     let started = Instant::now();
     let image = format!("{}/test/big:gzip", registry.host());
     ok(&ctrd.pull(&hosts, &image, None), &format!("pull {image}"));
-    eprintln!("pull with the layer refused by the mirror: {:?}", started.elapsed());
+    eprintln!(
+        "pull with the layer refused by the mirror: {:?}",
+        started.elapsed()
+    );
     assert!(
         side_door.egress() > 4 << 20,
         "containerd fetched the layer from the registry itself ({} bytes)",
@@ -236,9 +256,12 @@ async fn under_pressure_four_nodes_keep_two_copies_of_every_blob_until_the_disk_
     let started = Instant::now();
     while started.elapsed() < Duration::from_secs(10)
         && !nodes.iter().all(|n| {
-            digests
-                .iter()
-                .all(|d| n.store().gc().holders_of(d).is_some_and(|h| h.complete == 4))
+            digests.iter().all(|d| {
+                n.store()
+                    .gc()
+                    .holders_of(d)
+                    .is_some_and(|h| h.complete == 4)
+            })
         })
     {
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -351,9 +374,16 @@ async fn a_kill_9_during_eviction_leaves_no_half_deleted_blob_and_the_accounting
             "round {round}: the store's accounting is not the disk's"
         );
         for (digest, _) in &after_sweep {
-            let blob = store.get(&digest.parse().unwrap()).unwrap().expect("a record");
+            let blob = store
+                .get(&digest.parse().unwrap())
+                .unwrap()
+                .expect("a record");
             assert!(blob.is_complete(), "{digest}");
-            assert_eq!(&file_digest(&blob.path().to_path_buf()), digest, "round {round}");
+            assert_eq!(
+                &file_digest(&blob.path().to_path_buf()),
+                digest,
+                "round {round}"
+            );
         }
         let left = after_sweep.len() as u64;
         eprintln!(

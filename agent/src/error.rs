@@ -53,7 +53,9 @@ pub enum Error {
         size: u64,
         detail: String,
     },
-    #[error("the swarm of blob {digest} cuts it in {chunk_size}-byte chunks: pulling it again in those")]
+    #[error(
+        "the swarm of blob {digest} cuts it in {chunk_size}-byte chunks: pulling it again in those"
+    )]
     Recut { digest: BlobDigest, chunk_size: u32 },
 }
 

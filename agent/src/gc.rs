@@ -104,7 +104,11 @@ impl GcConfig {
                 "gc watermarks must satisfy 0 < low_watermark ({l}) <= high_watermark ({h}) <= critical_watermark ({c}) <= 1"
             )));
         }
-        if let Some(bad) = self.pinned.iter().find(|d| d.parse::<BlobDigest>().is_err()) {
+        if let Some(bad) = self
+            .pinned
+            .iter()
+            .find(|d| d.parse::<BlobDigest>().is_err())
+        {
             return Err(Error::Config(format!(
                 "gc.pinned entry {bad:?} is not a blob digest (sha256:<64 hex>)"
             )));
@@ -124,7 +128,7 @@ impl GcConfig {
 }
 
 /// Why a blob was evicted.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Reason {
     /// A partial blob untouched past `partial_ttl`, or abandoned under pressure.
@@ -224,7 +228,7 @@ pub struct Candidate {
 }
 
 /// A blob the planner chose, and why.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Eviction {
     pub digest: String,
     pub bytes: u64,
@@ -241,7 +245,7 @@ pub struct Pressure {
 }
 
 /// What the store and its filesystem use.
-#[derive(Clone, Copy, Debug, Default, Serialize)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
 pub struct Usage {
     pub store_bytes: u64,
     pub store_blobs: usize,
@@ -277,11 +281,15 @@ pub fn pressure(cfg: &GcConfig, u: &Usage) -> Pressure {
 /// The blobs to evict, in order, to free `p.need` bytes (and whatever is
 /// past its TTL). `cluster_aware`: a tracker is configured, so a blob
 /// without word of its holders is kept as if this node had the last copy.
-pub fn plan(cands: &[Candidate], p: Pressure, cfg: &GcConfig, cluster_aware: bool) -> Vec<Eviction> {
+pub fn plan(
+    cands: &[Candidate],
+    p: Pressure,
+    cfg: &GcConfig,
+    cluster_aware: bool,
+) -> Vec<Eviction> {
     let keep = cfg.keep_cluster_copies;
-    let spare = |c: &Candidate| {
-        keep == 0 || !cluster_aware || c.holders.is_some_and(|h| h.rank >= keep)
-    };
+    let spare =
+        |c: &Candidate| keep == 0 || !cluster_aware || c.holders.is_some_and(|h| h.rank >= keep);
     let mut out = Vec::new();
     let mut chosen = HashSet::new();
     let mut freed = 0u64;
@@ -348,7 +356,10 @@ pub struct GcState {
 
 impl GcState {
     pub fn config(&self) -> GcConfig {
-        self.config.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.config
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Takes new settings. `cluster_aware`: a tracker is configured.
@@ -363,7 +374,10 @@ impl GcState {
     }
 
     fn metrics(&self) -> GcMetrics {
-        self.metrics.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.metrics
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     fn holders(&self) -> std::sync::MutexGuard<'_, HashMap<BlobDigest, Holders>> {
@@ -398,7 +412,7 @@ impl GcState {
         m.evicted_bytes.inc_by(e.bytes);
     }
 
-    fn count_refusal(&self) {
+    pub(crate) fn count_refusal(&self) {
         self.metrics().refusals.inc();
     }
 }
@@ -421,7 +435,7 @@ pub fn filesystem(dir: &Path) -> Result<(u64, u64)> {
 }
 
 /// What a collection did (or, dry, would do).
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Collection {
     pub usage: Usage,
     pub need: u64,
@@ -436,7 +450,12 @@ pub fn collect(store: &ChunkStore, dry: bool) -> Result<Collection> {
     let usage = store.usage()?;
     let p = pressure(&cfg, &usage);
     let cands = store.candidates(&cfg.pins());
-    let chosen = plan(&cands, p, &cfg, store.gc().cluster_aware.load(Ordering::Relaxed));
+    let chosen = plan(
+        &cands,
+        p,
+        &cfg,
+        store.gc().cluster_aware.load(Ordering::Relaxed),
+    );
     let mut done = Collection {
         usage,
         need: p.need,
@@ -467,7 +486,8 @@ pub fn collect(store: &ChunkStore, dry: bool) -> Result<Collection> {
 }
 
 /// Makes room for a new blob of `size` bytes before its file is reserved:
-/// evicts what must go, or refuses with the limit it would break.
+/// evicts what must go, or refuses with the limit it would break. (A blob
+/// larger than the whole budget was refused by `ChunkStore::check_size`.)
 pub fn make_room(store: &ChunkStore, digest: &BlobDigest, size: u64) -> Result<()> {
     let cfg = store.gc().config();
     let room = |u: &Usage| -> (u64, Option<String>) {
@@ -493,16 +513,6 @@ pub fn make_room(store: &ChunkStore, digest: &BlobDigest, size: u64) -> Result<(
         }
         (need, limit)
     };
-    if let Some(budget) = cfg.budget
-        && size > budget
-    {
-        store.gc().count_refusal();
-        return Err(Error::NoRoom {
-            digest: *digest,
-            size,
-            detail: format!("more than the whole gc.budget of {budget} bytes"),
-        });
-    }
     let (need, _) = room(&store.usage()?);
     if need == 0 {
         return Ok(());
@@ -512,7 +522,12 @@ pub fn make_room(store: &ChunkStore, digest: &BlobDigest, size: u64) -> Result<(
         need,
         critical: false,
     };
-    for e in plan(&cands, p, &cfg, store.gc().cluster_aware.load(Ordering::Relaxed)) {
+    for e in plan(
+        &cands,
+        p,
+        &cfg,
+        store.gc().cluster_aware.load(Ordering::Relaxed),
+    ) {
         let d: BlobDigest = e.digest.parse().expect("planned from a digest");
         if store.evict(&d)?.is_some() {
             tracing::info!(digest = %d, bytes = e.bytes, reason = e.reason.as_str(), "evicted to make room");
@@ -545,7 +560,12 @@ pub fn spawn(store: Arc<ChunkStore>) -> tokio::task::JoinHandle<()> {
             let s = store.clone();
             match tokio::task::spawn_blocking(move || collect(&s, false)).await {
                 Ok(Ok(c)) if !c.evicted.is_empty() => {
-                    tracing::info!(evicted = c.evicted.len(), bytes = c.evicted.iter().map(|e| e.bytes).sum::<u64>(), store_bytes = c.usage.store_bytes, "garbage collected");
+                    tracing::info!(
+                        evicted = c.evicted.len(),
+                        bytes = c.evicted.iter().map(|e| e.bytes).sum::<u64>(),
+                        store_bytes = c.usage.store_bytes,
+                        "garbage collected"
+                    );
                 }
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => tracing::error!(error = %e, "garbage collection failed"),
@@ -688,7 +708,11 @@ mod tests {
             names(&plan(&cands, p, &cfg, true), &cands)[2..],
             [(2, Reason::Critical), (3, Reason::Critical)]
         );
-        assert_eq!(plan(&cands, p, &cfg, false).len(), 4, "no tracker, no cluster to keep for");
+        assert_eq!(
+            plan(&cands, p, &cfg, false).len(),
+            4,
+            "no tracker, no cluster to keep for"
+        );
     }
 
     #[test]
@@ -698,6 +722,9 @@ mod tests {
             ..GcConfig::default()
         };
         let e = cfg.validate().unwrap_err().to_string();
-        assert!(e.contains("low_watermark (0.9) <= high_watermark (0.8)"), "{e}");
+        assert!(
+            e.contains("low_watermark (0.9) <= high_watermark (0.8)"),
+            "{e}"
+        );
     }
 }

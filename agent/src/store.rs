@@ -545,8 +545,8 @@ impl ChunkStore {
     /// short between the two (the record goes first) leaves one.
     fn sweep(&self) -> Result<()> {
         let dir = self.dir.join("blobs");
-        let listing =
-            std::fs::read_dir(&dir).map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
+        let listing = std::fs::read_dir(&dir)
+            .map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
         for item in listing {
             let item = item.map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
             let name = item.file_name();
@@ -671,6 +671,7 @@ impl ChunkStore {
         self.sizes().check(digest, size)?;
         match self.gc.config().budget {
             Some(budget) if size > budget && !self.entries().contains_key(digest) => {
+                self.gc.count_refusal();
                 Err(Error::NoRoom {
                     digest: *digest,
                     size,
@@ -1180,7 +1181,8 @@ mod tests {
         assert!(blob.adopt_geometry(&swarm).unwrap());
         assert_eq!(blob.chunk_size(), MIN_CHUNK_SIZE);
         for i in 0..4 {
-            blob.put_chunk(i, &bytes[i as usize * 65536..][..65536]).unwrap();
+            blob.put_chunk(i, &bytes[i as usize * 65536..][..65536])
+                .unwrap();
         }
         assert!(blob.is_complete());
         store.persist(&blob).unwrap();
@@ -1188,7 +1190,10 @@ mod tests {
         assert!(!blob.adopt_geometry(&other).unwrap());
         drop((blob, store));
         let store = ChunkStore::open(dir.path()).unwrap();
-        assert_eq!(store.get(&swarm.digest()).unwrap().unwrap().chunk_size(), MIN_CHUNK_SIZE);
+        assert_eq!(
+            store.get(&swarm.digest()).unwrap().unwrap().chunk_size(),
+            MIN_CHUNK_SIZE
+        );
     }
 
     #[test]
@@ -1214,7 +1219,10 @@ mod tests {
         let store = ChunkStore::open(dir.path()).unwrap();
         assert!(!store.blob_path(&digests[1]).exists(), "swept at open");
         assert_eq!(store.usage().unwrap().store_blobs, 0);
-        assert_eq!(std::fs::read_dir(dir.path().join("blobs")).unwrap().count(), 0);
+        assert_eq!(
+            std::fs::read_dir(dir.path().join("blobs")).unwrap().count(),
+            0
+        );
     }
 
     #[test]
@@ -1230,7 +1238,10 @@ mod tests {
         );
         let map = ChunkMap::of_bytes(&data(2 * 65536, 13), MIN_CHUNK_SIZE).unwrap();
         let e = store.blob(&map).err().unwrap().to_string();
-        assert!(e.contains("more than the whole gc.budget of 100000 bytes"), "{e}");
+        assert!(
+            e.contains("more than the whole gc.budget of 100000 bytes"),
+            "{e}"
+        );
         assert!(!store.blob_path(&map.digest()).exists());
     }
 

@@ -276,10 +276,16 @@ impl Swarm {
                 .collect();
             match answer {
                 Ok(Some(resp)) => {
-                    self.node.store().gc().note_holders(resp.holders.iter().filter_map(|h| {
-                        let holders = crate::gc::Holders { complete: h.complete, rank: h.rank };
-                        Some((h.digest.parse().ok()?, holders))
-                    }));
+                    self.node
+                        .store()
+                        .gc()
+                        .note_holders(resp.holders.iter().filter_map(|h| {
+                            let holders = crate::gc::Holders {
+                                complete: h.complete,
+                                rank: h.rank,
+                            };
+                            Some((h.digest.parse().ok()?, holders))
+                        }));
                     tracing::debug!(%replica, peers = resp.peers.len(), runs = resp.assignments.len(), maps = resp.chunk_maps.len(), resend_full = resp.resend_full, "tracker answered");
                     if resp.resend_full {
                         lock(&self.sent).remove(&replica);
@@ -540,12 +546,19 @@ impl Swarm {
                     }
                 }
                 if !alone {
-                    if let Some(m) = u.map.as_ref().filter(|m| m.chunk_size() != t.blob().chunk_size()) {
+                    if let Some(m) = u
+                        .map
+                        .as_ref()
+                        .filter(|m| m.chunk_size() != t.blob().chunk_size())
+                    {
                         // The swarm's first holders had another `swarm.chunk_size`:
                         // join it in its chunks, unless this node holds chunks
                         // of its own (then the registry fallback serves it).
                         if t.blob().adopt_geometry(m)? {
-                            return Err(Error::Recut { digest, chunk_size: m.chunk_size() });
+                            return Err(Error::Recut {
+                                digest,
+                                chunk_size: m.chunk_size(),
+                            });
                         }
                         tracing::warn!(%digest, swarm = m.chunk_size(), ours = t.blob().chunk_size(), "the swarm cuts this blob in other chunks than the ones held here");
                     } else if let Some(m) = &u.map {

@@ -1746,6 +1746,26 @@ mod tests {
         announce(peer, false, vec![entry(n, Held::Added(chunks), true)])
     }
 
+    #[test]
+    fn complete_holders_hear_the_count_and_distinct_ranks_and_partial_ones_nothing() {
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        let now = Instant::now();
+        let mut ranks = Vec::new();
+        for p in ["a", "b", "c"] {
+            s.announce(wants(p, 4, &[0, 1, 2, 3]), now);
+        }
+        let partial = s.announce(wants("d", 4, &[0]), now);
+        assert!(partial.holders.is_empty());
+        for p in ["a", "b", "c"] {
+            let d = s.announce(wants(p, 4, &[0, 1, 2, 3]), now);
+            assert_eq!(d.holders.len(), 1);
+            assert_eq!((d.holders[0].digest, d.holders[0].complete), (blob(), 3));
+            ranks.push(d.holders[0].rank);
+        }
+        ranks.sort();
+        assert_eq!(ranks, vec![0, 1, 2], "every node knows its own place");
+    }
+
     fn chunks_of(assignments: &[Assignment]) -> Vec<u32> {
         assignments
             .iter()
