@@ -379,11 +379,7 @@ async fn a_kill_9_during_eviction_leaves_no_half_deleted_blob_and_the_accounting
                 .unwrap()
                 .expect("a record");
             assert!(blob.is_complete(), "{digest}");
-            assert_eq!(
-                &file_digest(&blob.path().to_path_buf()),
-                digest,
-                "round {round}"
-            );
+            assert_eq!(&file_digest(blob.path()), digest, "round {round}");
         }
         let left = after_sweep.len() as u64;
         eprintln!(

@@ -468,11 +468,12 @@ pub fn collect(store: &ChunkStore, dry: bool) -> Result<Collection> {
             continue;
         }
         let digest: BlobDigest = e.digest.parse().expect("planned from a digest");
+        let holders = store.gc().holders_of(&digest);
         // None: it came into use since it was planned; it stays.
         if store.evict(&digest)?.is_some() {
             store.gc().count_eviction(&e);
             if e.reason == Reason::Critical {
-                tracing::warn!(%digest, bytes = e.bytes, holders = ?store.gc().holders_of(&digest), "disk past the critical watermark: evicting a blob the cluster has too few copies of");
+                tracing::warn!(%digest, bytes = e.bytes, ?holders, "disk past the critical watermark: evicting a blob the cluster has too few copies of");
             } else {
                 tracing::info!(%digest, bytes = e.bytes, reason = e.reason.as_str(), "evicted");
             }
