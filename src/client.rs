@@ -110,6 +110,31 @@ pub async fn status(socket: &Path, json: bool) -> Result<()> {
     println!("trackers     {}", status.trackers.join(", "));
     println!("uptime       {:.0} s", status.uptime_s);
     println!("uploads      {} in progress", status.uploads_in_progress);
+    if let Some(gc) = &status.gc {
+        let (c, u) = (&gc.config, &gc.usage);
+        let used = u.fs_bytes.saturating_sub(u.fs_free);
+        println!(
+            "store        {} in {} blobs; budget {}",
+            indicatif::HumanBytes(u.store_bytes),
+            u.store_blobs,
+            c.budget
+                .map_or("none".to_string(), |b| indicatif::HumanBytes(b).to_string())
+        );
+        println!(
+            "filesystem   {} of {} used ({:.0}%)",
+            indicatif::HumanBytes(used),
+            indicatif::HumanBytes(u.fs_bytes),
+            100.0 * used as f64 / u.fs_bytes.max(1) as f64
+        );
+        println!(
+            "watermarks   high {:.0}% low {:.0}% critical {:.0}%; keep {} cluster copies; ttl {} s",
+            c.high_watermark * 100.0,
+            c.low_watermark * 100.0,
+            c.critical_watermark * 100.0,
+            c.keep_cluster_copies,
+            c.ttl.as_secs()
+        );
+    }
     println!("blobs        {}", status.blobs.len());
     for b in &status.blobs {
         println!(
@@ -120,5 +145,51 @@ pub async fn status(socket: &Path, json: bool) -> Result<()> {
             if b.complete { "complete" } else { "partial" }
         );
     }
+    Ok(())
+}
+
+/// Runs one garbage collection in the agent (or, `dry_run`, lists what it
+/// would evict now).
+pub async fn gc(socket: &Path, dry_run: bool, json: bool) -> Result<()> {
+    let resp = client(socket)?
+        .post("http://agent/v1/gc")
+        .json(&serde_json::json!({ "dry_run": dry_run }))
+        .send()
+        .await;
+    let done: dray_agent::gc::Collection = checked(socket, resp)
+        .await?
+        .json()
+        .await
+        .context("parsing the agent's collection")?;
+    if json {
+        println!("{}", serde_json::to_string(&done)?);
+        return Ok(());
+    }
+    let verb = if dry_run { "would evict" } else { "evicted" };
+    println!(
+        "store {} in {} blobs; {} to free{}",
+        indicatif::HumanBytes(done.usage.store_bytes),
+        done.usage.store_blobs,
+        indicatif::HumanBytes(done.need),
+        if done.critical {
+            " (past the critical watermark)"
+        } else {
+            ""
+        }
+    );
+    for e in &done.evicted {
+        println!(
+            "{verb} {}  {:>10}  {}",
+            e.digest,
+            indicatif::HumanBytes(e.bytes).to_string(),
+            e.reason.as_str()
+        );
+    }
+    let total: u64 = done.evicted.iter().map(|e| e.bytes).sum();
+    println!(
+        "{verb} {} blobs, {}",
+        done.evicted.len(),
+        indicatif::HumanBytes(total)
+    );
     Ok(())
 }

@@ -102,6 +102,17 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Run the agent's garbage collection now; with --dry-run, list what
+    /// it would evict and evict nothing.
+    Gc {
+        #[command(flatten)]
+        socket: SocketArg,
+        #[arg(long)]
+        dry_run: bool,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Measure dray against baselines in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -318,6 +329,10 @@ fn join_swarm(cfg: AgentConfig, metrics: Arc<AgentMetrics>) -> Result<Arc<Swarm>
     let identity = Identity::load(&cfg.cert, &cfg.key, &cfg.ca)?;
     let store = Arc::new(ChunkStore::open(&cfg.state_dir)?);
     store.set_max_blob_size(cfg.max_blob_size);
+    store
+        .gc()
+        .configure(cfg.gc.clone(), !cfg.swarm.trackers.is_empty());
+    store.gc().use_metrics(metrics.gc().clone());
     let node = PeerNode::bind_with_metrics(identity, store, cfg.peer_listen, cfg.peer, metrics)?;
     Ok(Swarm::new(node, cfg.swarm))
 }
@@ -522,6 +537,11 @@ async fn run(command: Command) -> Result<()> {
             json,
         } => client::pull(&socket.path, &image, json).await,
         Command::Status { socket, json } => client::status(&socket.path, json).await,
+        Command::Gc {
+            socket,
+            dry_run,
+            json,
+        } => client::gc(&socket.path, dry_run, json).await,
         Command::Tracker(args) => {
             let mut cfg = match &args.config {
                 Some(p) => TrackerConfig::load(p)?,

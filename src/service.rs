@@ -60,6 +60,7 @@ pub async fn run_agent(cfg: AgentConfig) -> Result<()> {
     let node = swarm.node().clone();
     admin.set_ready(node.clone());
     let announcer = swarm.spawn_announcer();
+    let collector = dray_agent::gc::spawn(node.store().clone());
     let listener = tokio::net::TcpListener::bind(cfg.mirror.listen)
         .await
         .with_context(|| format!("binding the mirror to {}", cfg.mirror.listen))?;
@@ -128,6 +129,7 @@ pub async fn run_agent(cfg: AgentConfig) -> Result<()> {
     let again = shutdown_signal()?;
     let _ = draining.send(true);
     announcer.abort();
+    collector.abort();
     let _ = tokio::time::timeout_at(deadline, swarm.leave()).await;
     node.drain();
     let finished = async {

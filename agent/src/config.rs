@@ -33,6 +33,15 @@ pub struct AgentConfig {
     pub swarm: SwarmConfig,
     pub mirror: MirrorConfig,
     pub local_api: LocalApiConfig,
+    /// Garbage collection of the store (`[gc]`, see [`crate::gc`]):
+    /// `budget` (bytes; default none, the filesystem's watermarks alone),
+    /// `high_watermark` 0.80 and `low_watermark` 0.60 (shares of the budget
+    /// and of the store's filesystem: past high, evict down to low),
+    /// `critical_watermark` 0.95 (past it the cluster's last copies go too,
+    /// and new blobs are refused), `ttl` 6 h (complete blobs unused that
+    /// long go first), `partial_ttl` 1 h, `period` 60 s,
+    /// `keep_cluster_copies` 3, `pinned` (blob digests never evicted).
+    pub gc: crate::gc::GcConfig,
     /// What one layer may ask of the unpacker (`[unpack]`): `max_entries`
     /// (default 4,000,000 tar entries, not counting GNU long names and links
     /// and PAX extended headers), `max_layer_bytes` (256 GiB of
@@ -63,6 +72,7 @@ impl Default for AgentConfig {
             swarm: SwarmConfig::default(),
             mirror: MirrorConfig::default(),
             local_api: LocalApiConfig::default(),
+            gc: crate::gc::GcConfig::default(),
             unpack: UnpackLimits::default(),
             shutdown_grace: std::time::Duration::from_secs(20),
         }
@@ -75,8 +85,12 @@ impl AgentConfig {
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| Error::Config(format!("cannot read {}: {e}", path.display())))?;
-        dray_protocol::settings::from_toml(&text)
-            .map_err(|e| Error::Config(format!("{}: {e}", path.display())))
+        let cfg: Self = dray_protocol::settings::from_toml(&text)
+            .map_err(|e| Error::Config(format!("{}: {e}", path.display())))?;
+        cfg.gc
+            .validate()
+            .map_err(|e| Error::Config(format!("{}: {e}", path.display())))?;
+        Ok(cfg)
     }
 }
 

@@ -47,6 +47,16 @@ pub enum Error {
     Incomplete { digest: BlobDigest, detail: String },
     #[error("blob {digest} refused before reserving disk: {detail}")]
     BlobSize { digest: BlobDigest, detail: String },
+    #[error("blob {digest} ({size} bytes) refused: no room in the chunk store: {detail}")]
+    NoRoom {
+        digest: BlobDigest,
+        size: u64,
+        detail: String,
+    },
+    #[error(
+        "the swarm of blob {digest} cuts it in {chunk_size}-byte chunks: pulling it again in those"
+    )]
+    Recut { digest: BlobDigest, chunk_size: u32 },
 }
 
 impl Error {

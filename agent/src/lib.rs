@@ -14,6 +14,7 @@ pub mod config;
 pub mod containerd;
 pub mod error;
 pub mod fetch;
+pub mod gc;
 pub mod identity;
 pub mod image;
 pub mod local_api;

@@ -144,6 +144,16 @@ pub struct Status {
     pub uptime_s: f64,
     pub uploads_in_progress: u32,
     pub blobs: Vec<BlobStatus>,
+    /// The store's garbage-collection settings and what it holds (absent
+    /// from agents that predate them).
+    #[serde(default)]
+    pub gc: Option<GcStatus>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct GcStatus {
+    pub config: crate::gc::GcConfig,
+    pub usage: crate::gc::Usage,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -219,6 +229,7 @@ impl LocalApi {
             .route("/v1/layers/describe", axum::routing::post(describe))
             .route("/v1/images/pull", axum::routing::post(pull))
             .route("/v1/status", axum::routing::get(status))
+            .route("/v1/gc", axum::routing::post(collect))
             .with_state(self.clone())
     }
 
@@ -389,6 +400,10 @@ impl LocalApi {
             uptime_s: self.started.elapsed().as_secs_f64(),
             uploads_in_progress: node.active_uploads(),
             blobs,
+            gc: node.store().usage().ok().map(|usage| GcStatus {
+                config: node.store().gc().config(),
+                usage,
+            }),
         }
     }
 }
@@ -505,6 +520,26 @@ async fn unpack(
 
 async fn status(State(api): State<Arc<LocalApi>>) -> Json<Status> {
     Json(api.status())
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct GcRequest {
+    /// List what would be evicted now, and evict nothing.
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
+/// `POST /v1/gc`: one garbage collection now (`dray gc`).
+async fn collect(
+    State(api): State<Arc<LocalApi>>,
+    Json(req): Json<GcRequest>,
+) -> Result<Json<crate::gc::Collection>, ApiError> {
+    let store = api.pulls.swarm().node().store().clone();
+    tokio::task::spawn_blocking(move || crate::gc::collect(&store, req.dry_run))
+        .await
+        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map(Json)
+        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
 }
 
 async fn pull(

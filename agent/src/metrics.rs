@@ -124,6 +124,8 @@ pub struct AgentMetrics {
     pulls_in_flight: Gauge,
     pulls: Family<OutcomeLabel, Counter>,
     mirror_requests: Family<MirrorLabels, Counter>,
+    /// The chunk store's size and its garbage collector's work.
+    gc: crate::gc::GcMetrics,
 }
 
 impl Default for AgentMetrics {
@@ -147,8 +149,10 @@ impl AgentMetrics {
             pulls_in_flight: Gauge::default(),
             pulls: Family::default(),
             mirror_requests: Family::default(),
+            gc: crate::gc::GcMetrics::default(),
         };
         let r = &mut m.registry;
+        m.gc.register(r);
         r.register_with_unit(
             "received",
             "Verified chunk bytes stored, by where they came from",
@@ -199,6 +203,11 @@ impl AgentMetrics {
             m.mirror_requests.clone(),
         );
         m
+    }
+
+    /// What the store's collector counts into (hand it to `GcState::use_metrics`).
+    pub fn gc(&self) -> &crate::gc::GcMetrics {
+        &self.gc
     }
 
     /// Verified bytes of one chunk stored.

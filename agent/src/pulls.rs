@@ -249,8 +249,7 @@ impl Pulls {
         end: u64,
         mut pull: watch::Receiver<PullState>,
     ) -> Result<BlobReader, OpenError> {
-        let chunk_size = self.swarm.config().chunk_size;
-        let map = ChunkMap::unhashed(digest, size, chunk_size)
+        let map = ChunkMap::unhashed(digest, size, self.swarm.config().chunk_size)
             .map_err(|e| OpenError::Unavailable(e.to_string()))?;
         let store = self.swarm.node().store().clone();
         let blob = tokio::task::spawn_blocking(move || store.blob(&map))
@@ -258,11 +257,12 @@ impl Pulls {
             .map_err(|e| OpenError::Unavailable(e.to_string()))?
             .map_err(|e| OpenError::Unavailable(e.to_string()))?;
         let mut progress = blob.subscribe();
+        // The blob's own chunk size, which may predate today's setting.
         let available = |p: &Progress| {
             if p.complete {
                 size
             } else {
-                u64::from(p.chunks) * u64::from(chunk_size)
+                u64::from(p.chunks) * u64::from(blob.chunk_size())
             }
         };
         loop {
@@ -288,7 +288,6 @@ impl Pulls {
             pos: start,
             end,
             size,
-            chunk_size,
         })
     }
 }
@@ -304,7 +303,6 @@ pub struct BlobReader {
     pos: u64,
     end: u64,
     size: u64,
-    chunk_size: u32,
 }
 
 impl BlobReader {
@@ -343,7 +341,7 @@ impl BlobReader {
                 let available = if p.complete {
                     self.size
                 } else {
-                    u64::from(p.chunks) * u64::from(self.chunk_size)
+                    u64::from(p.chunks) * u64::from(self.blob.chunk_size())
                 };
                 if available > self.pos {
                     let len = (available.min(self.end) - self.pos).min(FRAME);

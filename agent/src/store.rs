@@ -26,6 +26,7 @@ use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::SystemTime;
 
 /// Durable record of what the store holds. Implementations must have made a
 /// `save` durable by the time it returns.
@@ -218,6 +219,11 @@ impl Blob {
         self.digest
     }
 
+    /// The chunk size the blob was cut with (fixed when it was made).
+    pub fn chunk_size(&self) -> u32 {
+        self.read_map().chunk_size()
+    }
+
     /// Follows the blob as it grows: every stored chunk, completion and failure.
     pub fn subscribe(&self) -> tokio::sync::watch::Receiver<Progress> {
         self.progress.subscribe()
@@ -256,6 +262,28 @@ impl Blob {
     /// Takes the chunk hashes `map` knows that this blob lacks; returns how many.
     pub fn learn(&self, map: &ChunkMap) -> Result<u32> {
         Ok(self.write_map().merge(map)?)
+    }
+
+    /// Recuts a blob that holds nothing yet into `map`'s chunks (the chunk
+    /// size its swarm already uses), taking `map`'s hashes. False if the
+    /// blob holds chunks: they stay, and so does its geometry.
+    pub fn adopt_geometry(&self, map: &ChunkMap) -> Result<bool> {
+        let _prefix = self.prefix.lock().unwrap_or_else(|p| p.into_inner());
+        let mut current = self.write_map();
+        if same_geometry(&current, map) {
+            current.merge(map)?;
+            return Ok(true);
+        }
+        let mut state = self.lock();
+        if state.complete || state.held.count() > 0 || map.size() != current.size() {
+            return Ok(false);
+        }
+        *current = map.clone();
+        state.held = Bitfield::new(map.chunk_count());
+        state.recorded = Bitfield::new(map.chunk_count());
+        // Not what the log holds: the next persist records the new geometry.
+        state.recorded_known = u32::MAX;
+        Ok(true)
     }
 
     pub fn path(&self) -> &Path {
@@ -403,6 +431,18 @@ pub struct ChunkStore {
     log: Arc<dyn CompletionLog>,
     blobs: Mutex<HashMap<BlobDigest, Arc<Blob>>>,
     sizes: Mutex<SizeRule>,
+    /// Every blob with a record, open or not: what the store accounts for.
+    /// Locked after `blobs` when both are.
+    entries: Mutex<HashMap<BlobDigest, Entry>>,
+    gc: crate::gc::GcState,
+}
+
+/// What the store accounts for one blob: its file is preallocated to `size`.
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    size: u64,
+    complete: bool,
+    last_used: SystemTime,
 }
 
 /// The default `max_blob_size`: 64 GiB. Above the largest layer any public
@@ -463,16 +503,149 @@ impl ChunkStore {
                 max: DEFAULT_MAX_BLOB_SIZE,
                 vouched: BoundedMap::new(MAX_VOUCHED),
             }),
+            entries: Mutex::new(HashMap::new()),
+            gc: crate::gc::GcState::default(),
         };
         // Complete blobs are served (and announced) again at once; partial ones
         // are resumed, with their re-verification, when pulled again.
         for digest in store.log.digests()? {
-            if let Some(rec) = store.log.load(&digest)?.filter(|r| r.complete) {
+            let Some(rec) = store.log.load(&digest)? else {
+                continue;
+            };
+            let path = store.blob_path(&digest);
+            let file = std::fs::metadata(&path).ok();
+            // A record whose file is gone or cut short (deleted by hand, or
+            // a disk that lost it) would serve holes as verified bytes.
+            if file.as_ref().is_none_or(|m| m.len() != rec.map.size()) {
+                tracing::warn!(%digest, path = %path.display(), "the blob's file is missing or of the wrong size: forgetting the blob");
+                store.remove(&digest)?;
+                continue;
+            }
+            let last_used = file
+                .and_then(|m| m.modified().ok())
+                .unwrap_or_else(SystemTime::now);
+            store.entries().insert(
+                digest,
+                Entry {
+                    size: rec.map.size(),
+                    complete: rec.complete,
+                    last_used,
+                },
+            );
+            if rec.complete {
                 let blob = store.open_blob(rec.map.clone(), Some(rec))?;
                 store.blobs().insert(digest, blob);
             }
         }
+        store.sweep()?;
         Ok(store)
+    }
+
+    /// Deletes blob files without a record: an eviction or removal cut
+    /// short between the two (the record goes first) leaves one.
+    fn sweep(&self) -> Result<()> {
+        let dir = self.dir.join("blobs");
+        let listing = std::fs::read_dir(&dir)
+            .map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
+        for item in listing {
+            let item = item.map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
+            let name = item.file_name();
+            let Some(digest) = name
+                .to_str()
+                .and_then(|n| format!("sha256:{n}").parse::<BlobDigest>().ok())
+            else {
+                continue;
+            };
+            if !self.entries().contains_key(&digest) {
+                tracing::info!(%digest, "deleting a blob file without a record");
+                std::fs::remove_file(item.path())
+                    .map_err(|e| Error::io(format!("removing blob {digest}"), e))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn entries(&self) -> std::sync::MutexGuard<'_, HashMap<BlobDigest, Entry>> {
+        self.entries.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The garbage collector's settings and state (see [`crate::gc`]).
+    pub fn gc(&self) -> &crate::gc::GcState {
+        &self.gc
+    }
+
+    fn touch(&self, digest: &BlobDigest) {
+        if let Some(e) = self.entries().get_mut(digest) {
+            e.last_used = SystemTime::now();
+        }
+    }
+
+    /// What the store holds and what its filesystem has free.
+    pub fn usage(&self) -> Result<crate::gc::Usage> {
+        let (fs_bytes, fs_free) = crate::gc::filesystem(&self.dir)?;
+        let entries = self.entries();
+        Ok(crate::gc::Usage {
+            store_bytes: entries.values().map(|e| e.size).sum(),
+            store_blobs: entries.len(),
+            fs_bytes,
+            fs_free,
+        })
+    }
+
+    /// Every blob as the collector's planner sees it.
+    pub fn candidates(
+        &self,
+        pinned: &std::collections::HashSet<BlobDigest>,
+    ) -> Vec<crate::gc::Candidate> {
+        let now = SystemTime::now();
+        let blobs = self.blobs();
+        let entries = self.entries();
+        entries
+            .iter()
+            .map(|(d, e)| {
+                let open = blobs.get(d);
+                crate::gc::Candidate {
+                    digest: *d,
+                    bytes: e.size,
+                    complete: open.map_or(e.complete, |b| b.is_complete()),
+                    idle: now.duration_since(e.last_used).unwrap_or_default(),
+                    // Held by a reader, a pull or an upload besides the map.
+                    in_use: open.is_some_and(|b| Arc::strong_count(b) > 1),
+                    pinned: pinned.contains(d),
+                    holders: self.gc.holders_of(d),
+                }
+            })
+            .collect()
+    }
+
+    /// Deletes a blob nobody uses; returns the bytes freed, or `None` if it
+    /// is in use (or gone). The whole deletion holds the blobs lock, so
+    /// nobody opens the blob meanwhile. The record goes first: a crash
+    /// after it leaves a file without a record, which the next start
+    /// deletes, never a record whose file is half gone.
+    pub fn evict(&self, digest: &BlobDigest) -> Result<Option<u64>> {
+        let mut blobs = self.blobs();
+        if blobs.get(digest).is_some_and(|b| Arc::strong_count(b) > 1) {
+            return Ok(None);
+        }
+        let Some(entry) = self.entries().get(digest).copied() else {
+            return Ok(None);
+        };
+        blobs.remove(digest);
+        self.log.remove(digest)?;
+        self.delete_file(digest)?;
+        self.entries().remove(digest);
+        self.gc.forget(digest);
+        Ok(Some(entry.size))
+    }
+
+    fn delete_file(&self, digest: &BlobDigest) -> Result<()> {
+        match std::fs::remove_file(self.blob_path(digest)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(Error::io(format!("removing blob {digest}"), e))
+            }
+            _ => Ok(()),
+        }
     }
 
     fn sizes(&self) -> std::sync::MutexGuard<'_, SizeRule> {
@@ -491,10 +664,22 @@ impl ChunkStore {
         self.sizes().vouched.insert(digest, size);
     }
 
-    /// Whether a blob of `size` bytes may be opened (see [`Self::vouch_size`]);
-    /// the refusal names the digest, the size and the limit.
+    /// Whether a blob of `size` bytes may be opened (see [`Self::vouch_size`]),
+    /// and could ever fit in the store's budget; the refusal names the
+    /// digest, the size and the limit.
     pub fn check_size(&self, digest: &BlobDigest, size: u64) -> Result<()> {
-        self.sizes().check(digest, size)
+        self.sizes().check(digest, size)?;
+        match self.gc.config().budget {
+            Some(budget) if size > budget && !self.entries().contains_key(digest) => {
+                self.gc.count_refusal();
+                Err(Error::NoRoom {
+                    digest: *digest,
+                    size,
+                    detail: format!("more than the whole gc.budget of {budget} bytes"),
+                })
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The registries (base URLs) a blob's bytes were pulled from.
@@ -545,6 +730,7 @@ impl ChunkStore {
     pub fn get(&self, digest: &BlobDigest) -> Result<Option<Arc<Blob>>> {
         // The lock is held while opening, so that a blob is opened once.
         let mut blobs = self.blobs();
+        self.touch(digest);
         if let Some(b) = blobs.get(digest) {
             return Ok(Some(b.clone()));
         }
@@ -561,10 +747,23 @@ impl ChunkStore {
     pub fn blob(&self, map: &ChunkMap) -> Result<Arc<Blob>> {
         // The lock is held while opening: two openers of one blob would
         // otherwise each reset its file and keep separate state.
+        let digest = map.digest();
+        if !self.blobs().contains_key(&digest) && !self.entries().contains_key(&digest) {
+            // A new blob: checked, and room made for it, before anything is
+            // reserved on disk (outside the lock: eviction takes it).
+            self.check_size(&digest, map.size())?;
+            crate::gc::make_room(self, &digest, map.size())?;
+        }
         let mut blobs = self.blobs();
+        self.touch(&digest);
         if let Some(b) = blobs.get(&map.digest()).cloned() {
             drop(blobs);
-            b.learn(map)?;
+            // A map of another geometry with nothing to teach (a reader's or
+            // a new pull's, cut at today's `swarm.chunk_size`) takes the
+            // stored blob as it is: its chunk size was fixed when it was made.
+            if same_geometry(&b.read_map(), map) || map.known().count() > 0 {
+                b.learn(map)?;
+            }
             return Ok(b);
         }
         let rec = self.log.load(&map.digest())?;
@@ -577,13 +776,18 @@ impl ChunkStore {
 
     fn open_blob(&self, map: ChunkMap, rec: Option<LogRecord>) -> Result<Arc<Blob>> {
         let digest = map.digest();
-        let geometry = |m: &ChunkMap| (m.size(), m.chunk_size());
-        // A record of another geometry (say, another chunk size) is started over.
+        // Each blob keeps the chunk size it was made with: a complete one, or
+        // any asked for with no hashes of its own, is opened as recorded
+        // (`swarm.chunk_size` changes new blobs only). A partial record of
+        // another geometry than a hashed map's is started over.
         let (map, rec) = match rec {
-            Some(r) if geometry(&r.map) == geometry(&map) => {
+            Some(r) if same_geometry(&r.map, &map) => {
                 let mut known = r.map.clone();
                 known.merge(&map)?;
                 (known, Some(r))
+            }
+            Some(r) if r.complete || (r.map.size() == map.size() && map.known().count() == 0) => {
+                (r.map.clone(), Some(r))
             }
             _ => (map, None),
         };
@@ -685,6 +889,7 @@ impl ChunkStore {
             (st.held.clone(), st.complete)
         };
         let map = blob.map();
+        let size = map.size();
         let known = map.known().count();
         self.log.save(
             &blob.digest(),
@@ -698,6 +903,13 @@ impl ChunkStore {
         st.recorded = held;
         st.recorded_complete = complete;
         st.recorded_known = known;
+        drop(st);
+        let entry = Entry {
+            size,
+            complete,
+            last_used: SystemTime::now(),
+        };
+        self.entries().insert(blob.digest(), entry);
         Ok(())
     }
 
@@ -728,17 +940,21 @@ impl ChunkStore {
         Ok(map)
     }
 
-    /// Forgets a blob and deletes its file.
+    /// Forgets a blob and deletes its file, in use or not (its digest
+    /// failed); the order is [`Self::evict`]'s.
     pub fn remove(&self, digest: &BlobDigest) -> Result<()> {
-        self.blobs().remove(digest);
+        let mut blobs = self.blobs();
+        blobs.remove(digest);
         self.log.remove(digest)?;
-        match std::fs::remove_file(self.blob_path(digest)) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                Err(Error::io(format!("removing blob {digest}"), e))
-            }
-            _ => Ok(()),
-        }
+        self.delete_file(digest)?;
+        self.entries().remove(digest);
+        Ok(())
     }
+}
+
+/// Whether two maps cut a blob of one size into chunks of one size.
+fn same_geometry(a: &ChunkMap, b: &ChunkMap) -> bool {
+    (a.size(), a.chunk_size()) == (b.size(), b.chunk_size())
 }
 
 /// Reads every chunk of a blob file back and keeps those that verify.
@@ -973,6 +1189,100 @@ mod tests {
         let store = ChunkStore::open(dir.path()).unwrap();
         let open: Vec<BlobDigest> = store.open_blobs().iter().map(|b| b.digest()).collect();
         assert_eq!(open, vec![BlobDigest::of(&a)]);
+    }
+
+    #[test]
+    fn a_blob_keeps_its_chunk_size_when_the_setting_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = data(4 * 65536, 9);
+        let digest = {
+            let store = ChunkStore::open(dir.path()).unwrap();
+            let src = dir.path().join("src");
+            std::fs::write(&src, &bytes).unwrap();
+            store.import(&src, MIN_CHUNK_SIZE).unwrap().digest()
+        };
+        let store = ChunkStore::open(dir.path()).unwrap();
+        // A reader cutting it at today's (larger) chunk size.
+        let asked = ChunkMap::unhashed(digest, bytes.len() as u64, 2 * MIN_CHUNK_SIZE).unwrap();
+        let blob = store.blob(&asked).unwrap();
+        assert!(blob.is_complete());
+        assert_eq!(blob.chunk_size(), MIN_CHUNK_SIZE);
+        assert_eq!(blob.read_chunk(3).unwrap().unwrap(), &bytes[3 * 65536..]);
+    }
+
+    #[test]
+    fn an_empty_blob_takes_its_swarms_chunk_size_but_a_started_one_does_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(dir.path()).unwrap();
+        let bytes = data(4 * 65536, 10);
+        let swarm = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
+        let ours = ChunkMap::unhashed(swarm.digest(), swarm.size(), 2 * MIN_CHUNK_SIZE).unwrap();
+        let blob = store.blob(&ours).unwrap();
+        assert!(blob.adopt_geometry(&swarm).unwrap());
+        assert_eq!(blob.chunk_size(), MIN_CHUNK_SIZE);
+        for i in 0..4 {
+            blob.put_chunk(i, &bytes[i as usize * 65536..][..65536])
+                .unwrap();
+        }
+        assert!(blob.is_complete());
+        store.persist(&blob).unwrap();
+        let other = ChunkMap::of_bytes(&bytes, 2 * MIN_CHUNK_SIZE).unwrap();
+        assert!(!blob.adopt_geometry(&other).unwrap());
+        drop((blob, store));
+        let store = ChunkStore::open(dir.path()).unwrap();
+        assert_eq!(
+            store.get(&swarm.digest()).unwrap().unwrap().chunk_size(),
+            MIN_CHUNK_SIZE
+        );
+    }
+
+    #[test]
+    fn eviction_spares_blobs_in_use_and_a_crash_after_the_record_leaves_no_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (data(2 * 65536, 11), data(3 * 65536, 12));
+        let store = ChunkStore::open(dir.path()).unwrap();
+        let mut digests = Vec::new();
+        for (n, bytes) in [&a, &b].into_iter().enumerate() {
+            let src = dir.path().join(format!("src{n}"));
+            std::fs::write(&src, bytes).unwrap();
+            digests.push(store.import(&src, MIN_CHUNK_SIZE).unwrap().digest());
+        }
+        assert_eq!(store.usage().unwrap().store_bytes, 5 * 65536);
+        let reader = store.get(&digests[0]).unwrap().unwrap();
+        assert_eq!(store.evict(&digests[0]).unwrap(), None, "a reader holds it");
+        drop(reader);
+        assert_eq!(store.evict(&digests[0]).unwrap(), Some(2 * 65536));
+        assert!(!store.blob_path(&digests[0]).exists());
+        // A crash between the record's removal and the file's.
+        store.log.remove(&digests[1]).unwrap();
+        drop(store);
+        let store = ChunkStore::open(dir.path()).unwrap();
+        assert!(!store.blob_path(&digests[1]).exists(), "swept at open");
+        assert_eq!(store.usage().unwrap().store_blobs, 0);
+        assert_eq!(
+            std::fs::read_dir(dir.path().join("blobs")).unwrap().count(),
+            0
+        );
+    }
+
+    #[test]
+    fn a_blob_larger_than_the_budget_is_refused_before_any_disk_is_reserved() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(dir.path()).unwrap();
+        store.gc().configure(
+            crate::gc::GcConfig {
+                budget: Some(100_000),
+                ..Default::default()
+            },
+            false,
+        );
+        let map = ChunkMap::of_bytes(&data(2 * 65536, 13), MIN_CHUNK_SIZE).unwrap();
+        let e = store.blob(&map).err().unwrap().to_string();
+        assert!(
+            e.contains("more than the whole gc.budget of 100000 bytes"),
+            "{e}"
+        );
+        assert!(!store.blob_path(&map.digest()).exists());
     }
 
     #[test]

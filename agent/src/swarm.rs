@@ -276,6 +276,16 @@ impl Swarm {
                 .collect();
             match answer {
                 Ok(Some(resp)) => {
+                    self.node
+                        .store()
+                        .gc()
+                        .note_holders(resp.holders.iter().filter_map(|h| {
+                            let holders = crate::gc::Holders {
+                                complete: h.complete,
+                                rank: h.rank,
+                            };
+                            Some((h.digest.parse().ok()?, holders))
+                        }));
                     tracing::debug!(%replica, peers = resp.peers.len(), runs = resp.assignments.len(), maps = resp.chunk_maps.len(), resend_full = resp.resend_full, "tracker answered");
                     if resp.resend_full {
                         lock(&self.sent).remove(&replica);
@@ -400,6 +410,7 @@ impl Swarm {
             ..Default::default()
         };
         let mut alone = !self.tracker.is_configured();
+        let mut recut = false;
         loop {
             let map = ChunkMap::unhashed(digest, size, self.config.chunk_size)?;
             let transfer = Transfer::start(&self.node, &map, true).await?;
@@ -437,6 +448,11 @@ impl Swarm {
                     report.seconds = started.elapsed().as_secs_f64();
                     timer.completed();
                     return Ok(report);
+                }
+                // Once: the swarm's geometry is the blob's now.
+                Err(Error::Recut { chunk_size, .. }) if !recut => {
+                    tracing::info!(%digest, chunk_size, "joining the swarm in its chunk size");
+                    recut = true;
                 }
                 Err(e) if is_map_failure(&e) && !alone => {
                     tracing::warn!(error = %e, %digest, "the published chunk map was wrong; pulling from the registry alone");
@@ -530,7 +546,22 @@ impl Swarm {
                     }
                 }
                 if !alone {
-                    if let Some(m) = &u.map {
+                    if let Some(m) = u
+                        .map
+                        .as_ref()
+                        .filter(|m| m.chunk_size() != t.blob().chunk_size())
+                    {
+                        // The swarm's first holders had another `swarm.chunk_size`:
+                        // join it in its chunks, unless this node holds chunks
+                        // of its own (then the registry fallback serves it).
+                        if t.blob().adopt_geometry(m)? {
+                            return Err(Error::Recut {
+                                digest,
+                                chunk_size: m.chunk_size(),
+                            });
+                        }
+                        tracing::warn!(%digest, swarm = m.chunk_size(), ours = t.blob().chunk_size(), "the swarm cuts this blob in other chunks than the ones held here");
+                    } else if let Some(m) = &u.map {
                         match t.blob().learn(m) {
                             Ok(n) if n > 0 => t.nudge(),
                             Ok(_) => {}

@@ -197,6 +197,34 @@ pub struct AnnounceDecision {
     pub fetching: Vec<BlobDigest>,
     /// Blob entries of the announce that were ignored, and why.
     pub rejected: Vec<ScheduleError>,
+    /// For every blob the peer holds complete: how many members hold it
+    /// complete, and this peer's place among them (see [`CompleteHolders`]).
+    pub holders: Vec<CompleteHolders>,
+}
+
+/// A blob's complete copies in the cluster, as one holder is told them.
+///
+/// `rank` orders the complete holders by a hash of (blob, peer id), the same
+/// for every node: the `k` lowest ranks are the blob's keepers when a node
+/// garbage-collects with `keep_cluster_copies = k`, so nodes that evict at
+/// the same time never all drop one blob (each knows whether it is one of
+/// the `k` that keep it without asking the others).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CompleteHolders {
+    pub digest: BlobDigest,
+    /// Members (not banned) holding every chunk.
+    pub complete: u32,
+    /// Complete holders ranked before this peer.
+    pub rank: u32,
+}
+
+/// The keeper order of `peer` for `digest` (see [`CompleteHolders`]).
+fn keeper_hash(digest: &BlobDigest, peer: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = rustc_hash::FxHasher::default();
+    digest.as_bytes().hash(&mut h);
+    peer.hash(&mut h);
+    h.finish()
 }
 
 /// A peer sent a chunk that failed its hash.
@@ -828,6 +856,7 @@ impl Scheduler {
             withdrawn: Vec::new(),
             fetching: Vec::new(),
             rejected: Vec::new(),
+            holders: Vec::new(),
         };
         let key = match self.index.get(&announce.peer) {
             Some(&key) => key,
@@ -891,6 +920,7 @@ impl Scheduler {
                     .insert(digest, self.select_peers(key, digest));
             }
         }
+        decision.holders = self.complete_holders(key);
         if let Some(peer) = peer_ref(&self.slots, key) {
             decision.assignments = peer
                 .runs
@@ -902,6 +932,44 @@ impl Scheduler {
                 .collect();
         }
         decision
+    }
+
+    /// [`CompleteHolders`] of every blob `key` holds complete. A pass over
+    /// each such swarm's members: the price of an answer that stays true
+    /// while holders come and go.
+    fn complete_holders(&self, key: PeerKey) -> Vec<CompleteHolders> {
+        let Some(peer) = peer_ref(&self.slots, key) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for digest in &peer.blobs {
+            let Some(swarm) = self.swarms.get(digest) else {
+                continue;
+            };
+            if !swarm.members.get(&key).is_some_and(|m| m.held.is_full()) {
+                continue;
+            }
+            let mine = keeper_hash(digest, &peer.id);
+            let (mut complete, mut rank) = (0, 0);
+            for (&k, m) in &swarm.members {
+                let Some(other) = peer_ref(&self.slots, k).filter(|p| !p.banned) else {
+                    continue;
+                };
+                if !m.held.is_full() {
+                    continue;
+                }
+                complete += 1;
+                if k != key && (keeper_hash(digest, &other.id), &*other.id) < (mine, &*peer.id) {
+                    rank += 1;
+                }
+            }
+            out.push(CompleteHolders {
+                digest: *digest,
+                complete,
+                rank,
+            });
+        }
+        out
     }
 
     fn insert_peer(&mut self, id: &str, now: Instant) -> PeerKey {
@@ -1676,6 +1744,26 @@ mod tests {
 
     fn added(peer: &str, n: u32, chunks: Vec<u32>) -> Announce {
         announce(peer, false, vec![entry(n, Held::Added(chunks), true)])
+    }
+
+    #[test]
+    fn complete_holders_hear_the_count_and_distinct_ranks_and_partial_ones_nothing() {
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        let now = Instant::now();
+        let mut ranks = Vec::new();
+        for p in ["a", "b", "c"] {
+            s.announce(wants(p, 4, &[0, 1, 2, 3]), now);
+        }
+        let partial = s.announce(wants("d", 4, &[0]), now);
+        assert!(partial.holders.is_empty());
+        for p in ["a", "b", "c"] {
+            let d = s.announce(wants(p, 4, &[0, 1, 2, 3]), now);
+            assert_eq!(d.holders.len(), 1);
+            assert_eq!((d.holders[0].digest, d.holders[0].complete), (blob(), 3));
+            ranks.push(d.holders[0].rank);
+        }
+        ranks.sort();
+        assert_eq!(ranks, vec![0, 1, 2], "every node knows its own place");
     }
 
     fn chunks_of(assignments: &[Assignment]) -> Vec<u32> {

@@ -416,6 +416,11 @@ impl MirrorProc {
     /// `upstreams` maps registry names (containerd's `ns`) to base URLs; the
     /// first is also the default registry for requests without `ns`.
     pub async fn start(agent: &Agent, upstreams: &[(String, String)]) -> MirrorProc {
+        MirrorProc::start_for(&agent.swarm, upstreams).await
+    }
+
+    /// A mirror of the agent that `swarm` belongs to.
+    pub async fn start_for(swarm: &Arc<Swarm>, upstreams: &[(String, String)]) -> MirrorProc {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let config = dray_agent::mirror::MirrorConfig {
@@ -424,10 +429,8 @@ impl MirrorProc {
             default_registry: upstreams.first().map(|(n, _)| n.clone()),
             ..Default::default()
         };
-        let mirror = dray_agent::mirror::Mirror::new(
-            dray_agent::pulls::Pulls::new(agent.swarm.clone()),
-            config,
-        );
+        let mirror =
+            dray_agent::mirror::Mirror::new(dray_agent::pulls::Pulls::new(swarm.clone()), config);
         let task = tokio::spawn(mirror.serve(listener));
         MirrorProc { url, task }
     }

@@ -666,6 +666,15 @@ impl TrackerState {
             resend_full: decision.resend_full,
             withdrawn: decision.withdrawn.iter().map(ToString::to_string).collect(),
             fetching: decision.fetching.iter().map(ToString::to_string).collect(),
+            holders: decision
+                .holders
+                .iter()
+                .map(|h| pb::BlobHolders {
+                    digest: h.digest.to_string(),
+                    complete: h.complete,
+                    rank: h.rank,
+                })
+                .collect(),
         };
         Ok((resp, maps))
     }
