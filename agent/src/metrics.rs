@@ -124,6 +124,7 @@ pub struct AgentMetrics {
     pulls_in_flight: Gauge,
     pulls: Family<OutcomeLabel, Counter>,
     mirror_requests: Family<MirrorLabels, Counter>,
+    certificate_expiry: Gauge,
 }
 
 impl Default for AgentMetrics {
@@ -147,6 +148,7 @@ impl AgentMetrics {
             pulls_in_flight: Gauge::default(),
             pulls: Family::default(),
             mirror_requests: Family::default(),
+            certificate_expiry: Gauge::default(),
         };
         let r = &mut m.registry;
         r.register_with_unit(
@@ -198,7 +200,18 @@ impl AgentMetrics {
             "Registry mirror requests answered, by what they asked for and status class",
             m.mirror_requests.clone(),
         );
+        r.register_with_unit(
+            "certificate_expiry_timestamp",
+            "When this agent's peer certificate ends, Unix time: alert well before it",
+            Unit::Seconds,
+            m.certificate_expiry.clone(),
+        );
         m
+    }
+
+    /// The agent's certificate ends at `not_after` (Unix seconds).
+    pub fn certificate_expires(&self, not_after: i64) {
+        self.certificate_expiry.set(not_after);
     }
 
     /// Verified bytes of one chunk stored.

@@ -299,6 +299,10 @@ impl PeerNode {
         config: PeerConfig,
         metrics: Arc<AgentMetrics>,
     ) -> Result<Arc<Self>> {
+        match identity.warn_if_expiring("agent") {
+            Ok(not_after) => metrics.certificate_expires(not_after),
+            Err(e) => tracing::warn!(error = %e, "could not read when the agent certificate ends"),
+        }
         let transport = config.transport.transport();
         let server_crypto =
             quinn::crypto::rustls::QuicServerConfig::try_from(identity.server_tls()?)
@@ -1299,6 +1303,41 @@ mod tests {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn during_a_ca_rotation_nodes_trusting_both_cas_talk_with_certificates_of_either() {
+        let dir = tempfile::tempdir().unwrap();
+        let (old, new) = (
+            ClusterCa::generate().unwrap(),
+            ClusterCa::generate().unwrap(),
+        );
+        // What `dray ca issue` reads from a CA directory whose ca.crt is a
+        // bundle: the CA whose key signs comes first, and the issued node
+        // trusts every CA of the bundle.
+        let bundled = |signer: &ClusterCa, other: &ClusterCa| ClusterCa {
+            cert_pem: format!("{}{}", signer.cert_pem, other.cert_pem),
+            key_pem: signer.key_pem.clone(),
+        };
+        let trusting = |ca: &ClusterCa, id: &str| ca.issue(id).unwrap();
+        let bind = |identity: Identity| {
+            let store = Arc::new(ChunkStore::open(&dir.path().join(&identity.peer_id)).unwrap());
+            let any = "127.0.0.1:0".parse().unwrap();
+            PeerNode::bind(identity, store, any, PeerConfig::default()).unwrap()
+        };
+        // Step 1 done on x and y (both CAs trusted), y already re-issued by
+        // the new CA (step 2); z has not had step 1 yet.
+        let x = bind(trusting(&bundled(&old, &new), "x"));
+        let y = bind(trusting(&bundled(&new, &old), "y"));
+        let z = bind(trusting(&old, "z"));
+        let addr = |n: &PeerNode| n.local_addr().unwrap();
+        x.connect("y", addr(&y)).await.unwrap();
+        y.connect("x", addr(&x)).await.unwrap();
+        z.connect("x", addr(&x)).await.unwrap();
+        x.connect("z", addr(&z)).await.unwrap();
+        // A node trusting only the old CA refuses a new certificate: the
+        // bundle must reach every node before any certificate is re-issued.
+        assert!(z.connect("y", addr(&y)).await.is_err());
     }
 
     #[tokio::test]
