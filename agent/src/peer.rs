@@ -129,11 +129,9 @@ pub struct PeerConfig {
     #[serde(with = "crate::config::millis")]
     pub request_timeout: Duration,
     /// The slowest rate, bytes per second, a chunk is waited for, both ways.
-    /// Downloading, a chunk request gets at most its length at this rate (at
-    /// least [`MIN_CHUNK_DEADLINE`]), and less once the transfer has seen how
-    /// fast its peers send (see `fetch`): a peer that trickles a few bytes a
-    /// second loses the chunk to another source and is dropped from the
-    /// transfer. Serving, a chunk holds an upload slot for at most its length
+    /// Downloading, until a transfer has seen how fast its peers send (see
+    /// `fetch`), a chunk request gets its length at this rate (at least
+    /// [`MIN_CHUNK_DEADLINE`]) plus `request_timeout`. Serving, a chunk holds an upload slot for at most its length
     /// at this rate plus `request_timeout`, so a requester that does not read
     /// cannot keep a slot. 256 KiB/s: 16 s for a 4 MiB chunk, a tenth of the
     /// per-upload share of a 100 Mbit/s link serving 8 uploads.
@@ -231,12 +229,14 @@ impl PeerNode {
         self.config.min_chunk_bytes_per_s.min(share).max(1)
     }
 
-    /// The longest a chunk request of `len` bytes is waited for: its length
-    /// at `min_chunk_bytes_per_s` (or this node's download share), at least
-    /// [`MIN_CHUNK_DEADLINE`]. Transfers shorten it from observed rates.
-    pub fn chunk_deadline_ceiling(&self, len: usize) -> Duration {
+    /// How long a chunk request of `len` bytes is waited for before a
+    /// transfer has seen any rate: its length at `min_chunk_bytes_per_s` (or
+    /// this node's download share), at least [`MIN_CHUNK_DEADLINE`], plus
+    /// `request_timeout`. Transfers then take it from observed rates.
+    pub fn first_chunk_deadline(&self, len: usize) -> Duration {
         let rate = self.slowest_rate(self.config.download_bytes_per_s, self.config.max_downloads);
         Duration::from_secs_f64(len as f64 / rate as f64).max(MIN_CHUNK_DEADLINE)
+            + self.config.request_timeout
     }
 
     /// The longest `len` bytes of chunks may hold an upload slot: longer than
