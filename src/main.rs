@@ -569,6 +569,7 @@ async fn run(command: Command) -> Result<()> {
                 let id = Identity::load(&cfg.cert, &cfg.key, &cfg.ca).context(
                     "loading the tracker's certificate (`cert`, `key`, `ca`; issue one with `dray ca issue --tracker`)",
                 )?;
+                id.warn_if_expiring("tracker")?;
                 let config = Arc::new(id.tracker_server_tls()?);
                 let max_connections = cfg.max_connections;
                 (

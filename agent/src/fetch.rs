@@ -29,20 +29,38 @@
 //! fixed list of peers ([`fetch_from_peers`]) is not capped: retiring one
 //! there could leave chunks that only it holds with nobody to fetch them from.
 //!
+//! Every chunk request has a deadline: its length at the median rate of the
+//! transfer's last chunks from peers, times [`SLOW_FACTOR`], at least
+//! [`MIN_CHUNK_DEADLINE`]; before its first chunk, a transfer waits the
+//! length at `peer.min_chunk_bytes_per_s` plus `peer.request_timeout`. The
+//! deadline follows the swarm rather than a fixed rate: on a node starved of
+//! CPU every chunk is slow, and a fixed 256 KiB/s dropped honest peers by
+//! the dozen (16 nodes on 2 busy cores). The only other limit, a request
+//! that moves no byte for `peer.request_timeout`, let a peer sending a byte
+//! every few seconds keep a chunk forever. A chunk past its deadline goes
+//! back to the picker, and a swarm transfer drops the peer that missed it
+//! for good (its other requests are cancelled at once).
+//! Rescue and endgame: a lane with nothing left to pick asks its peer for a
+//! chunk already requested from another peer, when every missing chunk is in
+//! flight or that request has taken [`RESCUE_FACTOR`] times the median chunk
+//! time; whichever copy lands first is kept and the other request
+//! cancelled. A peer whose request was overtaken by one sent after it is far
+//! slower than the others: a swarm transfer drops it too.
+//!
 //! The swarm engine adds registry fetches to a transfer; [`fetch_from_peers`]
 //! is the plain case of a known map and a fixed list of peers.
 
 use crate::error::{Error, Result};
 use crate::metrics::Source;
-use crate::peer::{PeerLink, PeerNode};
+use crate::peer::{MIN_CHUNK_DEADLINE, PeerLink, PeerNode};
 use crate::store::{Blob, PutOutcome};
 use dray_protocol::picker::{ChunkPicker, DEFAULT_WINDOW};
 use dray_protocol::{Bitfield, ChunkMap, VerifyError};
 use serde::Serialize;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -60,6 +78,18 @@ const MIN_ASK_GAP: Duration = Duration::from_millis(100);
 /// Longest an idle lane sleeps before looking again. A safety net only: every
 /// change that can give it work wakes it.
 const IDLE_RECHECK: Duration = Duration::from_secs(1);
+/// A chunk request's deadline, in multiples of the time the transfer's
+/// median peer rate needs for it. Generous: peers on a busy node, or on a
+/// link shared by many uploads, vary several-fold from chunk to chunk.
+pub const SLOW_FACTOR: f64 = 8.0;
+/// A request outstanding this many times the median chunk time may be sent
+/// to a second peer.
+pub const RESCUE_FACTOR: f64 = 2.0;
+/// Chunk rates the median is taken over: the last ones, so that it follows
+/// a swarm whose load changes.
+const RATE_SAMPLES: usize = 16;
+/// Peers asked for one chunk at once (two in the endgame).
+const MAX_SOURCES: usize = 2;
 
 /// A peer to fetch from.
 #[derive(Clone, Debug)]
@@ -84,6 +114,12 @@ pub struct FetchReport {
     pub bytes_from_registry: u64,
     /// UDP payload size each peer's path reached (MTU discovery), at the end.
     pub path_mtu_by_peer: BTreeMap<String, u16>,
+    /// Peers dropped as too slow (a chunk past its deadline, or overtaken by
+    /// a later request to another peer), with that chunk's index.
+    pub slow_peers: BTreeMap<String, u32>,
+    /// Chunks requested from a second peer while the first request was
+    /// still under way (the endgame).
+    pub second_requests: u32,
 }
 
 struct Shared {
@@ -98,7 +134,30 @@ struct Shared {
     /// Each peer's last bitfield, whatever our known hashes: the picker's view
     /// of the peer is recomputed from it when hashes are learned.
     raw: HashMap<String, Bitfield>,
+    /// Peer requests in flight, by chunk: one, or two in the endgame.
+    requests: HashMap<u32, Vec<Request>>,
+    /// Bytes per second of the last chunks peers sent, newest last.
+    rates: VecDeque<f64>,
     stopped: bool,
+}
+
+/// One chunk request to one peer.
+struct Request {
+    peer: String,
+    started: Instant,
+    /// Cancelled when another copy of the chunk lands first, or the peer is
+    /// dropped as too slow.
+    cancel: CancellationToken,
+}
+
+/// How a chunk request ended.
+enum Ended {
+    /// Its chunk is held now (from this request, or another copy that won);
+    /// the rate it came at, if it was this request's copy that was stored.
+    Held(Option<f64>),
+    /// The chunk is not held: it may be picked again once no other request
+    /// for it is under way.
+    Failed,
 }
 
 /// One peer's part in a transfer.
@@ -132,6 +191,53 @@ impl Shared {
             .map(|(p, _)| p.clone())
     }
 
+    /// The median of the recent peer chunk rates, bytes per second.
+    fn median_rate(&self) -> Option<f64> {
+        let mut r: Vec<f64> = self.rates.iter().copied().collect();
+        r.sort_by(f64::total_cmp);
+        r.get(r.len() / 2).copied()
+    }
+
+    /// Records a request for chunk `index` to `peer`; the token cancels it.
+    fn begin(&mut self, index: u32, peer: &str) -> CancellationToken {
+        let cancel = CancellationToken::new();
+        self.requests.entry(index).or_default().push(Request {
+            peer: peer.to_string(),
+            started: Instant::now(),
+            cancel: cancel.clone(),
+        });
+        cancel
+    }
+
+    /// A chunk already requested from another peer that `peer` can send,
+    /// for a second request: the oldest one, among those whose request has
+    /// taken `rescue_after`, or among all when every chunk still missing is
+    /// in flight (`endgame`).
+    fn second_source(
+        &self,
+        peer: &str,
+        known: &Bitfield,
+        endgame: bool,
+        rescue_after: Option<Duration>,
+    ) -> Option<u32> {
+        let bits = self.raw.get(peer)?;
+        self.requests
+            .iter()
+            .filter(|&(&i, reqs)| {
+                reqs.len() < MAX_SOURCES
+                    && reqs.iter().all(|r| r.peer != peer)
+                    && bits.get(i)
+                    && known.get(i)
+            })
+            .filter_map(|(&i, reqs)| {
+                let started = reqs.iter().map(|r| r.started).min()?;
+                let overdue = rescue_after.is_some_and(|after| started.elapsed() >= after);
+                (endgame || overdue).then_some((started, i))
+            })
+            .min()
+            .map(|(_, i)| i)
+    }
+
     /// Stops picking chunks from `peer`: the picker forgets it and its last
     /// bitfield is dropped, so learned hashes do not bring it back; its lanes
     /// stop after the chunk in flight, its watcher at once. The caller wakes
@@ -147,7 +253,8 @@ impl Shared {
 
 /// What a lane does next.
 enum Next {
-    Fetch(u32),
+    /// Request this chunk; the token cancels the request.
+    Fetch(u32, CancellationToken),
     /// Nothing to pick now; chunks may be released, hashes published or the
     /// peer may gain chunks.
     Wait,
@@ -166,6 +273,8 @@ pub struct Transfer {
     tasks: Mutex<tokio::task::JoinSet<()>>,
     /// Caps peer requests in flight, whatever the number of peers.
     downloads: tokio::sync::Semaphore,
+    /// The map's chunk size (the endgame's rule reads it often).
+    chunk_size: u32,
 }
 
 impl Transfer {
@@ -189,6 +298,8 @@ impl Transfer {
                 peers: HashMap::new(),
                 added: 0,
                 raw: HashMap::new(),
+                requests: HashMap::new(),
+                rates: VecDeque::with_capacity(RATE_SAMPLES),
                 stopped: false,
             }),
             blob,
@@ -196,6 +307,7 @@ impl Transfer {
             swarm,
             tasks: Mutex::new(tokio::task::JoinSet::new()),
             downloads: tokio::sync::Semaphore::new(node.config.max_downloads.max(1)),
+            chunk_size: map.chunk_size(),
         });
         t.spawn(persist_loop(t.clone()));
         Ok(t)
@@ -433,11 +545,108 @@ impl Transfer {
         if !sh.is_live(peer) || sh.picker.is_banned(&peer.to_string()) {
             return Next::Stop;
         }
-        match sh.picker.pick(&peer.to_string()) {
-            Some(i) => Next::Fetch(i),
-            None if self.swarm || sh.picker.in_flight() > 0 => Next::Wait,
-            None => Next::Stop,
+        if let Some(i) = sh.picker.pick(&peer.to_string()) {
+            let cancel = sh.begin(i, peer);
+            return Next::Fetch(i, cancel);
         }
+        let held = self.blob.held();
+        let endgame = held.len() - held.count() == sh.picker.in_flight();
+        let rescue_after = sh
+            .median_rate()
+            .map(|rate| Duration::from_secs_f64(RESCUE_FACTOR * f64::from(self.chunk_size) / rate));
+        let known = self.blob.known();
+        if let Some(i) = sh.second_source(peer, &known, endgame, rescue_after) {
+            tracing::debug!(index = i, %peer, endgame, "requesting a chunk from a second peer");
+            sh.report.second_requests += 1;
+            let cancel = sh.begin(i, peer);
+            return Next::Fetch(i, cancel);
+        }
+        if self.swarm || sh.picker.in_flight() > 0 {
+            Next::Wait
+        } else {
+            Next::Stop
+        }
+    }
+
+    /// How long a request for a chunk of `len` bytes may take: see the
+    /// module doc.
+    fn deadline(&self, len: usize) -> Duration {
+        match self.lock().median_rate() {
+            Some(rate) => {
+                Duration::from_secs_f64(SLOW_FACTOR * len as f64 / rate).max(MIN_CHUNK_DEADLINE)
+            }
+            None => self.node.first_chunk_deadline(len),
+        }
+    }
+
+    /// The end of `peer`'s request for chunk `index`. A held chunk cancels
+    /// the other request for it; a failed one is released to the picker
+    /// once no other request for it is under way.
+    fn end_request(&self, index: u32, peer: &str, ended: Ended) {
+        let mut overtaken = Vec::new();
+        {
+            let mut sh = self.lock();
+            let mine = sh
+                .requests
+                .get(&index)
+                .and_then(|reqs| reqs.iter().find(|r| r.peer == peer))
+                .map(|r| r.started);
+            let left = sh.requests.get_mut(&index).map_or(0, |reqs| {
+                reqs.retain(|r| r.peer != peer);
+                reqs.len()
+            });
+            match ended {
+                Ended::Held(rate) => {
+                    for other in sh.requests.remove(&index).into_iter().flatten() {
+                        other.cancel.cancel();
+                        if mine.is_some_and(|m| other.started < m) {
+                            overtaken.push(other.peer);
+                        }
+                    }
+                    sh.picker.completed(index);
+                    if let Some(rate) = rate {
+                        if sh.rates.len() == RATE_SAMPLES {
+                            sh.rates.pop_front();
+                        }
+                        sh.rates.push_back(rate);
+                    }
+                }
+                Ended::Failed if left == 0 => {
+                    sh.requests.remove(&index);
+                    sh.picker.failed(index);
+                }
+                Ended::Failed => {}
+            }
+        }
+        self.released.notify_waiters();
+        for slow in overtaken {
+            self.too_slow(
+                &slow,
+                index,
+                "a request for the chunk sent after its own finished first",
+            );
+        }
+    }
+
+    /// `peer` was too slow with chunk `index`: a swarm transfer drops it
+    /// for good (its other requests cancelled at once); a fixed list of peers
+    /// keeps it, as it may be the only one holding some chunks.
+    fn too_slow(&self, peer: &str, index: u32, why: &str) {
+        if !self.swarm {
+            tracing::info!(%peer, index, why, "chunk request too slow");
+            return;
+        }
+        tracing::warn!(%peer, index, why, digest = %self.blob.digest(), "peer too slow for this transfer; dropping it");
+        {
+            let mut sh = self.lock();
+            sh.retire(peer);
+            sh.picker.ban(&peer.to_string());
+            sh.report.slow_peers.insert(peer.to_string(), index);
+            for r in sh.requests.values().flatten().filter(|r| r.peer == peer) {
+                r.cancel.cancel();
+            }
+        }
+        self.released.notify_waiters();
     }
 }
 
@@ -569,8 +778,8 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
         let wake = t.released.notified();
         tokio::pin!(wake);
         wake.as_mut().enable();
-        let index = match t.next_for(&peer) {
-            Next::Fetch(i) => i,
+        let (index, cancel) = match t.next_for(&peer) {
+            Next::Fetch(i, cancel) => (i, cancel),
             Next::Wait => {
                 drop(_slot);
                 let _ = tokio::time::timeout(IDLE_RECHECK, wake).await;
@@ -579,12 +788,30 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
             Next::Stop => return,
         };
         let map = t.blob.map();
-        tracing::debug!(index, %peer, "requesting chunk");
-        let bytes = match t.node.fetch_chunk(&link, &map, index).await {
-            Ok(b) => b,
-            Err(e) => {
+        let len = map.chunk_len(index);
+        let deadline = t.deadline(len);
+        tracing::debug!(index, %peer, ?deadline, "requesting chunk");
+        let started = Instant::now();
+        let fetch = tokio::time::timeout(deadline, t.node.fetch_chunk(&link, &map, index));
+        let bytes = match cancel.run_until_cancelled(fetch).await {
+            // Another copy landed first, or the peer was dropped as too slow.
+            None => {
+                t.end_request(index, &peer, Ended::Failed);
+                continue;
+            }
+            Some(Err(_)) => {
+                t.end_request(index, &peer, Ended::Failed);
+                t.too_slow(
+                    &peer,
+                    index,
+                    &format!("missed its deadline of {deadline:?}"),
+                );
+                continue;
+            }
+            Some(Ok(Ok(b))) => b,
+            Some(Ok(Err(e))) => {
                 tracing::warn!(error = %e, index, "chunk request failed");
-                t.settle(index, false);
+                t.end_request(index, &peer, Ended::Failed);
                 if link.is_closed() {
                     t.retire(&peer);
                     return;
@@ -596,12 +823,15 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
                 continue;
             }
         };
+        let took = started.elapsed().as_secs_f64().max(1e-6);
         match t.store(index, bytes, Some(peer.clone())).await {
             Ok(outcome) => {
                 tracing::debug!(index, %peer, ?outcome, "chunk stored");
+                let rate = matches!(outcome, PutOutcome::Stored | PutOutcome::Completed)
+                    .then(|| len as f64 / took);
                 // Also wakes lanes waiting on chunks in flight (the end of a
                 // plain transfer, say).
-                t.settle(index, true);
+                t.end_request(index, &peer, Ended::Held(rate));
             }
             Err(Error::Verify(VerifyError::ChunkHash { .. } | VerifyError::ChunkLength { .. })) => {
                 tracing::warn!(%peer, index, digest = %map.digest(), "peer sent a chunk that fails its hash; banning it");
@@ -611,11 +841,11 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
                     sh.picker.ban(&peer);
                     sh.report.bad_peers.insert(peer.clone(), index);
                 }
-                t.settle(index, false);
+                t.end_request(index, &peer, Ended::Failed);
                 return;
             }
             Err(e) => {
-                t.settle(index, false);
+                t.end_request(index, &peer, Ended::Failed);
                 t.fail(e);
                 return;
             }
@@ -674,6 +904,127 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+
+    /// A leech configured as `leech` and two peers holding the same blob of
+    /// 8 chunks of 256 KiB, one serving at full speed and one paced to
+    /// 32 KiB/s (after a 64 KiB burst): 2 s between its 64 KiB slices.
+    struct FastAndSlow {
+        leech: Arc<PeerNode>,
+        fast: Arc<PeerNode>,
+        slow: Arc<PeerNode>,
+        map: ChunkMap,
+    }
+
+    fn fast_and_slow(dir: &std::path::Path, leech: PeerConfig) -> FastAndSlow {
+        let ca = ClusterCa::generate().unwrap();
+        let any = "127.0.0.1:0".parse().unwrap();
+        let src = dir.join("src");
+        let chunk = 4 * MIN_CHUNK_SIZE;
+        let bytes: Vec<u8> = (0..8 * chunk).map(|i| (i % 253) as u8).collect();
+        std::fs::write(&src, bytes).unwrap();
+        let node = |id: &str, config: PeerConfig| {
+            let store = Arc::new(ChunkStore::open(&dir.join(id)).unwrap());
+            PeerNode::bind(ca.issue(id).unwrap(), store, any, config).unwrap()
+        };
+        let fast = node("fast", PeerConfig::default());
+        let slow = node(
+            "slow",
+            PeerConfig {
+                upload_bytes_per_s: Some(32 << 10),
+                ..PeerConfig::default()
+            },
+        );
+        let map = fast.store().import(&src, chunk).unwrap();
+        slow.store().import(&src, chunk).unwrap();
+        FastAndSlow {
+            leech: node("leech", leech),
+            fast,
+            slow,
+            map,
+        }
+    }
+
+    fn addr_of(n: &PeerNode) -> PeerAddr {
+        PeerAddr {
+            peer_id: n.peer_id().into(),
+            addr: n.local_addr().unwrap(),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_last_chunks_held_by_a_slow_peer_are_requested_again_from_a_fast_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let nodes = fast_and_slow(dir.path(), PeerConfig::default());
+        let (slow, fast) = (addr_of(&nodes.slow), addr_of(&nodes.fast));
+        let t = std::time::Instant::now();
+        let report = fetch_from_peers(&nodes.leech, &nodes.map, &[slow, fast])
+            .await
+            .unwrap();
+        let took = t.elapsed();
+        // The slow peer needs 8 s per chunk.
+        assert!(took < Duration::from_secs(4), "took {took:?}: {report:?}");
+        assert!(report.second_requests > 0, "{report:?}");
+        assert!(
+            report.chunks_by_peer.get("slow").copied().unwrap_or(0) <= 1,
+            "{report:?}"
+        );
+        // A fixed list keeps its peers, slow or not.
+        assert!(report.slow_peers.is_empty(), "{report:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_swarm_drops_a_peer_that_misses_a_chunk_deadline_and_fetches_its_chunks_elsewhere() {
+        let dir = tempfile::tempdir().unwrap();
+        // One request at a time, so the slow peer's slices come 2 s apart,
+        // within the 3 s without a byte that abandons a request; before any
+        // chunk has come, a request of 256 KiB waits 2 s plus those 3 s.
+        let leech = PeerConfig {
+            max_downloads: 1,
+            request_timeout: Duration::from_secs(3),
+            ..PeerConfig::default()
+        };
+        let nodes = fast_and_slow(dir.path(), leech);
+        let (slow, fast) = (addr_of(&nodes.slow), addr_of(&nodes.fast));
+        let t = Transfer::start(&nodes.leech, &nodes.map, true)
+            .await
+            .unwrap();
+        t.add_peer(slow.clone());
+        let started = std::time::Instant::now();
+        while t.report().slow_peers.is_empty() {
+            assert!(
+                started.elapsed() < Duration::from_secs(8),
+                "never dropped: {:?}",
+                t.report()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            started.elapsed() >= Duration::from_millis(4_900),
+            "{:?}",
+            started.elapsed()
+        );
+        // Named again (the tracker names it at every announce): not taken back.
+        t.add_peer(slow);
+        t.add_peer(fast);
+        while !t.blob().is_complete() {
+            assert!(
+                started.elapsed() < Duration::from_secs(12),
+                "incomplete: {:?}",
+                t.report()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let report = t.finish().await.unwrap();
+        assert!(report.slow_peers.contains_key("slow"), "{report:?}");
+        assert!(
+            report.chunks_by_peer.get("slow").copied().unwrap_or(0) <= 1,
+            "{report:?}"
+        );
+        assert!(
+            report.bad_peers.is_empty(),
+            "a slow peer is not a liar: {report:?}"
+        );
     }
 
     #[tokio::test]

@@ -28,6 +28,30 @@ pub const TRACKER_ALPN: &[u8] = b"http/1.1";
 /// Lifetime of an issued certificate unless told otherwise: a year.
 pub const DEFAULT_VALIDITY_DAYS: u32 = 365;
 
+/// A certificate ending within this many days is logged at warn when it is
+/// loaded (and its end is exported as a metric for alerts before then).
+pub const EXPIRY_WARNING_DAYS: i64 = 30;
+
+/// The warning for a certificate of `what` ending at `not_after` (Unix
+/// seconds), if it ends within [`EXPIRY_WARNING_DAYS`] of `now`.
+pub fn expiry_warning(what: &str, not_after: i64, now: i64) -> Option<String> {
+    let left = not_after - now;
+    if left > EXPIRY_WARNING_DAYS * 86_400 {
+        return None;
+    }
+    Some(if left <= 0 {
+        format!(
+            "the {what} certificate expired {} days ago: peers and the tracker refuse it; issue a new one (docs/operator-guide.md, rotating certificates)",
+            -left / 86_400
+        )
+    } else {
+        format!(
+            "the {what} certificate expires in {} days: issue a new one before then (docs/operator-guide.md, rotating certificates)",
+            left / 86_400
+        )
+    })
+}
+
 /// A cluster certificate authority (its certificate and signing key, PEM).
 #[derive(Clone)]
 pub struct ClusterCa {
@@ -41,7 +65,9 @@ pub struct Identity {
     pub peer_id: String,
     cert: CertificateDer<'static>,
     key: Arc<PrivatePkcs8KeyDer<'static>>,
-    ca: CertificateDer<'static>,
+    /// Every CA certificate of the `ca` file: during a CA rotation it holds
+    /// the old CA and the new one, and certificates of either are accepted.
+    cas: Vec<CertificateDer<'static>>,
     cert_pem: String,
     key_pem: String,
 }
@@ -188,7 +214,14 @@ impl Identity {
     /// Builds an identity from PEM text; the peer id is read from the certificate.
     pub fn from_pem(cert_pem: &str, key_pem: &str, ca_pem: &str) -> Result<Self> {
         let cert = one_cert(cert_pem, "agent certificate")?;
-        let ca = one_cert(ca_pem, "cluster CA certificate")?;
+        let cas = rustls_pemfile::certs(&mut ca_pem.as_bytes())
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| Error::Tls(format!("cluster CA certificate: {e}")))?;
+        if cas.is_empty() {
+            return Err(Error::Tls(
+                "cluster CA certificate: no PEM certificate found".into(),
+            ));
+        }
         let key = match rustls_pemfile::private_key(&mut key_pem.as_bytes()) {
             Ok(Some(PrivateKeyDer::Pkcs8(k))) => k,
             Ok(Some(_)) => return Err(Error::Tls("agent key must be PKCS#8 PEM".into())),
@@ -200,7 +233,7 @@ impl Identity {
             peer_id,
             cert,
             key: Arc::new(key),
-            ca,
+            cas,
             cert_pem: cert_pem.to_string(),
             key_pem: key_pem.to_string(),
         })
@@ -214,13 +247,33 @@ impl Identity {
         &self.cert_pem
     }
 
+    /// When this certificate ends, in seconds since the Unix epoch.
+    pub fn not_after(&self) -> Result<i64> {
+        dray_protocol::identity::not_after(&self.cert).map_err(|e| Error::Tls(e.to_string()))
+    }
+
+    /// Logs at warn when this certificate (of `what`: "agent", "tracker")
+    /// ends within [`EXPIRY_WARNING_DAYS`]; returns when it ends.
+    pub fn warn_if_expiring(&self, what: &str) -> Result<i64> {
+        let not_after = self.not_after()?;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64);
+        if let Some(w) = expiry_warning(what, not_after, now) {
+            tracing::warn!(peer_id = %self.peer_id, not_after, "{w}");
+        }
+        Ok(not_after)
+    }
+
     pub fn key_pem(&self) -> &str {
         &self.key_pem
     }
 
     fn roots(&self) -> Result<Arc<rustls::RootCertStore>> {
         let mut roots = rustls::RootCertStore::empty();
-        roots.add(self.ca.clone()).map_err(tls_err)?;
+        for ca in &self.cas {
+            roots.add(ca.clone()).map_err(tls_err)?;
+        }
         Ok(Arc::new(roots))
     }
 
@@ -377,6 +430,34 @@ pub fn connection_peer_id(conn: &quinn::Connection) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_certificate_ending_within_30_days_gets_a_warning_naming_the_days_left() {
+        let ca = ClusterCa::generate().unwrap();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        let year = ca.issue("node-1").unwrap().not_after().unwrap();
+        assert!((year - now - 365 * 86_400).abs() < 86_400, "{}", year - now);
+        assert_eq!(expiry_warning("agent", year, now), None);
+        let soon = ca
+            .issue_for_days("node-1", 10)
+            .unwrap()
+            .not_after()
+            .unwrap();
+        let w = expiry_warning("agent", soon, now).unwrap();
+        assert!(
+            w.starts_with("the agent certificate expires in 9 days")
+                || w.starts_with("the agent certificate expires in 10 days"),
+            "{w}"
+        );
+        let w = expiry_warning("tracker", now - 3 * 86_400, now).unwrap();
+        assert!(
+            w.starts_with("the tracker certificate expired 3 days ago"),
+            "{w}"
+        );
+    }
 
     #[test]
     fn issued_identity_round_trips_through_pem() {

@@ -126,6 +126,7 @@ pub struct AgentMetrics {
     mirror_requests: Family<MirrorLabels, Counter>,
     /// The chunk store's size and its garbage collector's work.
     gc: crate::gc::GcMetrics,
+    certificate_expiry: Gauge,
 }
 
 impl Default for AgentMetrics {
@@ -150,6 +151,7 @@ impl AgentMetrics {
             pulls: Family::default(),
             mirror_requests: Family::default(),
             gc: crate::gc::GcMetrics::default(),
+            certificate_expiry: Gauge::default(),
         };
         let r = &mut m.registry;
         m.gc.register(r);
@@ -202,12 +204,23 @@ impl AgentMetrics {
             "Registry mirror requests answered, by what they asked for and status class",
             m.mirror_requests.clone(),
         );
+        r.register_with_unit(
+            "certificate_expiry_timestamp",
+            "When this agent's peer certificate ends, Unix time: alert well before it",
+            Unit::Seconds,
+            m.certificate_expiry.clone(),
+        );
         m
     }
 
     /// What the store's collector counts into (hand it to `GcState::use_metrics`).
     pub fn gc(&self) -> &crate::gc::GcMetrics {
         &self.gc
+    }
+
+    /// The agent's certificate ends at `not_after` (Unix seconds).
+    pub fn certificate_expires(&self, not_after: i64) {
+        self.certificate_expiry.set(not_after);
     }
 
     /// Verified bytes of one chunk stored.

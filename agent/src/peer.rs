@@ -34,6 +34,10 @@ use tokio::sync::{Semaphore, TryAcquireError};
 /// chunk, so a capped upload streams instead of starting late.
 const PACE_SLICE: usize = 64 << 10;
 
+/// The shortest deadline a chunk request gets, whatever its size and rate:
+/// a round trip and the scheduling jitter of a busy node fit in it.
+pub const MIN_CHUNK_DEADLINE: Duration = Duration::from_secs(2);
+
 /// QUIC transport settings for the peer plane. The defaults are the measured
 /// best on this project's benchmark (see `dray bench peer`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -124,6 +128,22 @@ pub struct PeerConfig {
     /// long is abandoned.
     #[serde(with = "crate::config::millis")]
     pub request_timeout: Duration,
+    /// The slowest rate, bytes per second, a chunk is waited for, both ways.
+    /// Downloading, until a transfer has seen how fast its peers send (see
+    /// `fetch`), a chunk request gets its length at this rate (at least
+    /// [`MIN_CHUNK_DEADLINE`]) plus `request_timeout`. Serving, a chunk holds an upload slot for at most its length
+    /// at this rate plus `request_timeout`, so a requester that does not read
+    /// cannot keep a slot. 256 KiB/s: 16 s for a 4 MiB chunk, a tenth of the
+    /// per-upload share of a 100 Mbit/s link serving 8 uploads.
+    pub min_chunk_bytes_per_s: u64,
+    /// Connections accepted at once from one peer id; one more is closed at
+    /// its handshake, naming the cap. A node dials a peer once per blob it
+    /// pulls from it (an image pulls its layers at once).
+    pub max_connections_per_peer: usize,
+    /// Connections open at once, dialled and accepted; an incoming one past
+    /// this is refused before its handshake. Each may hold up to
+    /// `transport.connection_window` bytes of a peer's data in flight.
+    pub max_connections: usize,
     pub transport: TransportTuning,
 }
 
@@ -137,6 +157,9 @@ impl Default for PeerConfig {
             max_peers_per_blob: 16,
             max_watchers_per_blob: 256,
             request_timeout: Duration::from_secs(20),
+            min_chunk_bytes_per_s: 256 << 10,
+            max_connections_per_peer: 16,
+            max_connections: 8_192,
             transport: TransportTuning::default(),
         }
     }
@@ -152,6 +175,8 @@ pub struct PeerNode {
     upload_slots: Semaphore,
     /// Long polls held open, per blob (see `max_watchers_per_blob`).
     watchers: Mutex<HashMap<BlobDigest, usize>>,
+    /// Accepted connections, per peer id (see `max_connections_per_peer`).
+    accepted: Mutex<HashMap<String, usize>>,
     metrics: Arc<AgentMetrics>,
     pub config: PeerConfig,
 }
@@ -172,6 +197,66 @@ impl PeerNode {
         }
         *n += 1;
         Some(WatchSlot { node: self, digest })
+    }
+}
+
+/// A place among one peer's accepted connections, given back when dropped.
+struct ConnectionSlot {
+    node: Arc<PeerNode>,
+    peer: String,
+}
+
+impl PeerNode {
+    /// A place among `peer`'s accepted connections, if one is free.
+    fn connection_slot(self: &Arc<Self>, peer: &str) -> Option<ConnectionSlot> {
+        let mut accepted = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
+        let n = accepted.entry(peer.to_string()).or_insert(0);
+        if *n >= self.config.max_connections_per_peer {
+            return None;
+        }
+        *n += 1;
+        Some(ConnectionSlot {
+            node: self.clone(),
+            peer: peer.to_string(),
+        })
+    }
+
+    /// Slowest rate a chunk is waited for, bytes per second: the configured
+    /// floor, lowered to half of one slot's share of a configured cap (a cap
+    /// this node set must not make its own chunks miss their deadlines).
+    fn slowest_rate(&self, cap: Option<u64>, slots: usize) -> u64 {
+        let share = cap.map_or(u64::MAX, |c| c / slots.max(1) as u64 / 2);
+        self.config.min_chunk_bytes_per_s.min(share).max(1)
+    }
+
+    /// How long a chunk request of `len` bytes is waited for before a
+    /// transfer has seen any rate: its length at `min_chunk_bytes_per_s` (or
+    /// this node's download share), at least [`MIN_CHUNK_DEADLINE`], plus
+    /// `request_timeout`. Transfers then take it from observed rates.
+    pub fn first_chunk_deadline(&self, len: usize) -> Duration {
+        let rate = self.slowest_rate(self.config.download_bytes_per_s, self.config.max_downloads);
+        Duration::from_secs_f64(len as f64 / rate as f64).max(MIN_CHUNK_DEADLINE)
+            + self.config.request_timeout
+    }
+
+    /// The longest `len` bytes of chunks may hold an upload slot: longer than
+    /// a requester waits for them (so an honest one gives up first).
+    fn upload_deadline(&self, len: u64) -> Duration {
+        let rate = self.slowest_rate(self.config.upload_bytes_per_s, self.config.max_uploads);
+        Duration::from_secs_f64(len as f64 / rate as f64).max(MIN_CHUNK_DEADLINE)
+            + self.config.request_timeout
+    }
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        let mut accepted = self.node.accepted.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = accepted.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                accepted.remove(&self.peer);
+            }
+        }
     }
 }
 
@@ -214,6 +299,10 @@ impl PeerNode {
         config: PeerConfig,
         metrics: Arc<AgentMetrics>,
     ) -> Result<Arc<Self>> {
+        match identity.warn_if_expiring("agent") {
+            Ok(not_after) => metrics.certificate_expires(not_after),
+            Err(e) => tracing::warn!(error = %e, "could not read when the agent certificate ends"),
+        }
         let transport = config.transport.transport();
         let server_crypto =
             quinn::crypto::rustls::QuicServerConfig::try_from(identity.server_tls()?)
@@ -251,6 +340,7 @@ impl PeerNode {
             download: ByteRate::new(config.download_bytes_per_s),
             upload_slots: Semaphore::new(config.max_uploads),
             watchers: Mutex::default(),
+            accepted: Mutex::default(),
             metrics,
             config,
         });
@@ -619,6 +709,11 @@ fn reject(reason: Reason, detail: impl Into<String>) -> pb::PeerMessage {
 
 async fn accept_loop(node: Arc<PeerNode>) {
     while let Some(incoming) = node.endpoint.accept().await {
+        if node.endpoint.open_connections() >= node.config.max_connections {
+            tracing::warn!(remote = %incoming.remote_address(), max = node.config.max_connections, "refused a peer connection: this node has as many connections open as it allows");
+            incoming.refuse();
+            continue;
+        }
         let node = node.clone();
         tokio::spawn(async move {
             let remote = incoming.remote_address();
@@ -636,6 +731,14 @@ async fn accept_loop(node: Arc<PeerNode>) {
 
 async fn serve_connection(node: Arc<PeerNode>, conn: quinn::Connection) -> Result<()> {
     let peer = connection_peer_id(&conn)?;
+    let Some(_slot) = node.connection_slot(&peer) else {
+        let cap = node.config.max_connections_per_peer;
+        let why = format!(
+            "{cap} connections from peer {peer} already, the most this node accepts from one peer"
+        );
+        conn.close(quinn::VarInt::from_u32(2), why.as_bytes());
+        return Err(peer_err(&peer, format!("refused: {why}")));
+    };
     let (mut send, mut recv) = conn.accept_bi().await.map_err(|e| peer_err(&peer, e))?;
     let hello: pb::PeerMessage = read_frame(&mut recv, &peer).await?;
     let refusal = match hello.body {
@@ -694,7 +797,12 @@ async fn serve_request(
     mut recv: quinn::RecvStream,
     peer: &str,
 ) -> Result<()> {
-    let msg: pb::PeerMessage = read_frame(&mut recv, peer).await?;
+    // A stream that never sends its request costs a task and a stream of the
+    // connection's 256 until this ends it.
+    let wait = node.config.request_timeout;
+    let msg: pb::PeerMessage = tokio::time::timeout(wait, read_frame(&mut recv, peer))
+        .await
+        .map_err(|_| peer_err(peer, format!("sent no request within {wait:?}")))??;
     let req = match PeerRequest::from_pb(msg) {
         Ok(r) => r,
         Err(e) => {
@@ -772,44 +880,89 @@ async fn serve_request(
                 .map_err(io)?;
                 return Ok(());
             };
-            for index in first..first + count {
-                let b = blob.clone();
-                let chunk = tokio::task::spawn_blocking(move || b.read_chunk(index))
-                    .await
-                    .map_err(|e| peer_err(peer, e))??;
-                let Some(chunk) = chunk else {
-                    let r = reject(
-                        Reason::NotHeld,
-                        format!("chunk {index} of {digest} is not held"),
-                    );
-                    write_frame(&mut send, &r).await.map_err(io)?;
-                    break;
-                };
-                let header = pb::PeerMessage {
-                    body: Some(Body::Piece(pb::PieceHeader {
-                        index,
-                        length: chunk.len() as u32,
-                    })),
-                };
-                write_frame(&mut send, &header).await.map_err(io)?;
-                let len = chunk.len() as u64;
-                // Paced slice by slice, so the chunk streams at the upload cap
-                // instead of waiting out its whole budget before the first byte.
-                let chunk = Bytes::from(chunk);
-                for start in (0..chunk.len()).step_by(PACE_SLICE) {
-                    let slice = chunk.slice(start..chunk.len().min(start + PACE_SLICE));
-                    node.upload.take(slice.len()).await;
-                    send.write_chunk(slice)
-                        .await
-                        .map_err(|e| peer_err(peer, e))?;
+            // The slot is held until the requester has read the answer, but
+            // not past a deadline: one that reads slowly or not at all (its
+            // flow-control window full) is cut off and the slot freed.
+            let map = blob.map();
+            let bytes: u64 = (first..first + count)
+                .filter(|&i| i < map.chunk_count())
+                .map(|i| map.chunk_len(i) as u64)
+                .sum();
+            let deadline = node.upload_deadline(bytes);
+            let answer = async {
+                send_chunks(node, &mut send, &blob, first, count, peer).await?;
+                let _ = send.finish();
+                // Wait until the peer has read everything (or gone) so the stream is not cut short.
+                let _ = send.stopped().await;
+                Ok(())
+            };
+            return match tokio::time::timeout(deadline, answer).await {
+                Ok(done) => done,
+                Err(_) => {
+                    let _ = send.reset(quinn::VarInt::from_u32(1));
+                    tracing::info!(%peer, %digest, first, count, ?deadline, "released an upload slot: the peer did not take the chunk within its deadline");
+                    Err(peer_err(
+                        peer,
+                        format!(
+                            "did not read {bytes} bytes of {digest} within {deadline:?}; upload cut off"
+                        ),
+                    ))
                 }
-                node.metrics.uploaded(len);
-            }
+            };
         }
     }
     let _ = send.finish();
     // Wait until the peer has read everything (or gone) so the stream is not cut short.
     let _ = send.stopped().await;
+    Ok(())
+}
+
+/// Sends chunks `first..first + count` of `blob`, each a header and its raw
+/// bytes, paced by the upload budget; a chunk not held ends the answer with
+/// a reject.
+async fn send_chunks(
+    node: &PeerNode,
+    send: &mut quinn::SendStream,
+    blob: &Arc<crate::store::Blob>,
+    first: u32,
+    count: u32,
+    peer: &str,
+) -> Result<()> {
+    let io = |e: std::io::Error| peer_err(peer, e);
+    let digest = blob.digest();
+    for index in first..first + count {
+        let b = blob.clone();
+        let chunk = tokio::task::spawn_blocking(move || b.read_chunk(index))
+            .await
+            .map_err(|e| peer_err(peer, e))??;
+        let Some(chunk) = chunk else {
+            let r = reject(
+                Reason::NotHeld,
+                format!("chunk {index} of {digest} is not held"),
+            );
+            write_frame(send, &r).await.map_err(io)?;
+            break;
+        };
+        let header = pb::PeerMessage {
+            body: Some(Body::Piece(pb::PieceHeader {
+                index,
+                length: chunk.len() as u32,
+            })),
+        };
+        write_frame(send, &header).await.map_err(io)?;
+        let len = chunk.len() as u64;
+        // Paced slice by slice, so the chunk streams at the upload cap
+        // instead of waiting out its whole budget before the first byte.
+        let chunk = Bytes::from(chunk);
+        for start in (0..chunk.len()).step_by(PACE_SLICE) {
+            let slice = chunk.slice(start..chunk.len().min(start + PACE_SLICE));
+            node.upload.take(slice.len()).await;
+            send.write_chunk(slice)
+                .await
+                .map_err(|e| peer_err(peer, e))?;
+        }
+        node.metrics.uploaded(len);
+    }
     Ok(())
 }
 
@@ -1054,6 +1207,143 @@ mod tests {
             b.fetch_chunk(&link, &map, 2).await.unwrap(),
             vec![7u8; MIN_CHUNK_SIZE as usize]
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_requester_that_does_not_read_loses_its_upload_slot_at_the_deadline() {
+        let config = PeerConfig {
+            max_uploads: 1,
+            request_timeout: Duration::from_millis(500),
+            ..PeerConfig::default()
+        };
+        let (_dir, a, b, map) = pair_with(config).await;
+        // A requester whose 1 KiB stream window holds back a 64 KiB chunk
+        // for as long as it does not read.
+        let mut transport = quinn::TransportConfig::default();
+        transport.stream_receive_window(quinn::VarInt::from_u32(1024));
+        let slow = a.identity().clone();
+        let crypto =
+            quinn::crypto::rustls::QuicClientConfig::try_from(slow.client_tls().unwrap()).unwrap();
+        let mut client = quinn::ClientConfig::new(Arc::new(crypto));
+        client.transport_config(Arc::new(transport));
+        let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        endpoint.set_default_client_config(client);
+        let conn = endpoint
+            .connect(a.local_addr().unwrap(), "a")
+            .unwrap()
+            .await
+            .unwrap();
+        let (mut send, mut recv) = conn.open_bi().await.unwrap();
+        let hello = pb::PeerMessage {
+            body: Some(Body::Hello(pb::Hello {
+                version: PROTOCOL_VERSION,
+                peer_id: "a".into(),
+            })),
+        };
+        write_frame(&mut send, &hello).await.unwrap();
+        let _: pb::PeerMessage = read_frame(&mut recv, "a").await.unwrap();
+        let (mut send, _recv) = conn.open_bi().await.unwrap();
+        let req = PeerRequest::Chunks {
+            digest: map.digest(),
+            first: 0,
+            count: 1,
+        }
+        .to_pb();
+        write_frame(&mut send, &req).await.unwrap();
+        let t = tokio::time::Instant::now();
+        while a.active_uploads() == 0 {
+            assert!(t.elapsed() < Duration::from_secs(2), "never served");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // 64 KiB at 256 KiB/s is under the 2 s floor; plus the 500 ms request timeout.
+        let deadline = Duration::from_millis(2_500);
+        while a.active_uploads() > 0 {
+            assert!(
+                t.elapsed() < deadline + Duration::from_secs(2),
+                "the slot is still held after {:?}",
+                t.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let freed = t.elapsed();
+        assert!(freed >= deadline - Duration::from_millis(100), "{freed:?}");
+        // The slot serves an honest requester again.
+        let link = b.connect("a", a.local_addr().unwrap()).await.unwrap();
+        assert_eq!(
+            b.fetch_chunk(&link, &map, 1).await.unwrap(),
+            vec![7u8; MIN_CHUNK_SIZE as usize]
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn connections_past_the_per_peer_cap_are_closed_naming_the_cap() {
+        let config = PeerConfig {
+            max_connections_per_peer: 1,
+            ..PeerConfig::default()
+        };
+        let (_dir, a, b, map) = pair_with(config).await;
+        let first = b.connect("a", a.local_addr().unwrap()).await.unwrap();
+        let err = b
+            .connect("a", a.local_addr().unwrap())
+            .await
+            .err()
+            .expect("a second connection is refused")
+            .to_string();
+        assert!(
+            err.contains(
+                "1 connections from peer b already, the most this node accepts from one peer"
+            ),
+            "{err}"
+        );
+        // The first one still serves; once it closes, a new one is taken.
+        assert!(b.bitfield(&first, &map).await.unwrap().is_full());
+        first.conn.close(quinn::VarInt::from_u32(0), b"done");
+        let t = tokio::time::Instant::now();
+        loop {
+            match b.connect("a", a.local_addr().unwrap()).await {
+                Ok(link) => {
+                    assert!(b.bitfield(&link, &map).await.unwrap().is_full());
+                    break;
+                }
+                Err(e) => assert!(t.elapsed() < Duration::from_secs(5), "{e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn during_a_ca_rotation_nodes_trusting_both_cas_talk_with_certificates_of_either() {
+        let dir = tempfile::tempdir().unwrap();
+        let (old, new) = (
+            ClusterCa::generate().unwrap(),
+            ClusterCa::generate().unwrap(),
+        );
+        // What `dray ca issue` reads from a CA directory whose ca.crt is a
+        // bundle: the CA whose key signs comes first, and the issued node
+        // trusts every CA of the bundle.
+        let bundled = |signer: &ClusterCa, other: &ClusterCa| ClusterCa {
+            cert_pem: format!("{}{}", signer.cert_pem, other.cert_pem),
+            key_pem: signer.key_pem.clone(),
+        };
+        let trusting = |ca: &ClusterCa, id: &str| ca.issue(id).unwrap();
+        let bind = |identity: Identity| {
+            let store = Arc::new(ChunkStore::open(&dir.path().join(&identity.peer_id)).unwrap());
+            let any = "127.0.0.1:0".parse().unwrap();
+            PeerNode::bind(identity, store, any, PeerConfig::default()).unwrap()
+        };
+        // Step 1 done on x and y (both CAs trusted), y already re-issued by
+        // the new CA (step 2); z has not had step 1 yet.
+        let x = bind(trusting(&bundled(&old, &new), "x"));
+        let y = bind(trusting(&bundled(&new, &old), "y"));
+        let z = bind(trusting(&old, "z"));
+        let addr = |n: &PeerNode| n.local_addr().unwrap();
+        x.connect("y", addr(&y)).await.unwrap();
+        y.connect("x", addr(&x)).await.unwrap();
+        z.connect("x", addr(&x)).await.unwrap();
+        x.connect("z", addr(&z)).await.unwrap();
+        // A node trusting only the old CA refuses a new certificate: the
+        // bundle must reach every node before any certificate is re-issued.
+        assert!(z.connect("y", addr(&y)).await.is_err());
     }
 
     #[tokio::test]

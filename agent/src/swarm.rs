@@ -94,6 +94,8 @@ pub struct PullReport {
     pub resumed_chunks: u32,
     /// Peers that sent chunks failing their hash.
     pub bad_peers: Vec<String>,
+    /// Peers dropped for missing a chunk's deadline (see `fetch`).
+    pub slow_peers: Vec<String>,
     /// Times the assembled blob failed its digest and was pulled again.
     pub map_failures: u32,
     /// The pull fell back to fetching unclaimed chunks from the registry itself.
@@ -437,6 +439,7 @@ impl Swarm {
             report.bytes_from_peers += fetched.bytes_received;
             report.chunks_from_registry += fetched.chunks_from_registry;
             report.bytes_from_registry += fetched.bytes_from_registry;
+            report.slow_peers.extend(fetched.slow_peers.into_keys());
             for (peer, index) in &fetched.bad_peers {
                 report.bad_peers.push(peer.clone());
                 self.report_bad_chunk(&digest, peer, *index).await;

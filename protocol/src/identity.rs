@@ -48,3 +48,11 @@ pub fn allows_client_auth(cert_der: &[u8]) -> bool {
         Err(_) => true,
     }
 }
+
+/// When a DER certificate stops being valid, in seconds since the Unix epoch.
+pub fn not_after(cert_der: &[u8]) -> Result<i64, CertificateError> {
+    use x509_parser::prelude::*;
+    let (_, x509) = X509Certificate::from_der(cert_der)
+        .map_err(|e| CertificateError::Unreadable(e.to_string()))?;
+    Ok(x509.validity().not_after.timestamp())
+}

@@ -484,6 +484,11 @@ impl Tracker {
         self.lock().scheduler.holders(digest, index)
     }
 
+    /// How far the tracker trusts `peer` now (reports against it, bans).
+    pub fn standing(&self, peer: &str) -> scheduler::Standing {
+        self.lock().scheduler.standing(peer)
+    }
+
     /// The chunk map (possibly partial) this replica hands out for `digest`.
     pub fn map(&self, digest: &BlobDigest) -> Option<ChunkMap> {
         self.lock().maps.get(digest).map(|m| ChunkMap::clone(m))
