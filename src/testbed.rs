@@ -112,6 +112,14 @@ impl Registry {
         self.relay.rate.store(bytes_per_s, Ordering::Relaxed);
     }
 
+    /// Flips one bit of what the registry sends: the byte `offset` bytes
+    /// into the first connection whose answers reach that far (a chunk's
+    /// body, for an offset past the headers), once. A registry fetch that
+    /// stores a wrong chunk, for tests of what a digest failure costs.
+    pub fn corrupt_once(&self, offset: u64) {
+        self.relay.corrupt.store(offset, Ordering::Relaxed);
+    }
+
     /// Another counting relay to the same registry, for a second kind of client.
     pub async fn side_door(&self) -> Relay {
         Relay::start(self.port).await
@@ -226,6 +234,8 @@ pub struct Relay {
     port: u16,
     down: Arc<AtomicU64>,
     rate: Arc<AtomicU64>,
+    /// Stream offset of the next byte to flip; `u64::MAX`: none.
+    corrupt: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -235,11 +245,12 @@ impl Relay {
         let port = listener.local_addr().unwrap().port();
         let down = Arc::new(AtomicU64::new(0));
         let rate = Arc::new(AtomicU64::new(0));
-        let (d, r) = (down.clone(), rate.clone());
+        let corrupt = Arc::new(AtomicU64::new(u64::MAX));
+        let (d, r, c) = (down.clone(), rate.clone(), corrupt.clone());
         let task = tokio::spawn(async move {
             let pacer = Arc::new(tokio::sync::Mutex::new(tokio::time::Instant::now()));
             while let Ok((client, _)) = listener.accept().await {
-                let (d, r, pacer) = (d.clone(), r.clone(), pacer.clone());
+                let (d, r, c, pacer) = (d.clone(), r.clone(), c.clone(), pacer.clone());
                 tokio::spawn(async move {
                     let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
                     else {
@@ -252,11 +263,25 @@ impl Relay {
                         let _ = sw.shutdown().await;
                     });
                     let mut buf = vec![0u8; 64 << 10];
+                    let mut sent = 0u64;
                     loop {
                         let n = match sr.read(&mut buf).await {
                             Ok(0) | Err(_) => break,
                             Ok(n) => n,
                         };
+                        let at = c.load(Ordering::Relaxed);
+                        if (sent..sent + n as u64).contains(&at)
+                            && c.compare_exchange(
+                                at,
+                                u64::MAX,
+                                Ordering::Relaxed,
+                                Ordering::Relaxed,
+                            )
+                            .is_ok()
+                        {
+                            buf[(at - sent) as usize] ^= 0x01;
+                        }
+                        sent += n as u64;
                         let rate = r.load(Ordering::Relaxed);
                         if rate > 0 {
                             // One schedule for all connections caps the registry's total
@@ -284,6 +309,7 @@ impl Relay {
             port,
             down,
             rate,
+            corrupt,
             task,
         }
     }

@@ -208,17 +208,73 @@ impl Swarm {
         }
     }
 
-    /// One round of announces: every blob held or wanted, to its owner replica.
-    async fn announce_once(&self) {
-        let advertise = match self
+    /// An announce of `blobs` from this node.
+    fn announce_of(&self, blobs: Vec<pb::BlobHolding>, full: bool) -> Result<pb::Announce> {
+        let address = self
             .config
             .advertise
             .map(Ok)
-            .unwrap_or_else(|| self.node.local_addr())
-        {
-            Ok(a) => a.to_string(),
+            .unwrap_or_else(|| self.node.local_addr())?;
+        Ok(pb::Announce {
+            peer_id: self.node.peer_id().to_string(),
+            address: address.to_string(),
+            upload_bytes_per_s: self.node.config.upload_bytes_per_s.unwrap_or(0),
+            active_uploads: self.node.active_uploads(),
+            labels: self.config.labels.clone().into_iter().collect(),
+            blobs,
+            full,
+        })
+    }
+
+    /// Reports that the blob of `map`, assembled here from chunks verified
+    /// against it, failed its digest. The tracker believes that only from a
+    /// node that held every chunk, and the store forgets the chunks of a
+    /// failed blob before the announcer could say so: the report follows an
+    /// announce of them all.
+    async fn report_digest_failure(&self, map: &ChunkMap, origin: &str) {
+        let mut all = Bitfield::new(map.chunk_count());
+        for i in 0..map.chunk_count() {
+            all.set(i);
+        }
+        let held = pb::BlobHolding {
+            digest: map.digest().to_string(),
+            size: map.size(),
+            chunk_size: map.chunk_size(),
+            bits: all.as_bytes().to_vec().into(),
+            wanted: true,
+            origin: origin.to_owned(),
+            ..Default::default()
+        };
+        let assembled = match self.announce_of(vec![held], false) {
+            Ok(a) => a,
             Err(e) => return tracing::error!(error = %e, "no address to advertise"),
         };
+        if let Err(e) = self
+            .tracker
+            .send_for(&map.digest(), Body::Announce(assembled))
+            .await
+        {
+            tracing::warn!(error = %e, "could not tell the tracker this node assembled the blob");
+        }
+        let failed = Body::DigestFailed(pb::BlobDigestFailed {
+            reporter: self.node.peer_id().to_string(),
+            digest: map.digest().to_string(),
+        });
+        if let Err(e) = self.tracker.send_for(&map.digest(), failed).await {
+            tracing::warn!(error = %e, "could not report the failed digest");
+        }
+    }
+
+    /// Drops `digest`'s file and record, to pull it anew.
+    async fn forget(&self, digest: BlobDigest) -> Result<()> {
+        let store = self.node.store().clone();
+        tokio::task::spawn_blocking(move || store.remove(&digest))
+            .await
+            .map_err(|e| Error::Db(e.to_string()))?
+    }
+
+    /// One round of announces: every blob held or wanted, to its owner replica.
+    async fn announce_once(&self) {
         let wanted: HashMap<BlobDigest, String> = lock(&self.wanted)
             .iter()
             .map(|(d, w)| (*d, w.origin.clone()))
@@ -260,14 +316,9 @@ impl Swarm {
                     }
                 })
                 .collect();
-            let announce = pb::Announce {
-                peer_id: self.node.peer_id().to_string(),
-                address: advertise.clone(),
-                upload_bytes_per_s: self.node.config.upload_bytes_per_s.unwrap_or(0),
-                active_uploads: self.node.active_uploads(),
-                labels: self.config.labels.clone().into_iter().collect(),
-                blobs: holdings,
-                full,
+            let announce = match self.announce_of(holdings, full) {
+                Ok(a) => a,
+                Err(e) => return tracing::error!(error = %e, "no address to advertise"),
             };
             tracing::debug!(%replica, full, blobs = announce.blobs.len(), "announcing");
             let answer = self.tracker.send(&replica, Body::Announce(announce)).await;
@@ -457,25 +508,34 @@ impl Swarm {
                     tracing::info!(%digest, chunk_size, "joining the swarm in its chunk size");
                     recut = true;
                 }
+                // Withdrawn before this attempt verified anything against
+                // the map: nothing to distrust, start it over.
+                Err(Error::Withdrawn(_)) if !alone && transfer.blob().held().count() == 0 => {
+                    tracing::info!(%digest, "the tracker withdrew the blob's chunk map; starting over");
+                    self.forget(digest).await?;
+                }
                 Err(e) if is_map_failure(&e) && !alone => {
-                    tracing::warn!(error = %e, %digest, "the published chunk map was wrong; pulling from the registry alone");
                     report.map_failures += 1;
                     self.node.metrics().fell_back(FallbackReason::MapFailure);
-                    // The tracker believes a digest failure only from a node
-                    // holding every chunk: make sure it has heard of them all.
-                    self.announce_once().await;
-                    let failed = Body::DigestFailed(pb::BlobDigestFailed {
-                        reporter: self.node.peer_id().to_string(),
-                        digest: digest.to_string(),
-                    });
-                    if let Err(e) = self.tracker.send_for(&digest, failed).await {
-                        tracing::warn!(error = %e, "could not report the failed digest");
+                    // A second wrong map in one pull: the swarm cannot be
+                    // trusted with this blob now, the registry alone can.
+                    alone = report.map_failures >= MAP_FAILURES_BEFORE_ALONE;
+                    let how = if alone {
+                        "from the registry alone"
+                    } else {
+                        "again through the swarm"
+                    };
+                    if matches!(e, Error::Withdrawn(_)) {
+                        // Another node reported the failure and the tracker
+                        // withdrew the map: reporting it again would only cost
+                        // the swarm another copy of the blob.
+                        tracing::warn!(%digest, "the tracker withdrew the blob's chunk map; pulling it {how}");
+                    } else {
+                        tracing::warn!(error = %e, %digest, "the published chunk map was wrong; pulling the blob {how}");
+                        self.report_digest_failure(&transfer.blob().map(), registry.base())
+                            .await;
                     }
-                    let store = self.node.store().clone();
-                    tokio::task::spawn_blocking(move || store.remove(&digest))
-                        .await
-                        .map_err(|e| Error::Db(e.to_string()))??;
-                    alone = true;
+                    self.forget(digest).await?;
                 }
                 Err(e) => return Err(e),
             }
@@ -679,6 +739,13 @@ impl Swarm {
         }
     }
 }
+
+/// Wrong chunk maps one pull meets before it fetches the blob from the
+/// registry alone. The first costs a pull through the swarm again (the
+/// tracker withdrew the map, and every node starts over together: about one
+/// more copy of the blob from the registry, whatever the node count); a
+/// second one in the same pull means the swarm keeps getting it wrong.
+const MAP_FAILURES_BEFORE_ALONE: u32 = 2;
 
 /// Errors that mean the published chunk map cannot be trusted.
 fn is_map_failure(e: &Error) -> bool {

@@ -335,6 +335,15 @@ pub enum ScheduleError {
         held: u32,
         chunk_count: u32,
     },
+    #[error(
+        "peer {peer:?} reported that {digest} failed its digest, but a failure it reported {ago:?} ago withdrew a blob already: a node is believed once per {window:?}"
+    )]
+    WithdrawalLimit {
+        peer: String,
+        digest: BlobDigest,
+        ago: Duration,
+        window: Duration,
+    },
     #[error("blob {digest}: bitfield of {got} chunks for a blob of {expected}")]
     BitfieldLength {
         digest: BlobDigest,
@@ -388,6 +397,10 @@ struct Member {
     /// Peers the tracker named to it for this blob, at most `NAMED_KEPT`.
     named: Vec<PeerKey>,
     wants: bool,
+    /// It held every chunk at once since the blob's map was last withdrawn:
+    /// it may report that the blob failed its digest (its store forgets
+    /// the chunks of a failed blob, so its holdings may be empty by then).
+    assembled: bool,
     /// Position in `Swarm::sources` while it holds anything.
     source_slot: Option<usize>,
     /// Position in `Swarm::roster`.
@@ -419,6 +432,11 @@ struct Swarm {
     /// Who the registry run covering each chunk went to, while its hash is
     /// unpublished: a registry chunk's hash is taken from that node.
     fetchers: FxHashMap<u32, Arc<str>>,
+    /// Chunks whose hash the tracker holds. A holder of a chunk without one
+    /// is of no use to anybody (nobody can check what it sends), so only
+    /// hashed chunks with a holder are spared a registry run: a node that
+    /// claims every chunk cannot stop the registry fetches.
+    hashed: Bitfield,
     /// Approximate bytes per chunk, for deadlines.
     chunk_bytes: u64,
     /// Members (not banned) holding each chunk.
@@ -467,6 +485,7 @@ impl Swarm {
             size: 0,
             chunk_size: 0,
             fetchers: FxHashMap::default(),
+            hashed: Bitfield::new(chunk_count),
             chunk_bytes,
             holders: vec![0; chunk_count as usize],
             held_chunks: 0,
@@ -503,6 +522,7 @@ impl Swarm {
                 held: Bitfield::new(chunk_count),
                 named: Vec::new(),
                 wants: false,
+                assembled: false,
                 source_slot: None,
                 roster_slot: roster.len() - 1,
             }
@@ -523,8 +543,29 @@ impl Swarm {
         }
     }
 
+    /// Chunk `i` needs a registry run: nobody fetches it, and nobody holds
+    /// it under a hash the swarm can check.
     fn is_free(&self, i: u32) -> bool {
-        i < self.chunk_count && self.holders[i as usize] == 0 && !self.assigned.get(i)
+        i < self.chunk_count
+            && !self.assigned.get(i)
+            && (self.holders[i as usize] == 0 || !self.hashed.get(i))
+    }
+
+    /// Chunk `i` can be had from a peer and checked: held, and hashed.
+    fn is_served(&self, i: u32) -> bool {
+        self.holders[i as usize] > 0 && self.hashed.get(i)
+    }
+
+    /// The run covering chunk `i`, once each of its chunks is served, is
+    /// dropped and returned so the caller can update its peer.
+    fn drop_run_if_served(&mut self, i: u32, dropped: &mut Vec<(u32, Run)>) {
+        if let Some((&first, run)) = self.runs.range(..=i).next_back()
+            && i < first + run.count
+            && (first..first + run.count).all(|c| self.is_served(c))
+            && let Some(run) = self.remove_run(first)
+        {
+            dropped.push((first, run));
+        }
     }
 
     fn note_maybe_free(&mut self, i: u32) {
@@ -533,7 +574,7 @@ impl Swarm {
         }
     }
 
-    /// Marks chunk `i` held by `key`; a run whose chunks are now all held is
+    /// Marks chunk `i` held by `key`; a run whose chunks are now all served is
     /// dropped and returned so the caller can update its peer.
     fn add_chunk(&mut self, key: PeerKey, i: u32, dropped: &mut Vec<(u32, Run)>) {
         let Some(m) = self.members.get_mut(&key) else {
@@ -542,6 +583,7 @@ impl Swarm {
         if !m.held.set(i) {
             return;
         }
+        m.assembled |= m.held.is_full();
         if m.source_slot.is_none() {
             m.source_slot = Some(self.sources.len());
             self.sources.push(key);
@@ -550,13 +592,7 @@ impl Swarm {
         *count += 1;
         if *count == 1 {
             self.held_chunks += 1;
-            if let Some((&first, run)) = self.runs.range(..=i).next_back()
-                && i < first + run.count
-                && (first..first + run.count).all(|c| self.holders[c as usize] > 0)
-                && let Some(run) = self.remove_run(first)
-            {
-                dropped.push((first, run));
-            }
+            self.drop_run_if_served(i, dropped);
         }
     }
 
@@ -673,6 +709,10 @@ struct Record {
     banned: bool,
     banned_until: Option<Instant>,
     bans: u32,
+    /// When a digest failure it reported last withdrew a blob: one per
+    /// `report_window`, so a liar claiming failures costs the swarm at most
+    /// one copy of a blob per window.
+    withdrew: Option<Instant>,
 }
 
 impl Record {
@@ -699,10 +739,19 @@ impl Record {
         let fresh = |t: &mut Instant| now.saturating_duration_since(*t) <= window;
         self.reporters.retain(|_, t| fresh(t));
         self.accused.retain(|_, t| fresh(t));
+        if self
+            .withdrew
+            .is_some_and(|t| now.saturating_duration_since(t) > window)
+        {
+            self.withdrew = None;
+        }
     }
 
     fn is_idle(&self) -> bool {
-        !self.banned && self.reporters.is_empty() && self.accused.is_empty()
+        !self.banned
+            && self.reporters.is_empty()
+            && self.accused.is_empty()
+            && self.withdrew.is_none()
     }
 }
 
@@ -832,10 +881,40 @@ impl Scheduler {
         self.swarms.get(digest)?.fetchers.get(&index).map(|p| &**p)
     }
 
-    /// Chunk `index` of `digest` has a hash now: nobody need vouch for it.
-    pub fn hash_settled(&mut self, digest: &BlobDigest, index: u32) {
-        if let Some(s) = self.swarms.get_mut(digest) {
-            s.fetchers.remove(&index);
+    /// Chunk `index` of `digest` has a hash now: nobody need vouch for it,
+    /// its holders can serve it, and a run it was the last unserved chunk
+    /// of is done.
+    pub fn hash_settled(&mut self, digest: &BlobDigest, index: u32, now: Instant) {
+        let Some(swarm) = self.swarms.get_mut(digest) else {
+            return;
+        };
+        swarm.fetchers.remove(&index);
+        if index >= swarm.chunk_count || !swarm.hashed.set(index) {
+            return;
+        }
+        let mut dropped = Vec::new();
+        if swarm.holders[index as usize] > 0 {
+            swarm.drop_run_if_served(index, &mut dropped);
+        }
+        self.finish_runs(*digest, dropped, now);
+    }
+
+    /// Runs of `digest` dropped because each of their chunks is served: their
+    /// peers may take new ones, and their pace joins the blob's average.
+    fn finish_runs(&mut self, digest: BlobDigest, dropped: Vec<(u32, Run)>, now: Instant) {
+        for (first, run) in dropped {
+            if let Some(peer) = peer_mut(&mut self.slots, run.peer) {
+                peer.runs.remove(&(digest, first));
+            }
+            let Some(swarm) = self.swarms.get_mut(&digest) else {
+                continue;
+            };
+            let pace = now.saturating_duration_since(run.assigned).as_secs_f64()
+                / f64::from(run.count.max(1));
+            swarm.run_pace = Some(match swarm.run_pace {
+                Some(avg) => avg + (pace - avg) * PACE_WEIGHT,
+                None => pace,
+            });
         }
     }
 
@@ -1135,17 +1214,7 @@ impl Scheduler {
                 }
             }
         }
-        for (first, run) in dropped {
-            if let Some(peer) = peer_mut(&mut self.slots, run.peer) {
-                peer.runs.remove(&(digest, first));
-            }
-            let pace = now.saturating_duration_since(run.assigned).as_secs_f64()
-                / f64::from(run.count.max(1));
-            swarm.run_pace = Some(match swarm.run_pace {
-                Some(avg) => avg + (pace - avg) * PACE_WEIGHT,
-                None => pace,
-            });
-        }
+        self.finish_runs(digest, dropped, now);
         self.prune_member(key, digest);
         Ok(())
     }
@@ -1445,10 +1514,13 @@ impl Scheduler {
     /// A blob assembled from verified chunks failed its digest: the chunk map was
     /// wrong. Every holding and run of the blob is dropped, and every member is
     /// told in its next answer; registry runs start again from chunk 0.
+    /// Taken only from a node holding every chunk, and from each node once
+    /// per `report_window`: a withdrawal costs the swarm a copy of the blob.
     pub fn blob_failed(
         &mut self,
         reporter: &str,
         digest: &BlobDigest,
+        now: Instant,
     ) -> Result<(), ScheduleError> {
         let Some(&key) = self.index.get(reporter) else {
             return Err(ScheduleError::UnknownPeer(reporter.to_owned()));
@@ -1458,8 +1530,11 @@ impl Scheduler {
         };
         // Every holding is dropped below, so the nodes told of this
         // withdrawal cannot report it again until they hold every chunk anew.
-        let held = swarm.members.get(&key).map_or(0, |m| m.held.count());
-        if held < swarm.chunk_count {
+        let (held, assembled) = swarm
+            .members
+            .get(&key)
+            .map_or((0, false), |m| (m.held.count(), m.assembled));
+        if !assembled {
             return Err(ScheduleError::NotAHolder {
                 peer: reporter.to_owned(),
                 digest: *digest,
@@ -1467,7 +1542,21 @@ impl Scheduler {
                 chunk_count: swarm.chunk_count,
             });
         }
+        let window = self.config.report_window;
+        let record = self.records.entry(reporter.to_owned()).or_default();
+        record.lapse(now, window);
+        if let Some(at) = record.withdrew {
+            return Err(ScheduleError::WithdrawalLimit {
+                peer: reporter.to_owned(),
+                digest: *digest,
+                ago: now.saturating_duration_since(at),
+                window,
+            });
+        }
+        record.withdrew = Some(now);
         swarm.fetchers.clear();
+        swarm.hashed = Bitfield::new(swarm.chunk_count);
+        swarm.cursor = 0;
         let firsts: Vec<u32> = swarm.runs.keys().copied().collect();
         for first in firsts {
             if let Some(run) = swarm.remove_run(first)
@@ -1477,9 +1566,16 @@ impl Scheduler {
             }
         }
         let members: Vec<PeerKey> = swarm.members.keys().copied().collect();
+        let reporter = key;
         for &key in &members {
             swarm.clear_holdings(key);
-            if let Some(peer) = peer_mut(&mut self.slots, key) {
+            if let Some(m) = swarm.members.get_mut(&key) {
+                m.assembled = false;
+            }
+            // The reporter knows.
+            if key != reporter
+                && let Some(peer) = peer_mut(&mut self.slots, key)
+            {
                 peer.pending_withdrawn.insert(*digest);
             }
         }
@@ -1552,8 +1648,8 @@ impl Scheduler {
                 .map(|(&first, _)| first)
                 .collect();
             for first in late {
-                // Live runs always cover an unheld chunk: fully held ones are
-                // dropped as their last chunk is announced.
+                // Live runs always cover an unserved chunk: fully served ones
+                // are dropped as their last chunk is announced or hashed.
                 let Some(run) = swarm.remove_run(first) else {
                     continue;
                 };
@@ -1636,7 +1732,7 @@ mod tests {
         assert_eq!(firsts, expected);
         // A finished run frees a place in the budget for the next announcer
         // (here the finisher itself, announcing its chunk).
-        let d = s.announce(added("n0", 64, vec![0]), now);
+        let d = fetched(&mut s, "n0", 64, vec![0], now);
         assert_eq!(chunks_of(&d.assignments), vec![24]);
         let d = s.announce(added("n24", 64, vec![]), now);
         assert!(d.assignments.is_empty());
@@ -1742,6 +1838,21 @@ mod tests {
         )
     }
 
+    /// `peer`'s announce of chunks it fetched from the registry, once their
+    /// hashes reached the tracker (as an agent's registry fetch publishes them).
+    fn fetched(
+        s: &mut Scheduler,
+        peer: &str,
+        n: u32,
+        chunks: Vec<u32>,
+        now: Instant,
+    ) -> AnnounceDecision {
+        for &c in &chunks {
+            s.hash_settled(&blob(), c, now);
+        }
+        s.announce(added(peer, n, chunks), now)
+    }
+
     fn added(peer: &str, n: u32, chunks: Vec<u32>) -> Announce {
         announce(peer, false, vec![entry(n, Held::Added(chunks), true)])
     }
@@ -1806,9 +1917,9 @@ mod tests {
         let first = s.announce(wants("a", 16, &[]), now).assignments;
         assert_eq!(chunks_of(&first), (0..8).collect::<Vec<_>>());
         // Partly held: the run stays.
-        let d = s.announce(added("a", 16, vec![0, 1]), now);
+        let d = fetched(&mut s, "a", 16, vec![0, 1], now);
         assert_eq!(d.assignments, first);
-        let d = s.announce(added("a", 16, vec![2, 3]), now);
+        let d = fetched(&mut s, "a", 16, vec![2, 3], now);
         assert_eq!(chunks_of(&d.assignments), vec![4, 5, 6, 7, 8, 9, 10, 11]);
         assert_eq!(s.holders(&blob(), 3), 1);
         assert_eq!(s.unheld_chunks(&blob()), Some(12));
@@ -1860,7 +1971,7 @@ mod tests {
         assert_eq!(s.announce(wants("a", 1, &[]), t0).fetching, vec![blob()]);
         assert_eq!(s.announce(wants("b", 1, &[]), t0).fetching, vec![blob()]);
         // a's chunk lands: no run is live, and a wants nothing more.
-        assert!(s.announce(added("a", 1, vec![0]), t0).fetching.is_empty());
+        assert!(fetched(&mut s, "a", 1, vec![0], t0).fetching.is_empty());
         assert!(s.announce(added("b", 1, vec![]), t0).fetching.is_empty());
     }
 
@@ -1873,7 +1984,7 @@ mod tests {
         let all = |s: &mut Scheduler, at: Instant, a_has: Vec<u32>| {
             let mut got = Vec::new();
             for (peer, held) in [("a", a_has), ("b", vec![]), ("c", vec![])] {
-                got.push(chunks_of(&s.announce(added(peer, 8, held), at).assignments));
+                got.push(chunks_of(&fetched(s, peer, 8, held, at).assignments));
             }
             got
         };
@@ -2282,9 +2393,45 @@ mod tests {
         // Announcing the chunk drops the run, not the fetcher: the hash may come later.
         s.announce(added("a", 8, vec![0, 1, 2, 3]), now);
         assert_eq!(s.registry_fetcher(&blob(), 3), Some("a"));
-        s.hash_settled(&blob(), 3);
+        s.hash_settled(&blob(), 3, now);
         assert_eq!(s.registry_fetcher(&blob(), 3), None);
         assert_eq!(s.registry_fetcher(&blob(), 2), Some("a"));
+    }
+
+    #[test]
+    fn a_node_claiming_chunks_nobody_published_a_hash_for_stops_no_registry_run() {
+        let mut s = Scheduler::new(striped());
+        let now = Instant::now();
+        // The liar claims all 16 chunks before anybody fetched one.
+        s.announce(
+            announce(
+                "liar",
+                true,
+                vec![entry(16, Held::Bits(bits(16, 0..16)), false)],
+            ),
+            now,
+        );
+        assert_eq!(s.holders(&blob(), 5), 1);
+        let a = s.announce(wants("a", 16, &[]), now).assignments;
+        let b = s.announce(wants("b", 16, &[]), now).assignments;
+        assert_eq!(chunks_of(&a), (0..8).collect::<Vec<_>>());
+        assert_eq!(chunks_of(&b), (8..16).collect::<Vec<_>>());
+        // Its claims do not end a run either: a's run ends once a's chunks
+        // are hashed and held, whichever comes last.
+        s.announce(added("a", 16, vec![0, 1, 2, 3]), now);
+        for i in 0..4 {
+            s.hash_settled(&blob(), i, now);
+        }
+        let d = s.announce(added("a", 16, vec![]), now);
+        assert_eq!(chunks_of(&d.assignments), vec![4, 5, 6, 7]);
+        for i in 4..8 {
+            s.hash_settled(&blob(), i, now);
+        }
+        let d = s.announce(added("a", 16, vec![4, 5, 6, 7]), now);
+        assert!(d.assignments.is_empty(), "every chunk is served or fetched");
+        // Once hashed, a chunk held by anyone (the liar too) needs no run:
+        // a bad copy costs the liar its standing, not the registry a copy.
+        assert_eq!(s.unheld_chunks(&blob()), Some(0));
     }
 
     #[test]
@@ -2313,17 +2460,20 @@ mod tests {
         s.announce(wants("a", 16, &[0, 1, 2, 3]), now);
         s.announce(wants("b", 16, &(0..16).collect::<Vec<_>>()), now);
         assert_eq!(
-            s.blob_failed("nobody", &blob()),
+            s.blob_failed("nobody", &blob(), now),
             Err(ScheduleError::UnknownPeer("nobody".into()))
         );
         assert_eq!(
-            s.blob_failed("a", &blob()).unwrap_err().to_string(),
+            s.blob_failed("a", &blob(), now).unwrap_err().to_string(),
             format!(
                 "peer \"a\" holds 4 of the 16 chunks of {}: only a node that assembled every chunk can report that the blob failed its digest",
                 blob()
             )
         );
-        s.blob_failed("b", &blob()).unwrap();
+        // b's store forgot the chunks of the blob that failed before its
+        // report went out: having held them all is what counts.
+        s.announce(wants("b", 16, &[]), now);
+        s.blob_failed("b", &blob(), now).unwrap();
         assert_eq!(s.unheld_chunks(&blob()), Some(16));
         assert!(s.assignments(&blob()).is_empty());
 
@@ -2336,15 +2486,23 @@ mod tests {
         let d = s.announce(added("a", 16, vec![0]), now);
         assert!(d.withdrawn.is_empty());
         assert_eq!(s.holders(&blob(), 0), 1);
-        assert_eq!(
-            s.announce(added("b", 16, vec![]), now).withdrawn,
-            vec![blob()]
+        assert!(
+            s.announce(added("b", 16, vec![]), now).withdrawn.is_empty(),
+            "the reporter knows"
         );
-        // Nobody holds every chunk now: those told cannot report again.
+        // Nobody assembled the blob since: those told cannot report again.
         assert!(matches!(
-            s.blob_failed("b", &blob()),
+            s.blob_failed("b", &blob(), now),
             Err(ScheduleError::NotAHolder { held: 0, .. })
         ));
+        // Holding every chunk again, b is believed once per report window.
+        s.announce(added("b", 16, (0..16).collect()), now);
+        assert!(matches!(
+            s.blob_failed("b", &blob(), now),
+            Err(ScheduleError::WithdrawalLimit { .. })
+        ));
+        let later = now + s.config().report_window + Duration::from_secs(1);
+        s.blob_failed("b", &blob(), later).unwrap();
     }
 
     #[test]
@@ -2405,7 +2563,7 @@ mod tests {
             Err(ScheduleError::ChunkOutOfRange { .. })
         ));
         assert!(matches!(
-            s.blob_failed("a", &BlobDigest::of(b"other")),
+            s.blob_failed("a", &BlobDigest::of(b"other"), now),
             Err(ScheduleError::UnknownBlob(_))
         ));
         assert!(!s.leave("ghost"));
@@ -2436,6 +2594,7 @@ mod tests {
                 // Instant fetches mean every run in an answer is new.
                 for c in chunks_of(&d.assignments) {
                     assigned[c as usize] += 1;
+                    s.hash_settled(&blob(), c, now);
                     if held[i].set(c) {
                         fresh[i].push(c);
                     }
@@ -2475,6 +2634,7 @@ mod tests {
                 };
                 for c in chunks_of(&d.assignments) {
                     assigned[c as usize] += 1;
+                    s.hash_settled(&blob(), c, now);
                     fresh.push(c);
                 }
             }

@@ -249,6 +249,15 @@ impl World<'_> {
         }
     }
 
+    /// Chunk `c` of blob `b`'s hash reaches the tracker's map (and its
+    /// scheduler, as the tracker's publication handler tells it).
+    fn publish(&mut self, b: usize, c: u32) {
+        if self.published[b].set(c) {
+            let at = self.instant();
+            self.sched.hash_settled(self.blobs[b].digest, c, at);
+        }
+    }
+
     fn start_flow(&mut self, payload: Payload, bytes: f64) -> FlowId {
         let (links, hops) = self.path(payload.from, payload.to);
         let sigma = self.sc.flow_weight_sigma;
@@ -394,8 +403,12 @@ impl World<'_> {
             if self.strategy == Strategy::Dray {
                 // Publish the whole map, and tell the tracker at once: the node
                 // now seeds instead of wanting.
-                for (b, published) in self.published.iter_mut().enumerate() {
-                    fill(published);
+                for b in 0..self.blobs.len() {
+                    if !self.published[b].is_full() {
+                        for c in 0..self.published[b].len() {
+                            self.publish(b, c);
+                        }
+                    }
                     fill(&mut self.nodes[n as usize].blobs[b].known);
                 }
                 self.schedule_announce(n, 0.0);
@@ -449,7 +462,7 @@ impl World<'_> {
             }
             Purpose::RunChunk => {
                 // The fetcher publishes the chunk's hash to the tracker.
-                self.published[p.blob as usize].set(p.chunk);
+                self.publish(p.blob as usize, p.chunk);
                 self.receive(to, p.blob, Some(p.chunk));
                 if let Some(k) = self.nodes[to as usize]
                     .runs
@@ -466,7 +479,7 @@ impl World<'_> {
                 remove_item(&mut self.nodes[to as usize].fallback_flows, id);
                 // Published as a run's chunk is, if the tracker is there to hear it.
                 if self.tracker_up {
-                    self.published[p.blob as usize].set(p.chunk);
+                    self.publish(p.blob as usize, p.chunk);
                 }
                 self.receive(to, p.blob, Some(p.chunk));
                 self.continue_fallback(to);
@@ -682,12 +695,13 @@ impl World<'_> {
         // (after a restart the tracker has none: without them, chunks only
         // partial holders have could never be verified by anyone else).
         for b in 0..self.blobs.len() {
-            let nb = &mut self.nodes[nu].blobs[b];
             if full {
-                for c in nb.held.ones() {
-                    self.published[b].set(c);
+                let held: Vec<u32> = self.nodes[nu].blobs[b].held.ones().collect();
+                for c in held {
+                    self.publish(b, c);
                 }
             }
+            let nb = &mut self.nodes[nu].blobs[b];
             if !nb.complete {
                 let fresh: Vec<u32> = self.published[b]
                     .ones()

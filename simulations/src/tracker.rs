@@ -10,6 +10,7 @@
 //! candidate peers) overlaps the rest of the simulation on the second core:
 //! `storm-10k` took 62-65 s of wall time instead of 78-93 s.
 
+use dray_protocol::BlobDigest;
 use dray_protocol::scheduler::{Announce, AnnounceDecision, Scheduler, SchedulerConfig};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
@@ -19,6 +20,8 @@ enum Call {
     Announce(Box<Announce>, Instant),
     Tick(Instant),
     Leave(String),
+    /// The tracker took a chunk's hash (as its publication handler does).
+    HashSettled(BlobDigest, u32, Instant),
     /// The tracker restarts empty.
     Restart,
 }
@@ -56,6 +59,7 @@ impl Tracker {
                         }
                         Call::Tick(at) => _ = sched.tick(at),
                         Call::Leave(peer) => _ = sched.leave(&peer),
+                        Call::HashSettled(d, i, at) => sched.hash_settled(&d, i, at),
                         Call::Restart => sched = Scheduler::new(config.clone()),
                     }
                 }
@@ -100,6 +104,10 @@ impl Tracker {
 
     pub fn leave(&mut self, peer: &str) {
         self.send(Call::Leave(peer.to_owned()));
+    }
+
+    pub fn hash_settled(&mut self, digest: BlobDigest, index: u32, at: Instant) {
+        self.send(Call::HashSettled(digest, index, at));
     }
 
     pub fn restart(&mut self) {

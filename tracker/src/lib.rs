@@ -88,8 +88,9 @@ pub struct TrackerConfig {
     pub max_total_chunks: u64,
     /// Bytes of chunk maps held, over all blobs (33 bytes a chunk).
     pub max_chunk_map_bytes: u64,
-    /// Chunk hashes held unconfirmed (published by a node that was not
-    /// the chunk's registry fetcher, waiting for a second one to agree).
+    /// Chunks with hashes held unconfirmed (published by a node that was
+    /// not the chunk's registry fetcher, waiting for a second one to
+    /// agree); each holds at most 8 candidate hashes.
     pub max_unconfirmed_hashes: usize,
     /// A first ban's length, s; each repeat lasts twice the one before.
     pub ban_s: u64,
@@ -271,16 +272,29 @@ pub struct Tracker {
 /// state's lock serialises most of the work anyway).
 const API_SLOTS: usize = 2;
 
+/// Candidate hashes kept per chunk while none is confirmed: past it the
+/// oldest goes, so a few forgers can neither crowd out honest fetchers nor
+/// grow the table.
+const MAX_CANDIDATES: usize = 8;
+
 struct TrackerState {
     scheduler: Scheduler,
     /// Chunk maps as published so far, per blob; may be partial. Shared
     /// with answers being encoded, so that the lock is not held for that.
     maps: HashMap<BlobDigest, Arc<ChunkMap>>,
-    /// Bytes the maps hold (`HASH_SLOT_BYTES` a chunk).
+    /// Maps withdrawn after a digest failure, while their blob is tracked: a
+    /// hash of theirs is taken again only from the chunk's new registry
+    /// fetcher, never from nodes agreeing on it (every node that assembled
+    /// the bad blob holds the same wrong chunk, and any two would agree).
+    discredited: HashMap<BlobDigest, Arc<ChunkMap>>,
+    /// Bytes the maps and discredited maps hold (`HASH_SLOT_BYTES` a chunk).
     map_bytes: u64,
-    /// Hashes published by a node that was not the chunk's registry
-    /// fetcher, with the publisher: taken once another node agrees.
-    unconfirmed: HashMap<(BlobDigest, u32), (ChunkHash, String)>,
+    /// Hashes published by nodes that were not the chunk's registry
+    /// fetcher, with their publishers, oldest first: one is taken once a
+    /// second node agrees. Several are kept (at most `MAX_CANDIDATES`), so
+    /// that a forger's hash, published first, cannot keep two honest
+    /// fetchers from agreeing.
+    unconfirmed: HashMap<(BlobDigest, u32), Vec<(ChunkHash, String)>>,
     limits: Limits,
 }
 
@@ -325,6 +339,7 @@ impl Tracker {
                 maps: HashMap::new(),
                 map_bytes: 0,
                 unconfirmed: HashMap::new(),
+                discredited: HashMap::new(),
                 limits: Limits {
                     max_nodes: config.max_nodes,
                     max_blobs_per_node: config.max_blobs_per_node,
@@ -417,7 +432,7 @@ impl Tracker {
                 // The swarm's geometry, before the map is built.
                 self.lock().check_map(d, m.size, m.chunk_size, count)?;
                 let map = ChunkMap::from_pb(&m)?;
-                let taken = self.lock().publish(&publisher, &map)?;
+                let taken = self.lock().publish(&publisher, &map, now)?;
                 tracing::debug!(%publisher, digest = %d, taken, "chunk hashes published");
                 Ok(None)
             }
@@ -456,8 +471,8 @@ impl Tracker {
                 let reporter = speaker("a digest-failure report", f.reporter, certified)?;
                 let d = digest(&f.digest)?;
                 let mut st = self.lock();
-                st.scheduler.blob_failed(&reporter, &d)?;
-                st.forget_map(&d);
+                st.scheduler.blob_failed(&reporter, &d, now)?;
+                st.discredit_map(&d);
                 drop(st);
                 self.metrics.digest_failed();
                 tracing::warn!(digest = %d, %reporter, "blob failed its digest; chunk map withdrawn");
@@ -716,7 +731,12 @@ impl TrackerState {
     /// chunks the tracker assigned it to fetch from the registry, and others
     /// once a second node publishes the same. Returns how many it took. A
     /// hash differing from one taken already refuses the whole map.
-    fn publish(&mut self, publisher: &str, map: &ChunkMap) -> Result<u32, TrackerError> {
+    fn publish(
+        &mut self,
+        publisher: &str,
+        map: &ChunkMap,
+        now: Instant,
+    ) -> Result<u32, TrackerError> {
         let d = map.digest();
         self.check_map(d, map.size(), map.chunk_size(), map.chunk_count())?;
         if let Some(known) = self.maps.get(&d) {
@@ -748,22 +768,38 @@ impl TrackerState {
                 take.push((i, *h));
                 continue;
             }
-            match self.unconfirmed.get(&(d, i)) {
-                Some((seen, by)) if seen == h && by != publisher => take.push((i, *h)),
-                Some((seen, by)) if seen != h && by != publisher => {
-                    tracing::warn!(digest = %d, index = i, first = %by, second = %publisher,
-                        "two nodes published different hashes for a chunk; neither is handed out");
+            if self
+                .discredited
+                .get(&d)
+                .is_some_and(|m| m.hashes()[i as usize] == Some(*h))
+            {
+                continue;
+            }
+            let pending = self.unconfirmed.len();
+            match self.unconfirmed.get_mut(&(d, i)) {
+                Some(seen) if seen.iter().any(|(s, by)| s == h && by != publisher) => {
+                    take.push((i, *h));
                 }
-                Some(_) => {}
-                None if self.unconfirmed.len() >= self.limits.max_unconfirmed_hashes => {
+                // One node twice is one node.
+                Some(seen) if seen.iter().any(|(_, by)| by == publisher) => {}
+                Some(seen) => {
+                    tracing::warn!(digest = %d, index = i, others = ?seen.iter().map(|(_, by)| by).collect::<Vec<_>>(),
+                        %publisher, "nodes published different hashes for a chunk; none is handed out until two agree");
+                    if seen.len() >= MAX_CANDIDATES {
+                        seen.remove(0);
+                    }
+                    seen.push((*h, publisher.to_owned()));
+                }
+                None if pending >= self.limits.max_unconfirmed_hashes => {
                     return Err(too_large(
-                        "the number of unconfirmed chunk hashes",
-                        self.unconfirmed.len() + 1,
+                        "the number of chunks with unconfirmed hashes",
+                        pending + 1,
                         self.limits.max_unconfirmed_hashes,
                     ));
                 }
                 None => {
-                    self.unconfirmed.insert((d, i), (*h, publisher.to_owned()));
+                    self.unconfirmed
+                        .insert((d, i), vec![(*h, publisher.to_owned())]);
                 }
             }
         }
@@ -788,16 +824,29 @@ impl TrackerState {
         for &(i, h) in &take {
             stored.set_hash(i, h)?;
             self.unconfirmed.remove(&(d, i));
-            self.scheduler.hash_settled(&d, i);
+            self.scheduler.hash_settled(&d, i, now);
         }
         Ok(take.len() as u32)
     }
 
     fn forget_map(&mut self, digest: &BlobDigest) {
-        if let Some(m) = self.maps.remove(digest) {
+        let maps = [self.maps.remove(digest), self.discredited.remove(digest)];
+        for m in maps.into_iter().flatten() {
             self.map_bytes -= u64::from(m.chunk_count()) * HASH_SLOT_BYTES;
         }
         self.unconfirmed.retain(|(d, _), _| d != digest);
+    }
+
+    /// The blob failed its digest: its map is handed out no more, and its
+    /// hashes need a new registry fetcher to be taken again.
+    fn discredit_map(&mut self, digest: &BlobDigest) {
+        self.unconfirmed.retain(|(d, _), _| d != digest);
+        let Some(m) = self.maps.remove(digest) else {
+            return;
+        };
+        if let Some(old) = self.discredited.insert(*digest, m) {
+            self.map_bytes -= u64::from(old.chunk_count()) * HASH_SLOT_BYTES;
+        }
     }
 
     /// Drops maps and unconfirmed hashes of blobs no longer tracked.
@@ -805,6 +854,7 @@ impl TrackerState {
         let gone: Vec<BlobDigest> = self
             .maps
             .keys()
+            .chain(self.discredited.keys())
             .filter(|d| self.scheduler.geometry(d).is_none())
             .copied()
             .collect();
@@ -1003,12 +1053,14 @@ mod tests {
         assert!(resp.resend_full);
         let mut all = Bitfield::new(1);
         all.set(0);
-        t.handle(
-            announce("a", d, 1 << 22, Some(&all), true),
-            None,
-            Instant::now(),
-        )
-        .unwrap();
+        for p in ["a", "b"] {
+            t.handle(
+                announce(p, d, 1 << 22, Some(&all), true),
+                None,
+                Instant::now(),
+            )
+            .unwrap();
+        }
         let failed = pb::TrackerRequest {
             body: Some(Body::DigestFailed(pb::BlobDigestFailed {
                 reporter: "a".into(),
@@ -1016,11 +1068,66 @@ mod tests {
             })),
         };
         t.handle(failed, None, Instant::now()).unwrap();
-        let resp = t
-            .handle(announce("a", d, 1 << 22, None, false), None, Instant::now())
-            .unwrap()
+        let withdrawn = |p: &str| {
+            t.handle(announce(p, d, 1 << 22, None, false), None, Instant::now())
+                .unwrap()
+                .unwrap()
+                .withdrawn
+        };
+        assert_eq!(withdrawn("b"), vec![d.to_string()]);
+        assert!(withdrawn("a").is_empty(), "the reporter knows");
+    }
+
+    #[test]
+    fn a_withdrawn_maps_hashes_are_taken_again_only_from_a_new_registry_fetcher() {
+        let t = Tracker::new(&TrackerConfig::default());
+        let d = BlobDigest::of(b"blob");
+        let (size, now) = (1u64 << 22, Instant::now());
+        let mut all = Bitfield::new(1);
+        all.set(0);
+        let none = Bitfield::new(1);
+        let hashed = |h: u8| {
+            let mut m = ChunkMap::unhashed(d, size, 1 << 22).unwrap();
+            m.set_hash(0, [h; 32]).unwrap();
+            m
+        };
+        // a fetched the chunk from the registry and published a wrong hash.
+        t.handle(announce("a", d, size, Some(&none), true), Some("a"), now)
             .unwrap();
-        assert_eq!(resp.withdrawn, vec![d.to_string()]);
+        t.handle(publish("a", &hashed(6)), Some("a"), now).unwrap();
+        assert_eq!(t.map(&d).unwrap().hashes()[0], Some([6; 32]));
+        for p in ["a", "b", "c"] {
+            t.handle(announce(p, d, size, Some(&all), true), Some(p), now)
+                .unwrap();
+        }
+        let failed = pb::TrackerRequest {
+            body: Some(Body::DigestFailed(pb::BlobDigestFailed {
+                reporter: "b".into(),
+                digest: d.to_string(),
+            })),
+        };
+        t.handle(failed, Some("b"), now).unwrap();
+        assert!(t.map(&d).is_none(), "withdrawn");
+        // b and c, still holding the blob that failed, agree on its hash:
+        // that proves nothing.
+        t.handle(publish("b", &hashed(6)), Some("b"), now).unwrap();
+        t.handle(publish("c", &hashed(6)), Some("c"), now).unwrap();
+        assert!(
+            t.map(&d).is_none(),
+            "a withdrawn hash taken from nodes agreeing"
+        );
+        // The chunk's new registry fetcher is believed.
+        for p in ["b", "c"] {
+            t.handle(announce(p, d, size, Some(&none), true), Some(p), now)
+                .unwrap();
+        }
+        let fetcher = ["b", "c"]
+            .into_iter()
+            .find(|p| t.lock().scheduler.registry_fetcher(&d, 0) == Some(p))
+            .expect("a new run covers the chunk");
+        t.handle(publish(fetcher, &hashed(7)), Some(fetcher), now)
+            .unwrap();
+        assert_eq!(t.map(&d).unwrap().hashes()[0], Some([7; 32]));
     }
 
     #[test]
@@ -1284,6 +1391,13 @@ mod tests {
         );
         t.handle(publish("d", &one(2, 5)), Some("d"), now).unwrap();
         assert_eq!(handed(&t), Some(vec![Some([7; 32]), None, Some([5; 32])]));
+        // A forger publishing first does not keep two others from agreeing.
+        let chunk3 = |t: &Tracker| t.map(&d).and_then(|m| m.hashes()[3]);
+        t.handle(publish("b", &one(3, 66)), Some("b"), now).unwrap();
+        t.handle(publish("a", &one(3, 3)), Some("a"), now).unwrap();
+        assert_eq!(chunk3(&t), None, "two disagreeing nodes settle nothing");
+        t.handle(publish("d", &one(3, 3)), Some("d"), now).unwrap();
+        assert_eq!(chunk3(&t), Some([3; 32]));
         // A hash that differs from a taken one is refused, naming the chunk.
         assert_eq!(
             refusal(&t, publish("c", &one(0, 1)), "c"),
