@@ -464,6 +464,8 @@ impl Swarm {
         };
         let mut alone = !self.tracker.is_configured();
         let mut recut = false;
+        // Wrong maps this node found itself (not withdrawals it was told of).
+        let mut own_failures = 0;
         loop {
             let map = ChunkMap::unhashed(digest, size, self.config.chunk_size)?;
             let transfer = Transfer::start(&self.node, &map, true).await?;
@@ -483,8 +485,11 @@ impl Swarm {
             let outcome = self
                 .drive(&transfer, rx, registry, repo, alone, &mut report)
                 .await;
-            lock(&self.wanted).remove(&digest);
-            let fetched = transfer.finish().await?;
+            // Still wanted while a failure is reported: a node the tracker
+            // saw give the blob up could not report it.
+            let fetched = transfer.finish().await.inspect_err(|_| {
+                lock(&self.wanted).remove(&digest);
+            })?;
             report.resumed_chunks = report.resumed_chunks.max(fetched.resumed_chunks);
             report.chunks_from_peers += fetched.chunks_by_peer.values().sum::<u32>();
             report.bytes_from_peers += fetched.bytes_received;
@@ -494,6 +499,9 @@ impl Swarm {
             for (peer, index) in &fetched.bad_peers {
                 report.bad_peers.push(peer.clone());
                 self.report_bad_chunk(&digest, peer, *index).await;
+            }
+            if alone || !matches!(&outcome, Err(e) if is_map_failure(e)) {
+                lock(&self.wanted).remove(&digest);
             }
             match outcome {
                 Ok(()) => {
@@ -508,33 +516,41 @@ impl Swarm {
                     tracing::info!(%digest, chunk_size, "joining the swarm in its chunk size");
                     recut = true;
                 }
-                // Withdrawn before this attempt verified anything against
-                // the map: nothing to distrust, start it over.
-                Err(Error::Withdrawn(_)) if !alone && transfer.blob().held().count() == 0 => {
-                    tracing::info!(%digest, "the tracker withdrew the blob's chunk map; starting over");
+                // Other nodes reported the failure and the tracker withdrew
+                // the map: start over through the swarm, dropping whatever
+                // was verified against it. Reporting it again would only cost
+                // the swarm another copy of the blob. Withdrawals are few (a
+                // quorum of nodes, each believed once per report window), so
+                // this cannot go on.
+                Err(Error::Withdrawn(_)) if !alone => {
+                    if transfer.blob().held().count() > 0 {
+                        report.map_failures += 1;
+                        tracing::warn!(%digest, "the tracker withdrew the blob's chunk map; pulling it again through the swarm");
+                    } else {
+                        tracing::info!(%digest, "the tracker withdrew the blob's chunk map; starting over");
+                    }
                     self.forget(digest).await?;
                 }
                 Err(e) if is_map_failure(&e) && !alone => {
                     report.map_failures += 1;
+                    own_failures += 1;
                     self.node.metrics().fell_back(FallbackReason::MapFailure);
-                    // A second wrong map in one pull: the swarm cannot be
-                    // trusted with this blob now, the registry alone can.
-                    alone = report.map_failures >= MAP_FAILURES_BEFORE_ALONE;
+                    // A second wrong map of our own in one pull: the swarm
+                    // cannot be trusted with this blob now, the registry
+                    // alone can.
+                    alone = own_failures >= MAP_FAILURES_BEFORE_ALONE;
                     let how = if alone {
                         "from the registry alone"
                     } else {
                         "again through the swarm"
                     };
-                    if matches!(e, Error::Withdrawn(_)) {
-                        // Another node reported the failure and the tracker
-                        // withdrew the map: reporting it again would only cost
-                        // the swarm another copy of the blob.
-                        tracing::warn!(%digest, "the tracker withdrew the blob's chunk map; pulling it {how}");
-                    } else {
-                        tracing::warn!(error = %e, %digest, "the published chunk map was wrong; pulling the blob {how}");
+                    tracing::warn!(error = %e, %digest, "the published chunk map was wrong; pulling the blob {how}");
+                    // The tracker believes a node once per report window.
+                    if own_failures == 1 {
                         self.report_digest_failure(&transfer.blob().map(), registry.base())
                             .await;
                     }
+                    lock(&self.wanted).remove(&digest);
                     self.forget(digest).await?;
                 }
                 Err(e) => return Err(e),
@@ -740,11 +756,12 @@ impl Swarm {
     }
 }
 
-/// Wrong chunk maps one pull meets before it fetches the blob from the
-/// registry alone. The first costs a pull through the swarm again (the
-/// tracker withdrew the map, and every node starts over together: about one
-/// more copy of the blob from the registry, whatever the node count); a
-/// second one in the same pull means the swarm keeps getting it wrong.
+/// Wrong chunk maps one pull finds itself before it fetches the blob from
+/// the registry alone. The first costs a pull through the swarm again (the
+/// tracker withdraws the map once a quorum of nodes reports it, and every
+/// node starts over together: about one more copy of the blob from the
+/// registry, whatever the node count); a second one in the same pull means
+/// the swarm keeps getting it wrong.
 const MAP_FAILURES_BEFORE_ALONE: u32 = 2;
 
 /// Errors that mean the published chunk map cannot be trusted.

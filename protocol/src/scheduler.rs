@@ -67,6 +67,12 @@ pub struct SchedulerConfig {
     /// more and the reporter is banned instead (a report storm is the
     /// liar's sign: an honest node meets few bad peers).
     pub max_accused_per_reporter: usize,
+    /// Distinct nodes, each having assembled the blob, whose digest-failure
+    /// reports withdraw its map (each node counts once per `report_window`).
+    /// A withdrawal costs the swarm about one copy of the blob from the
+    /// registry: one liar claiming a failure must not be enough, while a real
+    /// failure is met by every node that assembles the blob, moments apart.
+    pub digest_failure_quorum: usize,
     /// A first ban's length; each later ban of the same peer lasts twice the
     /// one before, up to `max_ban`.
     pub ban: Duration,
@@ -100,6 +106,7 @@ impl Default for SchedulerConfig {
             reports_to_ban: 3,
             report_window: Duration::from_secs(3600),
             max_accused_per_reporter: 16,
+            digest_failure_quorum: 2,
             ban: Duration::from_secs(600),
             max_ban: Duration::from_secs(24 * 3600),
             // 1 TiB in 4 MiB chunks; 16 GiB in the smallest (64 KiB).
@@ -336,7 +343,7 @@ pub enum ScheduleError {
         chunk_count: u32,
     },
     #[error(
-        "peer {peer:?} reported that {digest} failed its digest, but a failure it reported {ago:?} ago withdrew a blob already: a node is believed once per {window:?}"
+        "peer {peer:?} reported that {digest} failed its digest, but it reported a failure {ago:?} ago: a node is believed once per {window:?}"
     )]
     WithdrawalLimit {
         peer: String,
@@ -397,10 +404,6 @@ struct Member {
     /// Peers the tracker named to it for this blob, at most `NAMED_KEPT`.
     named: Vec<PeerKey>,
     wants: bool,
-    /// It held every chunk at once since the blob's map was last withdrawn:
-    /// it may report that the blob failed its digest (its store forgets
-    /// the chunks of a failed blob, so its holdings may be empty by then).
-    assembled: bool,
     /// Position in `Swarm::sources` while it holds anything.
     source_slot: Option<usize>,
     /// Position in `Swarm::roster`.
@@ -444,6 +447,14 @@ struct Swarm {
     held_chunks: u32,
     /// Chunks covered by a live run.
     assigned: Bitfield,
+    /// Members that held every chunk at once since the map was last
+    /// withdrawn: they may report that the blob failed its digest, also
+    /// after their store forgot the chunks of the failed blob and they
+    /// announced so (a member that drops the blob leaves this too).
+    assembled: FxHashSet<PeerKey>,
+    /// Peers that reported a digest failure since the map was last
+    /// withdrawn (fewer than `digest_failure_quorum`).
+    failure_reporters: Vec<PeerKey>,
     /// Every chunk below this is held or assigned; whatever frees a chunk pulls it back.
     cursor: u32,
     /// Fx hashing: keys are our own slab indices, not input a peer chooses.
@@ -490,6 +501,8 @@ impl Swarm {
             holders: vec![0; chunk_count as usize],
             held_chunks: 0,
             assigned: Bitfield::new(chunk_count),
+            assembled: FxHashSet::default(),
+            failure_reporters: Vec::new(),
             cursor: 0,
             members: FxHashMap::default(),
             sources: Vec::new(),
@@ -522,7 +535,6 @@ impl Swarm {
                 held: Bitfield::new(chunk_count),
                 named: Vec::new(),
                 wants: false,
-                assembled: false,
                 source_slot: None,
                 roster_slot: roster.len() - 1,
             }
@@ -532,6 +544,8 @@ impl Swarm {
     /// Forgets member `key` and its holdings.
     fn remove_member(&mut self, key: PeerKey) {
         self.clear_holdings(key);
+        self.assembled.remove(&key);
+        self.failure_reporters.retain(|&k| k != key);
         let Some(m) = self.members.remove(&key) else {
             return;
         };
@@ -583,7 +597,9 @@ impl Swarm {
         if !m.held.set(i) {
             return;
         }
-        m.assembled |= m.held.is_full();
+        if m.held.is_full() {
+            self.assembled.insert(key);
+        }
         if m.source_slot.is_none() {
             m.source_slot = Some(self.sources.len());
             self.sources.push(key);
@@ -709,10 +725,10 @@ struct Record {
     banned: bool,
     banned_until: Option<Instant>,
     bans: u32,
-    /// When a digest failure it reported last withdrew a blob: one per
-    /// `report_window`, so a liar claiming failures costs the swarm at most
-    /// one copy of a blob per window.
-    withdrew: Option<Instant>,
+    /// When it last reported a digest failure that counted: one per
+    /// `report_window`, so that a few liars claiming failures cost the swarm
+    /// at most a copy of a blob per window.
+    reported_failure: Option<Instant>,
 }
 
 impl Record {
@@ -740,10 +756,10 @@ impl Record {
         self.reporters.retain(|_, t| fresh(t));
         self.accused.retain(|_, t| fresh(t));
         if self
-            .withdrew
+            .reported_failure
             .is_some_and(|t| now.saturating_duration_since(t) > window)
         {
-            self.withdrew = None;
+            self.reported_failure = None;
         }
     }
 
@@ -751,7 +767,7 @@ impl Record {
         !self.banned
             && self.reporters.is_empty()
             && self.accused.is_empty()
-            && self.withdrew.is_none()
+            && self.reported_failure.is_none()
     }
 }
 
@@ -1511,17 +1527,18 @@ impl Scheduler {
         }
     }
 
-    /// A blob assembled from verified chunks failed its digest: the chunk map was
-    /// wrong. Every holding and run of the blob is dropped, and every member is
-    /// told in its next answer; registry runs start again from chunk 0.
-    /// Taken only from a node holding every chunk, and from each node once
-    /// per `report_window`: a withdrawal costs the swarm a copy of the blob.
+    /// A blob assembled from verified chunks failed its digest: the chunk map
+    /// was wrong. Taken only from a node that assembled the blob, and from
+    /// each node once per `report_window`. Once `digest_failure_quorum`
+    /// distinct nodes said so, every holding and run of the blob is dropped,
+    /// every member is told in its next answer, registry runs start again
+    /// from chunk 0, and this returns true (the map is withdrawn).
     pub fn blob_failed(
         &mut self,
         reporter: &str,
         digest: &BlobDigest,
         now: Instant,
-    ) -> Result<(), ScheduleError> {
+    ) -> Result<bool, ScheduleError> {
         let Some(&key) = self.index.get(reporter) else {
             return Err(ScheduleError::UnknownPeer(reporter.to_owned()));
         };
@@ -1530,11 +1547,8 @@ impl Scheduler {
         };
         // Every holding is dropped below, so the nodes told of this
         // withdrawal cannot report it again until they hold every chunk anew.
-        let (held, assembled) = swarm
-            .members
-            .get(&key)
-            .map_or((0, false), |m| (m.held.count(), m.assembled));
-        if !assembled {
+        if !swarm.assembled.contains(&key) {
+            let held = swarm.members.get(&key).map_or(0, |m| m.held.count());
             return Err(ScheduleError::NotAHolder {
                 peer: reporter.to_owned(),
                 digest: *digest,
@@ -1545,7 +1559,7 @@ impl Scheduler {
         let window = self.config.report_window;
         let record = self.records.entry(reporter.to_owned()).or_default();
         record.lapse(now, window);
-        if let Some(at) = record.withdrew {
+        if let Some(at) = record.reported_failure {
             return Err(ScheduleError::WithdrawalLimit {
                 peer: reporter.to_owned(),
                 digest: *digest,
@@ -1553,7 +1567,15 @@ impl Scheduler {
                 window,
             });
         }
-        record.withdrew = Some(now);
+        record.reported_failure = Some(now);
+        if !swarm.failure_reporters.contains(&key) {
+            swarm.failure_reporters.push(key);
+        }
+        if swarm.failure_reporters.len() < self.config.digest_failure_quorum {
+            return Ok(false);
+        }
+        swarm.failure_reporters.clear();
+        swarm.assembled.clear();
         swarm.fetchers.clear();
         swarm.hashed = Bitfield::new(swarm.chunk_count);
         swarm.cursor = 0;
@@ -1566,23 +1588,18 @@ impl Scheduler {
             }
         }
         let members: Vec<PeerKey> = swarm.members.keys().copied().collect();
-        let reporter = key;
         for &key in &members {
             swarm.clear_holdings(key);
-            if let Some(m) = swarm.members.get_mut(&key) {
-                m.assembled = false;
-            }
-            // The reporter knows.
-            if key != reporter
-                && let Some(peer) = peer_mut(&mut self.slots, key)
-            {
+            // Reporters too: each may have started over and learned the
+            // map again since it reported.
+            if let Some(peer) = peer_mut(&mut self.slots, key) {
                 peer.pending_withdrawn.insert(*digest);
             }
         }
         for key in members {
             self.prune_member(key, *digest);
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Expires silent peers and takes back runs past their deadline. A peer
@@ -2457,8 +2474,10 @@ mod tests {
     fn a_digest_failure_withdraws_holdings_and_lists_the_blob_as_withdrawn() {
         let mut s = Scheduler::new(striped());
         let now = Instant::now();
+        let every: Vec<u32> = (0..16).collect();
         s.announce(wants("a", 16, &[0, 1, 2, 3]), now);
-        s.announce(wants("b", 16, &(0..16).collect::<Vec<_>>()), now);
+        s.announce(wants("b", 16, &every), now);
+        s.announce(wants("c", 16, &every), now);
         assert_eq!(
             s.blob_failed("nobody", &blob(), now),
             Err(ScheduleError::UnknownPeer("nobody".into()))
@@ -2471,9 +2490,16 @@ mod tests {
             )
         );
         // b's store forgot the chunks of the blob that failed before its
-        // report went out: having held them all is what counts.
+        // report went out: having held them all is what counts. One node's
+        // word is not enough to cost the swarm a copy of the blob.
         s.announce(wants("b", 16, &[]), now);
-        s.blob_failed("b", &blob(), now).unwrap();
+        assert_eq!(s.blob_failed("b", &blob(), now), Ok(false));
+        assert_eq!(s.unheld_chunks(&blob()), Some(0));
+        assert!(matches!(
+            s.blob_failed("b", &blob(), now),
+            Err(ScheduleError::WithdrawalLimit { .. })
+        ));
+        assert_eq!(s.blob_failed("c", &blob(), now), Ok(true));
         assert_eq!(s.unheld_chunks(&blob()), Some(16));
         assert!(s.assignments(&blob()).is_empty());
 
@@ -2486,23 +2512,24 @@ mod tests {
         let d = s.announce(added("a", 16, vec![0]), now);
         assert!(d.withdrawn.is_empty());
         assert_eq!(s.holders(&blob(), 0), 1);
-        assert!(
-            s.announce(added("b", 16, vec![]), now).withdrawn.is_empty(),
-            "the reporter knows"
+        assert_eq!(
+            s.announce(added("b", 16, vec![]), now).withdrawn,
+            vec![blob()],
+            "reporters are told too"
         );
         // Nobody assembled the blob since: those told cannot report again.
         assert!(matches!(
-            s.blob_failed("b", &blob(), now),
+            s.blob_failed("c", &blob(), now),
             Err(ScheduleError::NotAHolder { held: 0, .. })
         ));
         // Holding every chunk again, b is believed once per report window.
-        s.announce(added("b", 16, (0..16).collect()), now);
+        s.announce(added("b", 16, every.clone()), now);
         assert!(matches!(
             s.blob_failed("b", &blob(), now),
             Err(ScheduleError::WithdrawalLimit { .. })
         ));
         let later = now + s.config().report_window + Duration::from_secs(1);
-        s.blob_failed("b", &blob(), later).unwrap();
+        assert_eq!(s.blob_failed("b", &blob(), later), Ok(false));
     }
 
     #[test]

@@ -471,11 +471,17 @@ impl Tracker {
                 let reporter = speaker("a digest-failure report", f.reporter, certified)?;
                 let d = digest(&f.digest)?;
                 let mut st = self.lock();
-                st.scheduler.blob_failed(&reporter, &d, now)?;
-                st.discredit_map(&d);
+                let withdrawn = st.scheduler.blob_failed(&reporter, &d, now)?;
+                if withdrawn {
+                    st.discredit_map(&d);
+                }
                 drop(st);
-                self.metrics.digest_failed();
-                tracing::warn!(digest = %d, %reporter, "blob failed its digest; chunk map withdrawn");
+                if withdrawn {
+                    self.metrics.digest_failed();
+                    tracing::warn!(digest = %d, %reporter, "blob failed its digest at several nodes; chunk map withdrawn");
+                } else {
+                    tracing::warn!(digest = %d, %reporter, "a node reports that a blob failed its digest; its map stays until another node says so");
+                }
                 Ok(None)
             }
             Some(Body::Leave(l)) => {
@@ -1053,7 +1059,7 @@ mod tests {
         assert!(resp.resend_full);
         let mut all = Bitfield::new(1);
         all.set(0);
-        for p in ["a", "b"] {
+        for p in ["a", "b", "c"] {
             t.handle(
                 announce(p, d, 1 << 22, Some(&all), true),
                 None,
@@ -1061,21 +1067,29 @@ mod tests {
             )
             .unwrap();
         }
-        let failed = pb::TrackerRequest {
-            body: Some(Body::DigestFailed(pb::BlobDigestFailed {
-                reporter: "a".into(),
-                digest: d.to_string(),
-            })),
-        };
-        t.handle(failed, None, Instant::now()).unwrap();
         let withdrawn = |p: &str| {
             t.handle(announce(p, d, 1 << 22, None, false), None, Instant::now())
                 .unwrap()
                 .unwrap()
                 .withdrawn
         };
-        assert_eq!(withdrawn("b"), vec![d.to_string()]);
-        assert!(withdrawn("a").is_empty(), "the reporter knows");
+        // One node's word is not enough; a second's is.
+        t.handle(digest_failed("a", d), None, Instant::now())
+            .unwrap();
+        assert!(withdrawn("c").is_empty());
+        t.handle(digest_failed("b", d), None, Instant::now())
+            .unwrap();
+        assert_eq!(withdrawn("c"), vec![d.to_string()]);
+        assert_eq!(withdrawn("a"), vec![d.to_string()]);
+    }
+
+    fn digest_failed(reporter: &str, d: BlobDigest) -> pb::TrackerRequest {
+        pb::TrackerRequest {
+            body: Some(Body::DigestFailed(pb::BlobDigestFailed {
+                reporter: reporter.into(),
+                digest: d.to_string(),
+            })),
+        }
     }
 
     #[test]
@@ -1100,13 +1114,9 @@ mod tests {
             t.handle(announce(p, d, size, Some(&all), true), Some(p), now)
                 .unwrap();
         }
-        let failed = pb::TrackerRequest {
-            body: Some(Body::DigestFailed(pb::BlobDigestFailed {
-                reporter: "b".into(),
-                digest: d.to_string(),
-            })),
-        };
-        t.handle(failed, Some("b"), now).unwrap();
+        for p in ["b", "c"] {
+            t.handle(digest_failed(p, d), Some(p), now).unwrap();
+        }
         assert!(t.map(&d).is_none(), "withdrawn");
         // b and c, still holding the blob that failed, agree on its hash:
         // that proves nothing.
@@ -1416,14 +1426,8 @@ mod tests {
             now,
         )
         .unwrap();
-        let failed = pb::TrackerRequest {
-            body: Some(Body::DigestFailed(pb::BlobDigestFailed {
-                reporter: "a".into(),
-                digest: d.to_string(),
-            })),
-        };
         assert_eq!(
-            refusal(&t, failed, "a"),
+            refusal(&t, digest_failed("a", d), "a"),
             format!(
                 "peer \"a\" holds 0 of the 2 chunks of {d}: only a node that assembled every chunk can report that the blob failed its digest"
             )
