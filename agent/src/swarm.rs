@@ -203,10 +203,10 @@ fn pick(
         } else {
             2
         };
-        let copies = if h.complete { copies(&h.digest) } else { None };
+        let known = if h.complete { copies(&h.digest) } else { None };
         (
             rank,
-            copies.unwrap_or(0),
+            known.unwrap_or(0),
             std::cmp::Reverse(h.last_used),
             h.digest,
         )
