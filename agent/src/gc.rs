@@ -453,9 +453,13 @@ pub struct Collection {
     pub evicted: Vec<Eviction>,
 }
 
-/// One pass of the collector: evicts what [`plan`] chooses (nothing when
+/// One pass of the collector: closes the idle blobs past
+/// `max_open_idle_blobs` and evicts what [`plan`] chooses (neither when
 /// `dry`). Blocking.
 pub fn collect(store: &ChunkStore, dry: bool) -> Result<Collection> {
+    if !dry {
+        store.close_idle();
+    }
     let cfg = store.gc().config();
     let usage = store.usage()?;
     let p = pressure(&cfg, &usage);

@@ -676,6 +676,13 @@ impl ChunkStore {
     /// blob opened last).
     pub fn set_max_open_idle_blobs(&self, max: usize) {
         self.max_open_idle.store(max.max(1), Ordering::Relaxed);
+        self.close_idle();
+    }
+
+    /// Closes idle blobs past the bound now: blobs opened by a burst of
+    /// pulls or uploads stay open once idle until the next open, or this
+    /// (the collector calls it every `gc.period`).
+    pub(crate) fn close_idle(&self) {
         let mut blobs = self.blobs();
         self.trim(&mut blobs, None);
     }
@@ -1426,6 +1433,17 @@ mod tests {
             Some(map)
         );
         assert_eq!(store.holdings().len(), 30);
+        // A burst of readers ends: its blobs close at the next open or pass
+        // of the collector.
+        drop((in_use, again));
+        let burst: Vec<Arc<Blob>> = blobs[10..20]
+            .iter()
+            .map(|(_, m)| store.get(&m.digest()).unwrap().unwrap())
+            .collect();
+        assert!(store.open_blobs().len() >= 10);
+        drop(burst);
+        crate::gc::collect(&store, false).unwrap();
+        assert_eq!(store.open_blobs().len(), 4);
     }
 
     #[test]
