@@ -137,6 +137,17 @@ async fn an_agent_holding_600_blobs_keeps_its_files_and_its_announce_within_boun
             })
             .collect()
     };
+    // A second apart: the kernel's file times are coarser than an import.
+    let first_use = std::time::SystemTime::now() - Duration::from_secs(BLOBS as u64);
+    for (i, map) in maps.iter().enumerate() {
+        let path = node("node-a", "state/blobs").join(map.digest().hex());
+        std::fs::File::options()
+            .write(true)
+            .open(path)
+            .unwrap()
+            .set_modified(first_use + Duration::from_secs(i as u64))
+            .unwrap();
+    }
     eprintln!("seeded {BLOBS} blobs in {:?}", started.elapsed());
 
     let tracker_toml = dir.path().join("tracker.toml");
