@@ -329,6 +329,7 @@ fn join_swarm(cfg: AgentConfig, metrics: Arc<AgentMetrics>) -> Result<Arc<Swarm>
     let identity = Identity::load(&cfg.cert, &cfg.key, &cfg.ca)?;
     let store = Arc::new(ChunkStore::open(&cfg.state_dir)?);
     store.set_max_blob_size(cfg.max_blob_size);
+    store.set_max_open_idle_blobs(cfg.max_open_idle_blobs);
     store
         .gc()
         .configure(cfg.gc.clone(), !cfg.swarm.trackers.is_empty());

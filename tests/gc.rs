@@ -68,9 +68,9 @@ impl Node {
 
     fn holds_complete(&self, digest: &BlobDigest) -> bool {
         self.store()
-            .open_blobs()
+            .holdings()
             .iter()
-            .any(|b| b.digest() == *digest && b.is_complete())
+            .any(|h| h.digest == *digest && h.complete)
     }
 
     /// One metric's value from the exposition, 0 if absent.
@@ -292,7 +292,7 @@ async fn under_pressure_four_nodes_keep_two_copies_of_every_blob_until_the_disk_
     };
     let keeper = nodes
         .iter()
-        .find(|n| !n.store().open_blobs().is_empty())
+        .find(|n| !n.store().holdings().is_empty())
         .expect("a keeper");
     keeper.store().gc().configure(critical, true);
     let store = keeper.store().clone();

@@ -19,6 +19,10 @@ pub struct AgentConfig {
     /// The largest blob the store reserves disk for when no manifest verified
     /// by digest gives its size (a registry's `Content-Length` alone), bytes.
     pub max_blob_size: u64,
+    /// Idle blobs (complete or partial, not being read, pulled or uploaded)
+    /// the store keeps open, one file descriptor each; the least recently
+    /// used past this are closed, and reopened from their record on demand.
+    pub max_open_idle_blobs: usize,
     /// UDP address of the QUIC peer endpoint. Peers on other nodes must reach
     /// it, so a DaemonSet sets the node address; the default stays on loopback.
     pub peer_listen: SocketAddr,
@@ -63,6 +67,7 @@ impl Default for AgentConfig {
         Self {
             state_dir: PathBuf::from("/var/lib/dray"),
             max_blob_size: crate::store::DEFAULT_MAX_BLOB_SIZE,
+            max_open_idle_blobs: crate::store::DEFAULT_MAX_OPEN_IDLE_BLOBS,
             peer_listen: "127.0.0.1:7881".parse().expect("valid address"),
             admin_listen: "127.0.0.1:9464".parse().expect("valid address"),
             cert: PathBuf::from("/etc/dray/tls/agent.crt"),

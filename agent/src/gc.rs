@@ -168,6 +168,7 @@ struct ReasonLabel {
 pub struct GcMetrics {
     store_bytes: Gauge,
     store_blobs: Gauge,
+    open_blobs: Gauge,
     evictions: Family<ReasonLabel, Counter>,
     evicted_bytes: Counter,
     refusals: Counter,
@@ -185,6 +186,11 @@ impl GcMetrics {
             "store_blobs",
             "Blobs the chunk store holds, complete or partial",
             self.store_blobs.clone(),
+        );
+        r.register(
+            "store_open_blobs",
+            "Blobs the chunk store holds open (one file descriptor each): those in use and at most max_open_idle_blobs idle ones",
+            self.open_blobs.clone(),
         );
         r.register(
             "evictions",
@@ -249,6 +255,9 @@ pub struct Pressure {
 pub struct Usage {
     pub store_bytes: u64,
     pub store_blobs: usize,
+    /// Of them, open now (see `max_open_idle_blobs`).
+    #[serde(default)]
+    pub open_blobs: usize,
     pub fs_bytes: u64,
     pub fs_free: u64,
 }
@@ -402,6 +411,7 @@ impl GcState {
         let m = self.metrics();
         m.store_bytes.set(u.store_bytes as i64);
         m.store_blobs.set(u.store_blobs as i64);
+        m.open_blobs.set(u.open_blobs as i64);
     }
 
     fn count_eviction(&self, e: &Eviction) {
@@ -443,9 +453,13 @@ pub struct Collection {
     pub evicted: Vec<Eviction>,
 }
 
-/// One pass of the collector: evicts what [`plan`] chooses (nothing when
+/// One pass of the collector: closes the idle blobs past
+/// `max_open_idle_blobs` and evicts what [`plan`] chooses (neither when
 /// `dry`). Blocking.
 pub fn collect(store: &ChunkStore, dry: bool) -> Result<Collection> {
+    if !dry {
+        store.close_idle();
+    }
     let cfg = store.gc().config();
     let usage = store.usage()?;
     let p = pressure(&cfg, &usage);
@@ -613,6 +627,7 @@ mod tests {
         let u = |store: u64, used: u64| Usage {
             store_bytes: store,
             store_blobs: 1,
+            open_blobs: 0,
             fs_bytes: 10_000,
             fs_free: 10_000 - used,
         };

@@ -384,13 +384,13 @@ impl LocalApi {
         let node = self.pulls.swarm().node();
         let blobs = node
             .store()
-            .open_blobs()
+            .holdings()
             .iter()
-            .map(|b| BlobStatus {
-                digest: b.digest().to_string(),
-                size: b.map().size(),
-                have: b.held_bytes(),
-                complete: b.is_complete(),
+            .map(|h| BlobStatus {
+                digest: h.digest.to_string(),
+                size: h.size,
+                have: h.held_bytes(),
+                complete: h.complete,
             })
             .collect();
         Status {

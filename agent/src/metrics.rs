@@ -352,6 +352,10 @@ impl AdminEndpoint {
             self.metrics
                 .connected_peers
                 .set(i64::try_from(node.connected_peers()).unwrap_or(i64::MAX));
+            // The store's gauges as of this scrape, not the collector's last pass.
+            if let Ok(usage) = node.store().usage() {
+                node.store().gc().count_usage(&usage);
+            }
         }
         (
             [(header::CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE)],

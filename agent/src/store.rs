@@ -14,6 +14,14 @@
 //!
 //! Memory does not grow with blob size: the store holds one bitfield per blob and
 //! reads chunks from disk when they are needed.
+//!
+//! File descriptors do not grow with the number of blobs: a blob is open (an
+//! [`Arc<Blob>`] with its file) while anyone outside the store holds it (a
+//! pull, a mirror stream, an upload, an unpack), and at most
+//! `max_open_idle_blobs` idle ones stay open besides, the least recently used
+//! closed first. A closed blob is reopened from its record when it is asked
+//! for; what the store holds ([`ChunkStore::holdings`], its usage, the
+//! collector's candidates) is read from the records, not from open files.
 
 use crate::bounded::BoundedMap;
 use crate::error::{Error, Result};
@@ -25,6 +33,7 @@ use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::SystemTime;
 
@@ -249,14 +258,7 @@ impl Blob {
     /// The blob's geometry with only the known hashes of `chunks`, without
     /// copying the whole map: what a publication to the tracker carries.
     pub fn map_of(&self, chunks: impl IntoIterator<Item = u32>) -> Result<ChunkMap> {
-        let map = self.read_map();
-        let mut part = ChunkMap::unhashed(map.digest(), map.size(), map.chunk_size())?;
-        for i in chunks {
-            if let Some(hash) = map.hashes().get(i as usize).copied().flatten() {
-                part.set_hash(i, hash)?;
-            }
-        }
-        Ok(part)
+        map_of(&self.read_map(), chunks)
     }
 
     /// Takes the chunk hashes `map` knows that this blob lacks; returns how many.
@@ -429,21 +431,70 @@ impl Blob {
 pub struct ChunkStore {
     dir: PathBuf,
     log: Arc<dyn CompletionLog>,
+    /// The open blobs: every one in use, and at most `max_open_idle` idle
+    /// ones (see [`ChunkStore::trim`]).
     blobs: Mutex<HashMap<BlobDigest, Arc<Blob>>>,
+    max_open_idle: AtomicUsize,
     sizes: Mutex<SizeRule>,
-    /// Every blob with a record, open or not: what the store accounts for.
-    /// Locked after `blobs` when both are.
+    /// Every blob with a record, open or not: what the store accounts for
+    /// and announces. Locked after `blobs` when both are.
     entries: Mutex<HashMap<BlobDigest, Entry>>,
     gc: crate::gc::GcState,
 }
 
 /// What the store accounts for one blob: its file is preallocated to `size`.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Entry {
     size: u64,
+    chunk_size: u32,
     complete: bool,
+    /// The recorded chunks of a blob not complete (a complete one holds all).
+    partial: Option<Bitfield>,
     last_used: SystemTime,
 }
+
+impl Entry {
+    fn of(record: &LogRecord, last_used: SystemTime) -> Self {
+        Self {
+            size: record.map.size(),
+            chunk_size: record.map.chunk_size(),
+            complete: record.complete,
+            partial: (!record.complete).then(|| record.held.clone()),
+            last_used,
+        }
+    }
+}
+
+/// What the store holds of one blob, open or not: what an announce and
+/// `dray status` report.
+#[derive(Clone, Debug)]
+pub struct Holding {
+    pub digest: BlobDigest,
+    pub size: u64,
+    pub chunk_size: u32,
+    /// Chunks verified and on disk (an open blob's, recorded or not yet).
+    pub held: Bitfield,
+    pub complete: bool,
+    /// Since it was last opened, read or written.
+    pub last_used: SystemTime,
+}
+
+impl Holding {
+    /// Bytes of the blob held as verified chunks.
+    pub fn held_bytes(&self) -> u64 {
+        let chunk = u64::from(self.chunk_size);
+        self.held
+            .ones()
+            .map(|i| chunk.min(self.size - u64::from(i) * chunk))
+            .sum()
+    }
+}
+
+/// The default `max_open_idle_blobs`: idle blobs kept open (one file
+/// descriptor each) besides those in use. Enough for the layers of the
+/// images a node starts at once; reopening a complete blob costs a record
+/// read and an `open`.
+pub const DEFAULT_MAX_OPEN_IDLE_BLOBS: usize = 256;
 
 /// The default `max_blob_size`: 64 GiB. Above the largest layer any public
 /// registry accepts (ECR's 52,000 MiB; Docker Hub's and GHCR's 10 GB), so no
@@ -499,6 +550,7 @@ impl ChunkStore {
             dir: dir.to_path_buf(),
             log,
             blobs: Mutex::new(HashMap::new()),
+            max_open_idle: AtomicUsize::new(DEFAULT_MAX_OPEN_IDLE_BLOBS),
             sizes: Mutex::new(SizeRule {
                 max: DEFAULT_MAX_BLOB_SIZE,
                 vouched: BoundedMap::new(MAX_VOUCHED),
@@ -506,8 +558,8 @@ impl ChunkStore {
             entries: Mutex::new(HashMap::new()),
             gc: crate::gc::GcState::default(),
         };
-        // Complete blobs are served (and announced) again at once; partial ones
-        // are resumed, with their re-verification, when pulled again.
+        // Nothing is opened here: every blob is announced from its record,
+        // and opened (a partial one re-verified) when it is asked for.
         for digest in store.log.digests()? {
             let Some(rec) = store.log.load(&digest)? else {
                 continue;
@@ -524,18 +576,7 @@ impl ChunkStore {
             let last_used = file
                 .and_then(|m| m.modified().ok())
                 .unwrap_or_else(SystemTime::now);
-            store.entries().insert(
-                digest,
-                Entry {
-                    size: rec.map.size(),
-                    complete: rec.complete,
-                    last_used,
-                },
-            );
-            if rec.complete {
-                let blob = store.open_blob(rec.map.clone(), Some(rec))?;
-                store.blobs().insert(digest, blob);
-            }
+            store.entries().insert(digest, Entry::of(&rec, last_used));
         }
         store.sweep()?;
         Ok(store)
@@ -583,13 +624,114 @@ impl ChunkStore {
     /// What the store holds and what its filesystem has free.
     pub fn usage(&self) -> Result<crate::gc::Usage> {
         let (fs_bytes, fs_free) = crate::gc::filesystem(&self.dir)?;
+        let open_blobs = self.blobs().len();
         let entries = self.entries();
         Ok(crate::gc::Usage {
             store_bytes: entries.values().map(|e| e.size).sum(),
             store_blobs: entries.len(),
+            open_blobs,
             fs_bytes,
             fs_free,
         })
+    }
+
+    /// Every blob the store holds, complete or partial, open or not: an open
+    /// blob as it stands, a closed one as recorded.
+    pub fn holdings(&self) -> Vec<Holding> {
+        let open: Vec<Arc<Blob>> = self.blobs().values().cloned().collect();
+        let mut out: HashMap<BlobDigest, Holding> = self
+            .entries()
+            .iter()
+            .map(|(d, e)| {
+                let held = e.partial.clone().unwrap_or_else(|| {
+                    Bitfield::full(
+                        dray_protocol::chunkmap::chunk_count(*d, e.size, e.chunk_size)
+                            .unwrap_or_default(),
+                    )
+                });
+                let holding = Holding {
+                    digest: *d,
+                    size: e.size,
+                    chunk_size: e.chunk_size,
+                    held,
+                    complete: e.complete,
+                    last_used: e.last_used,
+                };
+                (*d, holding)
+            })
+            .collect();
+        for blob in open {
+            if let Some(h) = out.get_mut(&blob.digest()) {
+                let map = blob.read_map();
+                (h.size, h.chunk_size) = (map.size(), map.chunk_size());
+                drop(map);
+                h.held = blob.held();
+                h.complete = blob.is_complete();
+            }
+        }
+        out.into_values().collect()
+    }
+
+    /// How many idle blobs stay open besides those in use (at least 1: the
+    /// blob opened last).
+    pub fn set_max_open_idle_blobs(&self, max: usize) {
+        self.max_open_idle.store(max.max(1), Ordering::Relaxed);
+        self.close_idle();
+    }
+
+    /// Closes idle blobs past the bound now: blobs opened by a burst of
+    /// pulls or uploads stay open once idle until the next open, or this
+    /// (the collector calls it every `gc.period`).
+    pub(crate) fn close_idle(&self) {
+        let mut blobs = self.blobs();
+        self.trim(&mut blobs, None);
+    }
+
+    /// Closes the least recently used idle blobs (open, and held by nobody
+    /// but the store) past `max_open_idle_blobs`, sparing `keep`, the blob
+    /// just opened for a caller (it counts as idle when only that caller
+    /// holds it: it is, once the caller is done). Complete ones go first:
+    /// closing one loses nothing, while reopening a partial one reads its
+    /// verified prefix back. Each is persisted before it is closed. Called
+    /// with the blobs lock held, so nobody takes one meanwhile.
+    fn trim(&self, blobs: &mut HashMap<BlobDigest, Arc<Blob>>, keep: Option<&BlobDigest>) {
+        let mut max = self.max_open_idle.load(Ordering::Relaxed);
+        if keep
+            .and_then(|d| blobs.get(d))
+            .is_some_and(|b| Arc::strong_count(b) <= 2)
+        {
+            max = max.saturating_sub(1);
+        }
+        let mut idle: Vec<(bool, SystemTime, BlobDigest)> = {
+            let entries = self.entries();
+            blobs
+                .iter()
+                .filter(|(d, b)| Arc::strong_count(b) == 1 && Some(*d) != keep)
+                .map(|(d, b)| {
+                    let used = entries
+                        .get(d)
+                        .map_or(SystemTime::UNIX_EPOCH, |e| e.last_used);
+                    (!b.is_complete(), used, *d)
+                })
+                .collect()
+        };
+        if idle.len() <= max {
+            return;
+        }
+        idle.sort_unstable();
+        for (_, _, digest) in &idle[..idle.len() - max] {
+            let Some(blob) = blobs.get(digest) else {
+                continue;
+            };
+            match self.persist(blob) {
+                Ok(()) => {
+                    blobs.remove(digest);
+                }
+                Err(e) => {
+                    tracing::warn!(%digest, error = %e, "could not record an idle blob's chunks: it stays open");
+                }
+            }
+        }
     }
 
     /// Every blob as the collector's planner sees it.
@@ -628,7 +770,7 @@ impl ChunkStore {
         if blobs.get(digest).is_some_and(|b| Arc::strong_count(b) > 1) {
             return Ok(None);
         }
-        let Some(entry) = self.entries().get(digest).copied() else {
+        let Some(size) = self.entries().get(digest).map(|e| e.size) else {
             return Ok(None);
         };
         blobs.remove(digest);
@@ -636,7 +778,7 @@ impl ChunkStore {
         self.delete_file(digest)?;
         self.entries().remove(digest);
         self.gc.forget(digest);
-        Ok(Some(entry.size))
+        Ok(Some(size))
     }
 
     fn delete_file(&self, digest: &BlobDigest) -> Result<()> {
@@ -721,7 +863,26 @@ impl ChunkStore {
         self.blobs.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The blobs opened since the store was.
+    /// The chunk hashes this node can vouch for: the whole map of a blob
+    /// whose digest it verified, else those of the chunks it holds; read
+    /// from the record when the blob is closed, without opening it.
+    pub fn vouched_map(&self, digest: &BlobDigest) -> Result<Option<ChunkMap>> {
+        let open = self.blobs().get(digest).cloned();
+        if let Some(blob) = open {
+            return if blob.is_complete() {
+                Ok(Some(blob.map()))
+            } else {
+                blob.map_of(blob.held().ones()).map(Some)
+            };
+        }
+        match self.log.load(digest)? {
+            Some(rec) if rec.complete => Ok(Some(rec.map)),
+            Some(rec) => map_of(&rec.map, rec.held.ones()).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// The blobs open now: those in use and the most recently used idle ones.
     pub fn open_blobs(&self) -> Vec<Arc<Blob>> {
         self.blobs().values().cloned().collect()
     }
@@ -739,6 +900,7 @@ impl ChunkStore {
         };
         let blob = self.open_blob(rec.map.clone(), Some(rec))?;
         blobs.insert(*digest, blob.clone());
+        self.trim(&mut blobs, Some(digest));
         Ok(Some(blob))
     }
 
@@ -771,6 +933,7 @@ impl ChunkStore {
         self.check_size(&map.digest(), map.size())?;
         let blob = self.open_blob(map.clone(), rec)?;
         blobs.insert(map.digest(), blob.clone());
+        self.trim(&mut blobs, Some(&digest));
         Ok(blob)
     }
 
@@ -889,26 +1052,19 @@ impl ChunkStore {
             (st.held.clone(), st.complete)
         };
         let map = blob.map();
-        let size = map.size();
         let known = map.known().count();
-        self.log.save(
-            &blob.digest(),
-            &LogRecord {
-                map,
-                held: held.clone(),
-                complete,
-            },
-        )?;
+        let record = LogRecord {
+            map,
+            held: held.clone(),
+            complete,
+        };
+        self.log.save(&blob.digest(), &record)?;
         let mut st = blob.lock();
         st.recorded = held;
         st.recorded_complete = complete;
         st.recorded_known = known;
         drop(st);
-        let entry = Entry {
-            size,
-            complete,
-            last_used: SystemTime::now(),
-        };
+        let entry = Entry::of(&record, SystemTime::now());
         self.entries().insert(blob.digest(), entry);
         Ok(())
     }
@@ -950,6 +1106,17 @@ impl ChunkStore {
         self.entries().remove(digest);
         Ok(())
     }
+}
+
+/// `map`'s geometry with only its known hashes of `chunks`.
+fn map_of(map: &ChunkMap, chunks: impl IntoIterator<Item = u32>) -> Result<ChunkMap> {
+    let mut part = ChunkMap::unhashed(map.digest(), map.size(), map.chunk_size())?;
+    for i in chunks {
+        if let Some(hash) = map.hashes().get(i as usize).copied().flatten() {
+            part.set_hash(i, hash)?;
+        }
+    }
+    Ok(part)
 }
 
 /// Whether two maps cut a blob of one size into chunks of one size.
@@ -1173,7 +1340,7 @@ mod tests {
     }
 
     #[test]
-    fn a_reopened_store_lists_its_complete_blobs_but_not_partial_ones() {
+    fn a_reopened_store_opens_nothing_and_reports_its_blobs_from_their_records() {
         let dir = tempfile::tempdir().unwrap();
         let (a, b) = (data(65536, 6), data(2 * 65536, 7));
         {
@@ -1183,12 +1350,169 @@ mod tests {
             store.persist(&store.blob(&full).unwrap()).unwrap();
             let half = ChunkMap::of_bytes(&b, MIN_CHUNK_SIZE).unwrap();
             let blob = store.blob(&half).unwrap();
-            blob.put_chunk(0, &b[..65536]).unwrap();
+            blob.put_chunk(1, &b[65536..]).unwrap();
             store.persist(&blob).unwrap();
         }
         let store = ChunkStore::open(dir.path()).unwrap();
+        assert!(store.open_blobs().is_empty());
+        let mut held: Vec<(BlobDigest, Vec<u32>, bool, u64)> = store
+            .holdings()
+            .into_iter()
+            .map(|h| {
+                let bytes = h.held_bytes();
+                (h.digest, h.held.ones().collect(), h.complete, bytes)
+            })
+            .collect();
+        held.sort_by_key(|h| !h.2);
+        assert_eq!(
+            held,
+            vec![
+                (BlobDigest::of(&a), vec![0], true, 65536),
+                (BlobDigest::of(&b), vec![1], false, 65536),
+            ]
+        );
+        assert_eq!(store.usage().unwrap().open_blobs, 0);
+    }
+
+    /// Imports `n` complete blobs of two chunks each; returns their bytes and maps.
+    fn import_many(store: &ChunkStore, dir: &Path, n: u8) -> Vec<(Vec<u8>, ChunkMap)> {
+        (0..n)
+            .map(|i| {
+                let bytes = data(2 * 65536, 100 + i);
+                let src = dir.join(format!("src{i}"));
+                std::fs::write(&src, &bytes).unwrap();
+                let map = store.import(&src, MIN_CHUNK_SIZE).unwrap();
+                (bytes, map)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn idle_blobs_past_the_bound_are_closed_and_reopen_from_their_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(&dir.path().join("s")).unwrap();
+        store.set_max_open_idle_blobs(4);
+        let blobs = import_many(&store, dir.path(), 30);
+        assert_eq!(
+            store.open_blobs().len(),
+            4,
+            "only the idle bound stays open"
+        );
+        // Three in use (a pull, a stream, an upload) stay open past the bound.
+        let in_use: Vec<Arc<Blob>> = blobs[..3]
+            .iter()
+            .map(|(_, m)| store.get(&m.digest()).unwrap().unwrap())
+            .collect();
+        for (_, m) in &blobs[3..] {
+            store.get(&m.digest()).unwrap().unwrap();
+            let open = store.open_blobs().len();
+            assert!(
+                open <= 4 + 3,
+                "{open} blobs open, more than 4 idle and 3 in use"
+            );
+        }
         let open: Vec<BlobDigest> = store.open_blobs().iter().map(|b| b.digest()).collect();
-        assert_eq!(open, vec![BlobDigest::of(&a)]);
+        for (b, (bytes, _)) in in_use.iter().zip(&blobs) {
+            assert!(open.contains(&b.digest()), "a blob in use was closed");
+            assert_eq!(b.read_chunk(1).unwrap().unwrap(), &bytes[65536..]);
+        }
+        assert_eq!(store.usage().unwrap().open_blobs, open.len());
+        assert_eq!(store.usage().unwrap().store_blobs, 30);
+        // A closed blob reopens from its record: complete, every chunk served.
+        let (bytes, map) = &blobs[3];
+        assert!(
+            !open.contains(&map.digest()),
+            "the oldest idle blob was closed"
+        );
+        let again = store.get(&map.digest()).unwrap().unwrap();
+        assert!(again.is_complete());
+        assert_eq!(again.read_chunk(0).unwrap().unwrap(), &bytes[..65536]);
+        assert_eq!(again.read_chunk(1).unwrap().unwrap(), &bytes[65536..]);
+        assert_eq!(
+            store.vouched_map(&map.digest()).unwrap().as_ref(),
+            Some(map)
+        );
+        assert_eq!(store.holdings().len(), 30);
+        // A burst of readers ends: its blobs close at the next open or pass
+        // of the collector.
+        drop((in_use, again));
+        let burst: Vec<Arc<Blob>> = blobs[10..20]
+            .iter()
+            .map(|(_, m)| store.get(&m.digest()).unwrap().unwrap())
+            .collect();
+        assert!(store.open_blobs().len() >= 10);
+        drop(burst);
+        crate::gc::collect(&store, false).unwrap();
+        assert_eq!(store.open_blobs().len(), 4);
+    }
+
+    #[test]
+    fn a_closed_partial_blob_keeps_its_chunks_and_completes_after_reopening() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(&dir.path().join("s")).unwrap();
+        store.set_max_open_idle_blobs(1);
+        let bytes = data(3 * 65536, 50);
+        let map = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
+        let blob = store.blob(&map).unwrap();
+        blob.put_chunk(2, &bytes[2 * 65536..]).unwrap();
+        // Written but not yet recorded: closing records it.
+        drop(blob);
+        let other = import_many(&store, dir.path(), 1);
+        let open: Vec<BlobDigest> = store.open_blobs().iter().map(|b| b.digest()).collect();
+        assert_eq!(
+            open,
+            vec![other[0].1.digest()],
+            "the idle partial blob was closed"
+        );
+        let held = store
+            .holdings()
+            .into_iter()
+            .find(|h| h.digest == map.digest())
+            .unwrap();
+        assert_eq!(
+            (held.held.ones().collect::<Vec<_>>(), held.complete),
+            (vec![2], false)
+        );
+        let partial = store.vouched_map(&map.digest()).unwrap().unwrap();
+        assert_eq!(partial.known().ones().collect::<Vec<_>>(), vec![2]);
+        let blob = store.blob(&map).unwrap();
+        assert_eq!(blob.held().ones().collect::<Vec<_>>(), vec![2]);
+        assert_eq!(blob.read_chunk(2).unwrap().unwrap(), &bytes[2 * 65536..]);
+        blob.put_chunk(0, &bytes[..65536]).unwrap();
+        assert_eq!(
+            blob.put_chunk(1, &bytes[65536..2 * 65536]).unwrap(),
+            PutOutcome::Completed
+        );
+    }
+
+    #[test]
+    fn a_complete_idle_blob_is_closed_before_a_partial_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(&dir.path().join("s")).unwrap();
+        store.set_max_open_idle_blobs(2);
+        let bytes = data(2 * 65536, 60);
+        let map = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
+        store
+            .blob(&map)
+            .unwrap()
+            .put_chunk(0, &bytes[..65536])
+            .unwrap();
+        let newer = import_many(&store, dir.path(), 2);
+        let mut open: Vec<BlobDigest> = store.open_blobs().iter().map(|b| b.digest()).collect();
+        open.sort();
+        let mut want = vec![map.digest(), newer[1].1.digest()];
+        want.sort();
+        assert_eq!(
+            open, want,
+            "the older complete blob went, the partial one stays"
+        );
+        assert!(
+            store
+                .get(&newer[0].1.digest())
+                .unwrap()
+                .unwrap()
+                .is_complete()
+        );
     }
 
     #[test]

@@ -19,16 +19,29 @@
 //! for chunks only partial holders have. If the assembled blob fails its
 //! digest (a published hash was wrong), the agent reports it, so the tracker
 //! withdraws the map, and pulls the blob again from the registry alone.
+//!
+//! An announce lists what the store holds, from its records (closed blobs
+//! included), within the tracker's limits: at most `max_announce_blobs`
+//! blobs, [`MAX_ANNOUNCE_CHUNKS`] chunks and a request body of
+//! [`MAX_ANNOUNCE_BYTES`]. A node holding more announces the most useful
+//! first (blobs it is pulling, then partial ones, then complete ones, most
+//! recently used first) and logs what it left out. Recency, not the
+//! cluster's copy counts, orders the complete ones: the tracker counts only
+//! the blobs it is told of, so ranking by its counts made the announced set
+//! swap at every answer (three full announces at start instead of one, 600
+//! blobs over a limit of 512).
 
 use crate::error::{Error, Result};
 use crate::fetch::{PeerAddr, Transfer};
 use crate::metrics::{FallbackReason, Source};
 use crate::peer::PeerNode;
 use crate::registry::RegistryClient;
-use crate::store::{Blob, PutOutcome};
+use crate::store::{Blob, Holding, PutOutcome};
 use crate::tracker_client::TrackerClient;
 use dray_protocol::pb::{self, tracker_request::Body};
+use dray_protocol::scheduler::SchedulerConfig;
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap, DEFAULT_CHUNK_SIZE, VerifyError};
+use prost::Message;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -62,7 +75,20 @@ pub struct SwarmConfig {
     /// Chunks per registry run when falling back.
     pub run_chunks: u32,
     pub chunk_size: u32,
+    /// Blobs one announce lists at most: the tracker's `max_blobs_per_node`
+    /// (it refuses an announce listing more); past it the least useful are
+    /// left out.
+    pub max_announce_blobs: usize,
 }
+
+/// Chunks one announce lists at most, over all its blobs: the tracker's
+/// default `max_chunks_per_peer` (past it, it refuses the blobs that pass).
+pub const MAX_ANNOUNCE_CHUNKS: u64 = 1 << 20;
+
+/// Bytes of blob holdings one announce carries at most: the tracker's
+/// request body limit less room for the rest of the request (peer id,
+/// address, 16 labels).
+pub const MAX_ANNOUNCE_BYTES: usize = dray_protocol::framing::MAX_TRACKER_FRAME - (64 << 10);
 
 impl Default for SwarmConfig {
     fn default() -> Self {
@@ -77,6 +103,7 @@ impl Default for SwarmConfig {
             registry_parallel: 4,
             run_chunks: 4,
             chunk_size: DEFAULT_CHUNK_SIZE,
+            max_announce_blobs: SchedulerConfig::default().max_blobs_per_peer,
         }
     }
 }
@@ -132,7 +159,74 @@ pub struct Swarm {
     wanted: Mutex<HashMap<BlobDigest, Want>>,
     /// What each replica was last told, per blob (for delta announces).
     sent: Mutex<HashMap<String, HashMap<BlobDigest, Bitfield>>>,
+    /// How many blobs the last announce to each replica left out.
+    left_out: Mutex<HashMap<String, usize>>,
     poke: Notify,
+}
+
+/// One blob as an announce lists it, with all its bits: the most it can
+/// weigh in the request.
+fn full_holding(h: &Holding, origin: Option<&String>) -> pb::BlobHolding {
+    pb::BlobHolding {
+        digest: h.digest.to_string(),
+        size: h.size,
+        chunk_size: h.chunk_size,
+        bits: h.held.as_bytes().to_vec().into(),
+        added: Vec::new(),
+        complete: h.complete,
+        wanted: origin.is_some(),
+        origin: origin.cloned().unwrap_or_default(),
+    }
+}
+
+/// What an announce to one replica lists, and what it leaves out.
+struct Picked {
+    blobs: Vec<Holding>,
+    left_out: usize,
+    left_out_complete: usize,
+}
+
+/// Picks the blobs one announce lists within the limits, most useful to the
+/// cluster first: blobs being pulled, then partial ones, then complete
+/// ones, most recently used first.
+fn pick(
+    mut all: Vec<Holding>,
+    wanted: &HashMap<BlobDigest, String>,
+    max_blobs: usize,
+    max_chunks: u64,
+    max_bytes: usize,
+) -> Picked {
+    all.sort_by_cached_key(|h| {
+        let rank = if wanted.contains_key(&h.digest) {
+            0
+        } else if !h.complete {
+            1
+        } else {
+            2
+        };
+        (rank, std::cmp::Reverse(h.last_used), h.digest)
+    });
+    let (mut chunks, mut bytes) = (0u64, 0usize);
+    let mut picked = Picked {
+        blobs: Vec::new(),
+        left_out: 0,
+        left_out_complete: 0,
+    };
+    for h in all {
+        let weight = full_holding(&h, wanted.get(&h.digest)).encoded_len();
+        // Field tag and length prefix.
+        let weight = 1 + prost::length_delimiter_len(weight) + weight;
+        let n = u64::from(h.held.len());
+        if picked.blobs.len() < max_blobs && chunks + n <= max_chunks && bytes + weight <= max_bytes
+        {
+            (chunks, bytes) = (chunks + n, bytes + weight);
+            picked.blobs.push(h);
+        } else {
+            picked.left_out += 1;
+            picked.left_out_complete += usize::from(h.complete);
+        }
+    }
+    picked
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -147,6 +241,7 @@ impl Swarm {
             config,
             wanted: Mutex::new(HashMap::new()),
             sent: Mutex::new(HashMap::new()),
+            left_out: Mutex::new(HashMap::new()),
             poke: Notify::new(),
         })
     }
@@ -279,41 +374,56 @@ impl Swarm {
             .iter()
             .map(|(d, w)| (*d, w.origin.clone()))
             .collect();
-        let mut groups: HashMap<String, Vec<Arc<Blob>>> = HashMap::new();
-        for blob in self.node.store().open_blobs() {
-            if let Some(owner) = self.tracker.owner(&blob.digest()) {
-                groups.entry(owner).or_default().push(blob);
+        let store = self.node.store();
+        let mut groups: HashMap<String, Vec<Holding>> = HashMap::new();
+        for h in store.holdings() {
+            if let Some(owner) = self.tracker.owner(&h.digest) {
+                groups.entry(owner).or_default().push(h);
             }
         }
-        for (replica, blobs) in groups {
+        for (replica, all) in groups {
+            let held_here = all.len();
+            let picked = pick(
+                all,
+                &wanted,
+                self.config.max_announce_blobs,
+                MAX_ANNOUNCE_CHUNKS,
+                MAX_ANNOUNCE_BYTES,
+            );
+            let before = lock(&self.left_out).insert(replica.clone(), picked.left_out);
+            if picked.left_out > 0 && before != Some(picked.left_out) {
+                tracing::warn!(
+                    %replica,
+                    announced = picked.blobs.len(),
+                    held = held_here,
+                    left_out = picked.left_out,
+                    left_out_complete = picked.left_out_complete,
+                    "this node holds more blobs than one announce may list (swarm.max_announce_blobs = {}, {MAX_ANNOUNCE_CHUNKS} chunks, {MAX_ANNOUNCE_BYTES} bytes): the tracker is not told of {} of them (blobs being pulled and partial ones go first, then the most recently used complete ones)",
+                    self.config.max_announce_blobs,
+                    picked.left_out,
+                );
+            } else if picked.left_out == 0 && before.is_some_and(|n| n > 0) {
+                tracing::info!(%replica, announced = held_here, "every blob this node holds fits in its announces again");
+            }
+            let blobs = picked.blobs;
             let previous = lock(&self.sent).get(&replica).cloned();
             let full = previous
                 .as_ref()
-                .is_none_or(|p| p.keys().any(|d| !blobs.iter().any(|b| b.digest() == *d)));
+                .is_none_or(|p| p.keys().any(|d| !blobs.iter().any(|b| b.digest == *d)));
             let mut now_sent = HashMap::new();
             let holdings = blobs
                 .iter()
                 .map(|b| {
-                    let map = b.map();
-                    let held = b.held();
-                    let before = previous.as_ref().and_then(|p| p.get(&b.digest()));
-                    let grew_from = before.filter(|prev| !full && prev.ones().all(|i| held.get(i)));
-                    let (bits, added) = match grew_from {
-                        Some(prev) => (Vec::new(), held.ones().filter(|&i| !prev.get(i)).collect()),
-                        None => (held.as_bytes().to_vec(), Vec::new()),
-                    };
-                    now_sent.insert(b.digest(), held);
-                    let origin = wanted.get(&b.digest());
-                    pb::BlobHolding {
-                        digest: b.digest().to_string(),
-                        size: map.size(),
-                        chunk_size: map.chunk_size(),
-                        bits: bits.into(),
-                        added,
-                        complete: b.is_complete(),
-                        wanted: origin.is_some(),
-                        origin: origin.cloned().unwrap_or_default(),
+                    let mut holding = full_holding(b, wanted.get(&b.digest));
+                    let before = previous.as_ref().and_then(|p| p.get(&b.digest));
+                    let grew_from =
+                        before.filter(|prev| !full && prev.ones().all(|i| b.held.get(i)));
+                    if let Some(prev) = grew_from {
+                        holding.bits = Vec::new().into();
+                        holding.added = b.held.ones().filter(|&i| !prev.get(i)).collect();
                     }
+                    now_sent.insert(b.digest, b.held.clone());
+                    holding
                 })
                 .collect();
             let announce = match self.announce_of(holdings, full) {
@@ -324,7 +434,7 @@ impl Swarm {
             let answer = self.tracker.send(&replica, Body::Announce(announce)).await;
             let mine: Vec<BlobDigest> = blobs
                 .iter()
-                .map(|b| b.digest())
+                .map(|b| b.digest)
                 .filter(|d| wanted.contains_key(d))
                 .collect();
             match answer {
@@ -353,21 +463,16 @@ impl Swarm {
                         // those of the chunks we hold). Without them, chunks
                         // that only partial holders have could never again be
                         // verified by anyone else, and their pulls would stall.
-                        let new_here = |b: &&Arc<Blob>| {
-                            full || previous
-                                .as_ref()
-                                .is_none_or(|p| !p.contains_key(&b.digest()))
+                        let new_here = |b: &&Holding| {
+                            full || previous.as_ref().is_none_or(|p| !p.contains_key(&b.digest))
                         };
                         for b in blobs.iter().filter(new_here) {
-                            let vouched = if b.is_complete() {
-                                b.map()
-                            } else {
-                                match b.map_of(b.held().ones()) {
-                                    Ok(m) => m,
-                                    Err(e) => {
-                                        tracing::error!(error = %e, "bad geometry");
-                                        continue;
-                                    }
+                            let vouched = match store.vouched_map(&b.digest) {
+                                Ok(Some(m)) => m,
+                                Ok(None) => continue,
+                                Err(e) => {
+                                    tracing::error!(digest = %b.digest, error = %e, "could not read the chunk map to republish");
+                                    continue;
                                 }
                             };
                             if !vouched.hashes().iter().any(Option::is_some) {
@@ -852,4 +957,58 @@ async fn fetch_run(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::SystemTime;
+
+    fn holding(n: u8, chunks: u32, complete: bool, age_s: u64) -> Holding {
+        let held = if complete {
+            Bitfield::full(chunks)
+        } else {
+            Bitfield::new(chunks)
+        };
+        Holding {
+            digest: BlobDigest::of(&[n]),
+            size: u64::from(chunks) * u64::from(DEFAULT_CHUNK_SIZE),
+            chunk_size: DEFAULT_CHUNK_SIZE,
+            held,
+            complete,
+            last_used: SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000 - age_s),
+        }
+    }
+
+    #[test]
+    fn an_announce_past_the_limits_keeps_pulls_partials_and_recent_blobs() {
+        let wanted: HashMap<BlobDigest, String> =
+            [(BlobDigest::of(&[1]), "https://registry".to_string())].into();
+        let all = vec![
+            holding(0, 1, true, 10),  // complete, recent
+            holding(1, 1, false, 99), // being pulled
+            holding(2, 1, true, 50),  // complete, old
+            holding(3, 1, true, 5),   // complete, most recent
+            holding(4, 1, false, 90), // partial
+        ];
+        let names = |p: &Picked| {
+            p.blobs
+                .iter()
+                .map(|h| (0..5).find(|&n| h.digest == BlobDigest::of(&[n])).unwrap())
+                .collect::<Vec<u8>>()
+        };
+        let p = pick(all.clone(), &wanted, 4, 1 << 20, 1 << 20);
+        assert_eq!(names(&p), vec![1, 4, 3, 0]);
+        assert_eq!((p.left_out, p.left_out_complete), (1, 1));
+        // The chunk cap: a blob that does not fit is skipped, smaller ones still go.
+        let mut big = all.clone();
+        big.push(holding(9, 1000, false, 0));
+        let p = pick(big, &wanted, 100, 10, 1 << 20);
+        assert_eq!(p.blobs.len(), 5);
+        assert_eq!(p.left_out, 1);
+        // The byte cap: one blob's holding weighs over 70 bytes (its digest).
+        let p = pick(all, &wanted, 100, 1 << 20, 200);
+        assert_eq!(names(&p), vec![1, 4]);
+        assert_eq!(p.left_out_complete, 3);
+    }
 }

@@ -29,6 +29,21 @@ impl Bitfield {
         }
     }
 
+    /// Every one of `len` chunks held.
+    pub fn full(len: u32) -> Self {
+        let mut bits = vec![0xff; len.div_ceil(8) as usize];
+        if let Some(last) = bits.last_mut()
+            && !len.is_multiple_of(8)
+        {
+            *last = !(0xffu8 >> (len % 8));
+        }
+        Self {
+            len,
+            bits,
+            ones: len,
+        }
+    }
+
     /// Parses wire bits for a blob of `len` chunks; stray bits past the end are refused.
     pub fn from_bytes(len: u32, bits: &[u8]) -> Result<Self, BitfieldError> {
         let want = len.div_ceil(8) as usize;
@@ -168,6 +183,16 @@ pub(crate) fn set_bits(bytes: impl Iterator<Item = u8>) -> impl Iterator<Item = 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn full_holds_every_chunk_and_reads_back_from_its_wire_bits() {
+        for len in [0, 1, 7, 8, 9, 17] {
+            let f = Bitfield::full(len);
+            assert!(f.is_full());
+            assert_eq!(f.ones().count() as u32, len);
+            assert_eq!(Bitfield::from_bytes(len, f.as_bytes()).unwrap(), f);
+        }
+    }
 
     #[test]
     fn next_zero_finds_the_first_clear_bit_from_any_start() {

@@ -89,17 +89,7 @@ impl Display {
                         if bar.is_finished() {
                             continue;
                         }
-                        let held: u64 = store
-                            .open_blobs()
-                            .iter()
-                            .map(|b| {
-                                let map = b.map();
-                                b.held()
-                                    .ones()
-                                    .map(|c| map.chunk_len(c) as u64)
-                                    .sum::<u64>()
-                            })
-                            .sum();
+                        let held: u64 = store.holdings().iter().map(|h| h.held_bytes()).sum();
                         let from_registry = registry.egress_to(i);
                         bar.set_position(held);
                         bar.set_message(format!(
