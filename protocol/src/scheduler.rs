@@ -445,8 +445,13 @@ struct Swarm {
     /// Members (not banned) holding each chunk.
     holders: Vec<u32>,
     held_chunks: u32,
-    /// Chunks covered by a live run.
+    /// Chunks covered by a live run, or awaiting their fetcher's hash.
     assigned: Bitfield,
+    /// Chunks whose run ended when its fetcher held them, before their hash
+    /// arrived, with the time they are given up on: the fetcher takes its
+    /// next run at once (its hash publication is under way), while nobody
+    /// else is sent for the chunk unless the hash never comes.
+    awaiting_hash: BTreeMap<u32, Instant>,
     /// Members that held every chunk at once since the map was last
     /// withdrawn: they may report that the blob failed its digest, also
     /// after their store forgot the chunks of the failed blob and they
@@ -501,6 +506,7 @@ impl Swarm {
             holders: vec![0; chunk_count as usize],
             held_chunks: 0,
             assigned: Bitfield::new(chunk_count),
+            awaiting_hash: BTreeMap::new(),
             assembled: FxHashSet::default(),
             failure_reporters: Vec::new(),
             cursor: 0,
@@ -570,16 +576,35 @@ impl Swarm {
         self.holders[i as usize] > 0 && self.hashed.get(i)
     }
 
-    /// The run covering chunk `i`, once each of its chunks is served, is
-    /// dropped and returned so the caller can update its peer.
+    /// The run covering chunk `i`, once each of its chunks is served or
+    /// held by the run's own fetcher, is dropped and returned so the caller
+    /// can update its peer. Its chunks still without a hash await it until
+    /// the run's deadline plus its timeout.
     fn drop_run_if_served(&mut self, i: u32, dropped: &mut Vec<(u32, Run)>) {
-        if let Some((&first, run)) = self.runs.range(..=i).next_back()
-            && i < first + run.count
-            && (first..first + run.count).all(|c| self.is_served(c))
-            && let Some(run) = self.remove_run(first)
+        let Some((&first, run)) = self.runs.range(..=i).next_back() else {
+            return;
+        };
+        let fetcher = self.members.get(&run.peer).map(|m| &m.held);
+        if i >= first + run.count
+            || !(first..first + run.count)
+                .all(|c| self.is_served(c) || fetcher.is_some_and(|h| h.get(c)))
         {
-            dropped.push((first, run));
+            return;
         }
+        let Some(run) = self.remove_run(first) else {
+            return;
+        };
+        let until = run
+            .deadline
+            .checked_add(run.timeout)
+            .unwrap_or(run.deadline);
+        for c in first..first + run.count {
+            if !self.hashed.get(c) {
+                self.assigned.set(c);
+                self.awaiting_hash.insert(c, until);
+            }
+        }
+        dropped.push((first, run));
     }
 
     fn note_maybe_free(&mut self, i: u32) {
@@ -608,8 +633,8 @@ impl Swarm {
         *count += 1;
         if *count == 1 {
             self.held_chunks += 1;
-            self.drop_run_if_served(i, dropped);
         }
+        self.drop_run_if_served(i, dropped);
     }
 
     fn remove_chunk(&mut self, key: PeerKey, i: u32) {
@@ -907,6 +932,10 @@ impl Scheduler {
         swarm.fetchers.remove(&index);
         if index >= swarm.chunk_count || !swarm.hashed.set(index) {
             return;
+        }
+        if swarm.awaiting_hash.remove(&index).is_some() {
+            swarm.assigned.clear(index);
+            swarm.note_maybe_free(index);
         }
         let mut dropped = Vec::new();
         if swarm.holders[index as usize] > 0 {
@@ -1578,6 +1607,9 @@ impl Scheduler {
         swarm.assembled.clear();
         swarm.fetchers.clear();
         swarm.hashed = Bitfield::new(swarm.chunk_count);
+        for (c, _) in std::mem::take(&mut swarm.awaiting_hash) {
+            swarm.assigned.clear(c);
+        }
         swarm.cursor = 0;
         let firsts: Vec<u32> = swarm.runs.keys().copied().collect();
         for first in firsts {
@@ -1646,6 +1678,18 @@ impl Scheduler {
         // for peers the tracker knew, so they stay as few as its peers.
         self.records.retain(|_, r| !r.is_idle() || r.bans > 0);
         for (&digest, swarm) in &mut self.swarms {
+            // A fetcher's hash that never came: the chunk goes to another.
+            let unhashed: Vec<u32> = swarm
+                .awaiting_hash
+                .iter()
+                .filter(|&(_, &until)| now >= until)
+                .map(|(&c, _)| c)
+                .collect();
+            for c in unhashed {
+                swarm.awaiting_hash.remove(&c);
+                swarm.assigned.clear(c);
+                swarm.note_maybe_free(c);
+            }
             let pace = swarm.run_pace;
             let live = swarm.runs.len() as f64;
             let late: Vec<u32> = swarm
@@ -2416,6 +2460,25 @@ mod tests {
     }
 
     #[test]
+    fn a_fetcher_holding_its_run_takes_the_next_and_a_hash_that_never_comes_frees_the_chunk() {
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        let t0 = Instant::now();
+        let first = s.announce(wants("a", 2, &[]), t0).assignments;
+        assert_eq!(chunks_of(&first), vec![0]);
+        // a holds chunk 0; its hash is still on its way.
+        let d = s.announce(added("a", 2, vec![0]), t0);
+        assert_eq!(chunks_of(&d.assignments), vec![1], "the next run at once");
+        // Nobody else is sent for chunk 0 while its hash may come...
+        assert!(s.announce(wants("b", 2, &[]), t0).assignments.is_empty());
+        // ...until the run's deadline and as long again have passed.
+        let late = first[0].deadline + (first[0].deadline - t0) + Duration::from_millis(1);
+        s.announce(added("a", 2, vec![]), late);
+        s.tick(late);
+        let d = s.announce(added("b", 2, vec![]), late);
+        assert_eq!(chunks_of(&d.assignments), vec![0]);
+    }
+
+    #[test]
     fn a_node_claiming_chunks_nobody_published_a_hash_for_stops_no_registry_run() {
         let mut s = Scheduler::new(striped());
         let now = Instant::now();
@@ -2433,14 +2496,13 @@ mod tests {
         let b = s.announce(wants("b", 16, &[]), now).assignments;
         assert_eq!(chunks_of(&a), (0..8).collect::<Vec<_>>());
         assert_eq!(chunks_of(&b), (8..16).collect::<Vec<_>>());
-        // Its claims do not end a run either: a's run ends once a's chunks
-        // are hashed and held, whichever comes last.
-        s.announce(added("a", 16, vec![0, 1, 2, 3]), now);
+        // Its claims do not end a run either; the fetcher's holding does,
+        // its chunks awaiting its hash (nobody else is sent for them).
+        let d = s.announce(added("a", 16, vec![0, 1, 2, 3]), now);
+        assert_eq!(chunks_of(&d.assignments), vec![4, 5, 6, 7]);
         for i in 0..4 {
             s.hash_settled(&blob(), i, now);
         }
-        let d = s.announce(added("a", 16, vec![]), now);
-        assert_eq!(chunks_of(&d.assignments), vec![4, 5, 6, 7]);
         for i in 4..8 {
             s.hash_settled(&blob(), i, now);
         }
