@@ -256,25 +256,8 @@ async fn twelve_honest_nodes_beside_four_liars_complete_intact_and_the_registry_
     stop.store(true, Ordering::Relaxed);
     let (accused, refused) = liars.await.unwrap();
 
-    for a in &honest {
-        assert_eq!(
-            file_digest(&a.blob_path(&digest)),
-            digest,
-            "{} holds a corrupt blob",
-            a.dir.display()
-        );
-    }
-    if let Some(map) = tracker.tracker.map(&d) {
-        for (i, h) in map.hashes().iter().enumerate() {
-            if h.is_some() {
-                assert_eq!(
-                    *h,
-                    real.hashes()[i],
-                    "chunk {i}: a forged hash is handed out"
-                );
-            }
-        }
-    }
+    assert_identical(&honest, &digest);
+    assert_no_forged_hash(&tracker.tracker, &real);
     let egress = (registry.egress() - egress_before) as f64 / size as f64;
     let clean_ratio = clean_egress as f64 / size as f64;
     let last = reports.iter().map(|r| r.seconds).fold(0.0, f64::max);
@@ -315,49 +298,28 @@ async fn a_chunk_corrupted_on_its_way_from_the_registry_costs_the_storm_one_more
     let digest = registry.push("test/corrupt", &src);
     let d: BlobDigest = digest.parse().unwrap();
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
-    let ca = cluster_ca();
     // One bit of the first chunk body to pass 1 MiB: its fetcher hashes the
     // wrong bytes, publishes that hash as the chunk's registry fetcher, and
     // every node assembles a blob that fails its digest.
     registry.corrupt_once(1 << 20);
 
-    let nodes: Vec<Agent> = (0..8)
-        .map(|i| {
-            Agent::start(
-                &ca,
-                &format!("node-{i}"),
-                dir.path(),
-                quick_swarm(vec![tracker.url()]),
-                PeerConfig::default(),
-            )
-        })
-        .collect();
-    let client = registry_client(&registry.url(), None);
-    let pulls: Vec<_> = nodes
-        .iter()
-        .map(|a| {
-            let (swarm, client) = (a.swarm.clone(), client.clone());
-            tokio::spawn(async move { swarm.pull(&client, "test/corrupt", d).await })
-        })
-        .collect();
-    let mut reports = Vec::new();
-    for p in pulls {
-        reports.push(p.await.unwrap().expect("every pull completes"));
-    }
+    let (nodes, reports) = storm(
+        &tracker,
+        &registry,
+        dir.path(),
+        "node",
+        8,
+        "test/corrupt",
+        d,
+    )
+    .await;
 
-    for a in &nodes {
-        assert_eq!(
-            file_digest(&a.blob_path(&digest)),
-            digest,
-            "{} holds a corrupt blob",
-            a.dir.display()
-        );
-    }
+    assert_identical(&nodes, &digest);
     let ratio = registry.egress() as f64 / size as f64;
     let failures: u32 = reports.iter().map(|r| r.map_failures).sum();
-    let alone = reports.iter().filter(|r| r.map_failures >= 2).count();
+    let twice = reports.iter().filter(|r| r.map_failures >= 2).count();
     eprintln!(
-        "registry egress {ratio:.2}x the blob for 8 nodes; {failures} wrong maps met; {alone} pulled alone"
+        "registry egress {ratio:.2}x the blob for 8 nodes; {failures} wrong maps met; {twice} nodes met two"
     );
     assert!(failures > 0, "the corrupted chunk reached the swarm");
     // The storm starts over once, together: about one more copy, not one

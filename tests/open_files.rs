@@ -15,49 +15,12 @@ use dray_agent::store::ChunkStore;
 use dray_agent::tracker_client::TrackerClient;
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::{ChunkMap, DEFAULT_CHUNK_SIZE};
-use std::io::BufRead;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const BLOBS: usize = 600;
 const TRACKER_MAX_BLOBS: usize = 512;
 const MAX_OPEN_IDLE: usize = 16;
 const READ_BLOBS: usize = 300;
-
-/// Starts `dray ARGS` with stderr into `log`; returns once it wrote its
-/// banner, the first line containing `marker` (the announcer may log first).
-fn spawn_with_banner(args: &[&str], marker: &str, log: &Path) -> (Child, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_dray"))
-        .args(args)
-        .env("DRAY_LOG", "info")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
-    let mut file = std::fs::File::create(log).unwrap();
-    let mut banner = String::new();
-    while !banner.contains(marker) {
-        banner.clear();
-        assert_ne!(
-            stderr.read_line(&mut banner).unwrap(),
-            0,
-            "dray {args:?} exited"
-        );
-        std::io::Write::write_all(&mut file, banner.as_bytes()).unwrap();
-    }
-    std::thread::spawn(move || std::io::copy(&mut stderr, &mut file));
-    (child, banner)
-}
-
-fn field(banner: &str, marker: &str) -> String {
-    banner
-        .split(marker)
-        .nth(1)
-        .and_then(|rest| rest.split([' ', ')', ',', '\n']).next())
-        .unwrap_or_else(|| panic!("no {marker:?} in banner {banner:?}"))
-        .to_string()
-}
 
 /// Open file descriptors of process `pid`.
 fn open_fds(pid: u32) -> usize {
@@ -80,15 +43,6 @@ fn blob_bytes(i: usize) -> Vec<u8> {
     let mut bytes: Vec<u8> = (0..4096u32).map(|j| (j * 7 + (j >> 8)) as u8).collect();
     bytes[..8].copy_from_slice(&(i as u64).to_le_bytes());
     bytes
-}
-
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// What the tracker answers node-b wanting `map`'s blob: the peers it names.
@@ -159,13 +113,13 @@ async fn an_agent_holding_600_blobs_keeps_its_files_and_its_announce_within_boun
             ),
     )
     .unwrap();
-    let (tracker, banner) = spawn_with_banner(
+    let tracker = DrayProc::start_until(
         &["tracker", "-c", tracker_toml.to_str().unwrap()],
+        &[("DRAY_LOG", "info")],
         "listening on https://",
         &dir.path().join("tracker.log"),
     );
-    let _tracker = Killed(tracker);
-    let tracker_url = format!("https://{}", field(&banner, "listening on https://"));
+    let tracker_url = format!("https://{}", tracker.banner_field("listening on https://"));
 
     let agent_toml = dir.path().join("node-a.toml");
     std::fs::write(
@@ -185,15 +139,16 @@ async fn an_agent_holding_600_blobs_keeps_its_files_and_its_announce_within_boun
     )
     .unwrap();
     let agent_log = dir.path().join("node-a.log");
-    let (agent, banner) = spawn_with_banner(
+    let agent = DrayProc::start_until(
         &["agent", "-c", agent_toml.to_str().unwrap()],
+        &[("DRAY_LOG", "info")],
         "serving peers on ",
         &agent_log,
     );
-    let agent = Killed(agent);
-    let pid = agent.0.id();
-    let peer_addr = field(&banner, "serving peers on ").parse().unwrap();
-    let admin = field(&banner, "metrics on http://")
+    let pid = agent.pid();
+    let peer_addr = agent.banner_field("serving peers on ").parse().unwrap();
+    let admin = agent
+        .banner_field("metrics on http://")
         .trim_end_matches("/metrics")
         .to_string();
     let fds_at_start = open_fds(pid);

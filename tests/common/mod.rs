@@ -465,17 +465,35 @@ impl DrayProc {
     /// Starts `dray ARGS`, waits for its banner, and keeps draining its stderr
     /// into `log` so that the process never blocks on a full pipe.
     pub fn start(args: &[&str], log: &Path) -> DrayProc {
+        DrayProc::start_until(args, &[], "", log)
+    }
+
+    /// As [`DrayProc::start`], with `envs` set, taking as its banner the first
+    /// stderr line containing `marker` (lines before it, such as logs, go to
+    /// `log` too).
+    pub fn start_until(args: &[&str], envs: &[(&str, &str)], marker: &str, log: &Path) -> DrayProc {
         use std::io::{BufRead, Write};
         let mut child = Command::new(env!("CARGO_BIN_EXE_dray"))
             .args(args)
+            .envs(envs.iter().copied())
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
         let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
-        let mut banner = String::new();
-        stderr.read_line(&mut banner).unwrap();
         let mut file = std::fs::File::create(log).unwrap();
-        file.write_all(banner.as_bytes()).unwrap();
+        let mut banner = String::new();
+        loop {
+            banner.clear();
+            assert_ne!(
+                stderr.read_line(&mut banner).unwrap(),
+                0,
+                "dray {args:?} exited before its banner"
+            );
+            file.write_all(banner.as_bytes()).unwrap();
+            if banner.contains(marker) {
+                break;
+            }
+        }
         std::thread::spawn(move || std::io::copy(&mut stderr, &mut file));
         DrayProc { child, banner }
     }
@@ -500,6 +518,34 @@ impl Drop for DrayProc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Every agent's copy of blob `digest` hashes to it (recomputed here).
+pub fn assert_identical(agents: &[Agent], digest: &str) {
+    for a in agents {
+        assert_eq!(
+            file_digest(&a.blob_path(digest)),
+            digest,
+            "{} holds a different blob",
+            a.dir.display()
+        );
+    }
+}
+
+/// Every hash `tracker` hands out for `real`'s blob is `real`'s: no forged
+/// hash reached a node.
+pub fn assert_no_forged_hash(tracker: &Tracker, real: &dray_protocol::ChunkMap) {
+    if let Some(map) = tracker.map(&real.digest()) {
+        for (i, h) in map.hashes().iter().enumerate() {
+            if h.is_some() {
+                assert_eq!(
+                    *h,
+                    real.hashes()[i],
+                    "chunk {i}: a forged hash is handed out"
+                );
+            }
+        }
     }
 }
 
