@@ -450,8 +450,11 @@ struct Swarm {
     /// Chunks whose run ended when its fetcher held them, before their hash
     /// arrived, with the time they are given up on: the fetcher takes its
     /// next run at once (its hash publication is under way), while nobody
-    /// else is sent for the chunk unless the hash never comes.
-    awaiting_hash: BTreeMap<u32, Instant>,
+    /// else is sent for the chunk unless the hash never comes. With the
+    /// fetcher: one awaiting chunk each, so a fetcher that claims its runs
+    /// and publishes nothing holds back two chunks at a time, not one per
+    /// announce.
+    awaiting_hash: BTreeMap<u32, (Instant, PeerKey)>,
     /// Members that held every chunk at once since the map was last
     /// withdrawn: they may report that the blob failed its digest, also
     /// after their store forgot the chunks of the failed blob and they
@@ -584,12 +587,20 @@ impl Swarm {
         let Some((&first, run)) = self.runs.range(..=i).next_back() else {
             return;
         };
-        let fetcher = self.members.get(&run.peer).map(|m| &m.held);
-        if i >= first + run.count
-            || !(first..first + run.count)
-                .all(|c| self.is_served(c) || fetcher.is_some_and(|h| h.get(c)))
-        {
+        if i >= first + run.count {
             return;
+        }
+        let range = first..first + run.count;
+        if !range.clone().all(|c| self.is_served(c)) {
+            let fetcher = self.members.get(&run.peer).map(|m| &m.held);
+            let awaiting = self.awaiting_hash.values().any(|&(_, k)| k == run.peer);
+            if awaiting
+                || !range
+                    .into_iter()
+                    .all(|c| self.is_served(c) || fetcher.is_some_and(|h| h.get(c)))
+            {
+                return;
+            }
         }
         let Some(run) = self.remove_run(first) else {
             return;
@@ -601,7 +612,7 @@ impl Swarm {
         for c in first..first + run.count {
             if !self.hashed.get(c) {
                 self.assigned.set(c);
-                self.awaiting_hash.insert(c, until);
+                self.awaiting_hash.insert(c, (until, run.peer));
             }
         }
         dropped.push((first, run));
@@ -1682,7 +1693,7 @@ impl Scheduler {
             let unhashed: Vec<u32> = swarm
                 .awaiting_hash
                 .iter()
-                .filter(|&(_, &until)| now >= until)
+                .filter(|&(_, &(until, _))| now >= until)
                 .map(|(&c, _)| c)
                 .collect();
             for c in unhashed {
@@ -2468,6 +2479,10 @@ mod tests {
         // a holds chunk 0; its hash is still on its way.
         let d = s.announce(added("a", 2, vec![0]), t0);
         assert_eq!(chunks_of(&d.assignments), vec![1], "the next run at once");
+        // One chunk awaiting its hash at a time: a fetcher that never
+        // publishes cannot hold back a chunk per announce.
+        let d = s.announce(added("a", 2, vec![1]), t0);
+        assert_eq!(chunks_of(&d.assignments), vec![1]);
         // Nobody else is sent for chunk 0 while its hash may come...
         assert!(s.announce(wants("b", 2, &[]), t0).assignments.is_empty());
         // ...until the run's deadline and as long again have passed.
