@@ -277,9 +277,10 @@ async fn twelve_honest_nodes_beside_four_liars_complete_intact_and_the_registry_
     }
     assert_eq!(failures, 0, "a liar's word withdrew the map");
     assert!(egress <= 1.2, "registry served {egress:.2}x the blob");
-    // The issue asks for 1.5x: measured 1.00-1.11x in four runs and 1.65x
-    // in one on the shared 2-core machine (12 agents, 4 liars and the
-    // registry in one process). 2x still catches a liar freezing a pull.
+    // The issue asks for 1.5x: measured 1.55-1.73x on the shared 2-core
+    // machine (12 agents, 4 liars and the registry in one process; the
+    // accuser's claimed runs hold back two chunks at a time, see
+    // `Swarm::awaiting_hash`). 2x still catches a liar freezing a pull.
     assert!(
         last <= 2.0 * clean_last,
         "the last honest node took {last:.1} s, {:.2}x the clean storm's {clean_last:.1} s",
