@@ -275,7 +275,10 @@ async fn twelve_honest_nodes_beside_four_liars_complete_intact_and_the_registry_
         let id = format!("honest-{i}");
         assert!(!tracker.tracker.standing(&id).banned, "{id} was banned");
     }
-    assert_eq!(failures, 0, "a liar's word withdrew the map");
+    assert_eq!(
+        failures, 0,
+        "a liar's word made an honest node fail a digest"
+    );
     assert!(egress <= 1.2, "registry served {egress:.2}x the blob");
     // The issue asks for 1.5x: measured 1.55-1.73x on the shared 2-core
     // machine (12 agents, 4 liars and the registry in one process; the
@@ -289,8 +292,7 @@ async fn twelve_honest_nodes_beside_four_liars_complete_intact_and_the_registry_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_chunk_corrupted_on_its_way_from_the_registry_costs_the_storm_one_more_copy_not_one_a_node()
- {
+async fn a_chunk_corrupted_on_its_way_from_the_registry_costs_the_storm_at_most_one_more_copy() {
     let dir = tempfile::tempdir().unwrap();
     let registry = Registry::start(None).await;
     let size = 64u64 << 20;
@@ -323,12 +325,14 @@ async fn a_chunk_corrupted_on_its_way_from_the_registry_costs_the_storm_one_more
         "registry egress {ratio:.2}x the blob for 8 nodes; {failures} wrong maps met; {twice} nodes met two"
     );
     assert!(failures > 0, "the corrupted chunk reached the swarm");
-    // The storm starts over once, together: about one more copy, not one
-    // per node pulling alone (9-10x before). Measured 2.00-2.06x, and 2.94x
-    // when a node that restarted before the withdrawal stalls and falls back
-    // to the registry for the chunks nobody had yet.
+    // The nodes keep their chunks and the swarm refetches them from the
+    // registry an eighth at a time, in an order drawn from the digest, until
+    // one differs: half a copy more on average, a whole one when the wrong
+    // chunk comes last. Measured 1.19-2.00x over 24 runs, mean 1.6 (9-10x
+    // when every node pulled alone, 2.00-2.94x when the tracker withdrew the
+    // map and the swarm started over together).
     assert!(
-        ratio < 3.2,
+        ratio < 2.0 + 0.01,
         "registry served {ratio:.2}x the blob after one digest failure"
     );
 }

@@ -41,8 +41,14 @@ pub enum Error {
     UnknownBlob(BlobDigest),
     #[error(transparent)]
     Registry(#[from] crate::registry::RegistryError),
-    #[error("the tracker withdrew the chunk map of {0}")]
-    Withdrawn(BlobDigest),
+    #[error(
+        "chunk {index} of {digest} hashes to what its map said before a recheck replaced that hash: its sender has not heard of the replacement yet"
+    )]
+    Superseded { digest: BlobDigest, index: u32 },
+    #[error("the tracker replaced the hashes of {chunks} chunks of {digest} held here")]
+    Replaced { digest: BlobDigest, chunks: u32 },
+    #[error("blob {0} failed its digest and the swarm's recheck found no wrong chunk in time")]
+    RecheckStalled(BlobDigest),
     #[error("blob {digest} could not be completed: {detail}")]
     Incomplete { digest: BlobDigest, detail: String },
     #[error("blob {digest} refused before reserving disk: {detail}")]

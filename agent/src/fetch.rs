@@ -446,6 +446,17 @@ impl Transfer {
         self.released.notify_waiters();
     }
 
+    /// `peer` no longer offers chunk `index` (until its bitfield says so anew).
+    fn forget_offer(&self, peer: &str, index: u32) {
+        let mut sh = self.lock();
+        let known = self.blob.known();
+        let Shared { picker, raw, .. } = &mut *sh;
+        if let Some(bits) = raw.get_mut(peer) {
+            bits.clear(index);
+            picker.set_peer(peer.to_string(), usable(bits, &known));
+        }
+    }
+
     /// Takes a peer's latest bitfield: keeps it raw and gives the picker the
     /// chunks usable now; wakes idle lanes if it changed. Returns whether it did.
     fn offer(&self, peer: &str, bits: Bitfield) -> bool {
@@ -832,6 +843,13 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
                 // Also wakes lanes waiting on chunks in flight (the end of a
                 // plain transfer, say).
                 t.end_request(index, &peer, Ended::Held(rate));
+            }
+            Err(Error::Superseded { .. }) => {
+                // Stale, not lying: it drops the chunk at its next announce.
+                tracing::info!(%peer, index, "peer sent a chunk whose hash was replaced; asking another");
+                t.forget_offer(&peer, index);
+                t.end_request(index, &peer, Ended::Failed);
+                continue;
             }
             Err(Error::Verify(VerifyError::ChunkHash { .. } | VerifyError::ChunkLength { .. })) => {
                 tracing::warn!(%peer, index, digest = %map.digest(), "peer sent a chunk that fails its hash; banning it");

@@ -56,8 +56,8 @@ label_values! {
         TrackerSilent => "tracker_silent",
         /// Nothing arrived or was in flight for `swarm.stall_ms`.
         Stall => "stall",
-        /// The blob failed its digest or the tracker withdrew its chunk map:
-        /// pulled again from the registry alone.
+        /// The blob failed its digest twice in one pull, or its recheck found
+        /// nothing wrong: pulled again from the registry alone.
         MapFailure => "map_failure",
     }
 }

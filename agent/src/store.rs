@@ -25,7 +25,7 @@
 
 use crate::bounded::BoundedMap;
 use crate::error::{Error, Result};
-use dray_protocol::chunkmap::{ChunkMapBuilder, PrefixHasher};
+use dray_protocol::chunkmap::{ChunkHash, ChunkMapBuilder, PrefixHasher, chunk_hash};
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap, VerifyError, pb};
 use prost::Message;
 use std::collections::HashMap;
@@ -183,7 +183,8 @@ pub struct Progress {
     pub held: u32,
     /// The whole blob matched its digest.
     pub complete: bool,
-    /// The blob failed its digest and was emptied; readers must stop.
+    /// The blob failed its digest, or a chunk of its in-order prefix was
+    /// replaced: readers must stop.
     pub failed: bool,
 }
 
@@ -208,7 +209,20 @@ struct BlobState {
     recorded_complete: bool,
     /// How many chunk hashes the log holds.
     recorded_known: u32,
+    /// Every chunk was held and the blob failed its digest: the chunks stay
+    /// while the swarm rechecks them against the registry.
+    failed: bool,
+    /// Chunks fetched again from the registry since the blob failed.
+    rechecked: Bitfield,
+    /// Hashes replaced since the blob was opened, with their chunk: a peer
+    /// sending such a chunk has not heard of the replacement yet and is not
+    /// lying. At most `MAX_SUPERSEDED`, oldest dropped.
+    superseded: Vec<(u32, ChunkHash)>,
 }
+
+/// Replaced hashes remembered per open blob (one per recheck that found a
+/// wrong chunk: a handful in a blob's life).
+const MAX_SUPERSEDED: usize = 16;
 
 impl Blob {
     /// The chunk map as known now.
@@ -266,6 +280,81 @@ impl Blob {
         Ok(self.write_map().merge(map)?)
     }
 
+    /// Takes the tracker's hashes: those this map lacks, and those that
+    /// differ from one it holds, which replaced it (see [`Blob::supersede`]),
+    /// except for chunks rechecked here against the registry. Returns how
+    /// many were new and how many held chunks were dropped.
+    pub fn adopt(&self, map: &ChunkMap) -> Result<(u32, u32)> {
+        if !same_geometry(&self.read_map(), map) {
+            return Ok((self.learn(map)?, 0));
+        }
+        let (mut learned, mut dropped) = (0, 0);
+        for (i, h) in map.hashes().iter().enumerate() {
+            let (i, Some(h)) = (i as u32, *h) else {
+                continue;
+            };
+            // Read first: the map's read guard must not live into the arms.
+            let ours = self.read_map().hashes()[i as usize];
+            match ours {
+                Some(ours) if ours == h => {}
+                // This node fetched the chunk again from the registry since
+                // the blob failed: those bytes win over the tracker's hash
+                // until it hears of them (the answer may predate the
+                // publication).
+                Some(_) if self.lock().rechecked.get(i) => {}
+                None => learned += u32::from(self.write_map().set_hash(i, h)?),
+                Some(_) => {
+                    learned += 1;
+                    dropped += u32::from(self.supersede(i, h)?);
+                }
+            }
+        }
+        Ok((learned, dropped))
+    }
+
+    /// Chunk `index`'s hash is `hash` from now on. A chunk held under
+    /// another hash is dropped (its bytes stay on disk until overwritten);
+    /// if the in-order digest check had passed it, the check starts over
+    /// and streaming readers stop. Returns whether a held chunk was dropped.
+    fn supersede(&self, index: u32, hash: ChunkHash) -> Result<bool> {
+        let mut prefix = self.prefix.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(old) = self.write_map().replace_hash(index, hash)? else {
+            return Ok(false);
+        };
+        let dropped = {
+            let mut st = self.lock();
+            if st.superseded.len() >= MAX_SUPERSEDED {
+                st.superseded.remove(0);
+            }
+            st.superseded.push((index, old));
+            // The log holds the old hash: the next persist records the map.
+            st.recorded_known = u32::MAX;
+            st.failed = false;
+            st.held.clear(index)
+        };
+        if dropped && prefix.next_chunk() > index {
+            *prefix = PrefixHasher::new();
+            self.progress.send_replace(Progress {
+                failed: true,
+                ..Progress::default()
+            });
+        }
+        Ok(dropped)
+    }
+
+    /// Whether the blob held every chunk and failed its digest (the chunks
+    /// stay for the swarm's recheck).
+    pub fn is_failed(&self) -> bool {
+        self.lock().failed
+    }
+
+    /// Whether a registry fetch of held chunk `index` is a recheck: the blob
+    /// failed its digest and the chunk was not fetched again since. Marks it.
+    pub fn take_recheck(&self, index: u32) -> bool {
+        let mut st = self.lock();
+        st.failed && st.held.get(index) && st.rechecked.set(index)
+    }
+
     /// Recuts a blob that holds nothing yet into `map`'s chunks (the chunk
     /// size its swarm already uses), taking `map`'s hashes. False if the
     /// blob holds chunks: they stay, and so does its geometry.
@@ -283,6 +372,7 @@ impl Blob {
         *current = map.clone();
         state.held = Bitfield::new(map.chunk_count());
         state.recorded = Bitfield::new(map.chunk_count());
+        state.rechecked = Bitfield::new(map.chunk_count());
         // Not what the log holds: the next persist records the new geometry.
         state.recorded_known = u32::MAX;
         Ok(true)
@@ -339,28 +429,46 @@ impl Blob {
     ///
     /// An error for the blob digest means every chunk was verified yet the blob
     /// does not match: the chunk map was wrong. The blob is then emptied.
+    ///
+    /// A chunk that hashes to one its map replaced is refused as
+    /// [`Error::Superseded`]: its sender had not heard of the replacement.
     pub fn put_chunk(&self, index: u32, bytes: &[u8]) -> Result<PutOutcome> {
-        self.read_map().verify_chunk(index, bytes)?;
+        let checked = self.read_map().verify_chunk(index, bytes);
+        if let Err(VerifyError::ChunkHash { .. }) = checked {
+            let hash = chunk_hash(bytes);
+            if self.lock().superseded.contains(&(index, hash)) {
+                return Err(Error::Superseded {
+                    digest: self.digest,
+                    index,
+                });
+            }
+        }
+        checked?;
         self.write_verified(index, bytes)
     }
 
     /// Stores chunk `index` read from the blob's origin (the registry), and
     /// records its hash so that it can be published and checked by others.
-    /// The whole-blob digest check still guards it.
+    /// The registry's bytes win over a hash learned from the swarm: a held
+    /// chunk that differs is replaced (a recheck after a digest failure
+    /// finding the wrong chunk). The whole-blob digest check still guards it.
     pub fn put_origin_chunk(&self, index: u32, bytes: &[u8]) -> Result<PutOutcome> {
-        {
-            let mut map = self.write_map();
-            let want = map.chunk_len(index);
-            if bytes.len() != want || index >= map.chunk_count() {
-                return Err(VerifyError::ChunkLength {
-                    digest: self.digest,
-                    index,
-                    got: bytes.len(),
-                    want,
-                }
-                .into());
+        let want = self.read_map().chunk_len(index);
+        if bytes.len() != want || index >= self.read_map().chunk_count() {
+            return Err(VerifyError::ChunkLength {
+                digest: self.digest,
+                index,
+                got: bytes.len(),
+                want,
             }
-            map.set_hash(index, dray_protocol::chunkmap::chunk_hash(bytes))?;
+            .into());
+        }
+        let hash = chunk_hash(bytes);
+        if self.read_map().hashes()[index as usize] == Some(hash) && self.has(index) {
+            return Ok(PutOutcome::Duplicate);
+        }
+        if self.supersede(index, hash)? {
+            tracing::warn!(digest = %self.digest, index, "the registry sent other bytes for a chunk held here: replacing it");
         }
         self.write_verified(index, bytes)
     }
@@ -406,7 +514,11 @@ impl Blob {
         let result = done.finish(&self.read_map());
         match result {
             Ok(()) => {
-                self.lock().complete = true;
+                {
+                    let mut st = self.lock();
+                    st.complete = true;
+                    st.failed = false;
+                }
                 self.progress.send_replace(Progress {
                     chunks: count,
                     held: count,
@@ -416,7 +528,11 @@ impl Blob {
                 Ok(PutOutcome::Completed)
             }
             Err(e) => {
-                self.lock().held = Bitfield::new(count);
+                {
+                    let mut st = self.lock();
+                    st.failed = true;
+                    st.rechecked = Bitfield::new(count);
+                }
                 self.progress.send_replace(Progress {
                     failed: true,
                     ..Progress::default()
@@ -983,6 +1099,9 @@ impl ChunkStore {
                 recorded: Bitfield::new(count),
                 recorded_complete: false,
                 recorded_known: 0,
+                failed: false,
+                rechecked: Bitfield::new(count),
+                superseded: Vec::new(),
             }),
             prefix: Mutex::new(PrefixHasher::new()),
             progress: tokio::sync::watch::Sender::new(Progress::default()),
@@ -1281,7 +1400,7 @@ mod tests {
     }
 
     #[test]
-    fn a_wrong_chunk_map_is_caught_by_the_blob_digest_and_emptied() {
+    fn a_wrong_chunk_map_is_caught_by_the_blob_digest_and_the_wrong_chunk_replaced() {
         let dir = tempfile::tempdir().unwrap();
         let store = ChunkStore::open(dir.path()).unwrap();
         let bytes = data(2 * 65536, 3);
@@ -1302,10 +1421,47 @@ mod tests {
         blob.put_chunk(1, &forged_bytes[65536..]).unwrap();
         let err = blob.put_chunk(0, &forged_bytes[..65536]).unwrap_err();
         assert!(err.to_string().contains("not its digest"), "{err}");
-        assert_eq!(blob.held().count(), 0);
-        let p = *blob.subscribe().borrow();
-        assert_eq!((p.held, p.failed), (0, true));
-        assert!(!blob.is_complete());
+        // The chunks stay for the recheck; readers stop.
+        assert_eq!(blob.held().count(), 2);
+        assert!(blob.subscribe().borrow().failed);
+        assert!(!blob.is_complete() && blob.is_failed());
+        // A recheck fetches each chunk once; the same bytes change nothing.
+        assert!(blob.take_recheck(1));
+        assert!(!blob.take_recheck(1));
+        assert_eq!(
+            blob.put_origin_chunk(1, &bytes[65536..]).unwrap(),
+            PutOutcome::Duplicate
+        );
+        // Another node's store, told of the replaced hash, drops its chunk
+        // and takes a stale peer's copy for what it is, not for a lie.
+        let dir2 = tempfile::tempdir().unwrap();
+        let other = ChunkStore::open(dir2.path())
+            .unwrap()
+            .blob(&forged)
+            .unwrap();
+        other.put_chunk(0, &forged_bytes[..65536]).unwrap();
+        assert_eq!(other.adopt(&honest).unwrap(), (1, 1));
+        assert!(!other.has(0));
+        assert!(matches!(
+            other.put_chunk(0, &forged_bytes[..65536]),
+            Err(Error::Superseded { index: 0, .. })
+        ));
+        // The registry's bytes for the wrong chunk replace it: complete.
+        assert!(blob.take_recheck(0));
+        assert_eq!(
+            blob.put_origin_chunk(0, &bytes[..65536]).unwrap(),
+            PutOutcome::Completed
+        );
+        assert!(blob.is_complete() && !blob.is_failed());
+        assert_eq!(blob.map().hashes(), honest.hashes());
+        // The tracker's answer, sent before it heard of the recheck, does
+        // not undo it.
+        assert_eq!(blob.adopt(&forged).unwrap(), (0, 0));
+        assert!(blob.is_complete());
+        assert_eq!(
+            other.put_chunk(0, &bytes[..65536]).unwrap(),
+            PutOutcome::Stored
+        );
     }
 
     #[test]

@@ -17,8 +17,10 @@
 //! fetch), and a node republishes the hashes of every chunk it holds when a
 //! tracker asks for a full announce, so a restarted tracker can again vouch
 //! for chunks only partial holders have. If the assembled blob fails its
-//! digest (a published hash was wrong), the agent reports it, so the tracker
-//! withdraws the map, and pulls the blob again from the registry alone.
+//! digest (a published hash was wrong), the agent reports it and keeps its
+//! chunks while the tracker rechecks them against the registry; a chunk
+//! whose hash the recheck replaces is fetched again. A second failure in one
+//! pull sends the node to the registry alone.
 //!
 //! An announce lists what the store holds, from its records (closed blobs
 //! included), within the tracker's limits: at most `max_announce_blobs`
@@ -139,7 +141,6 @@ struct Update {
     peers: Vec<PeerAddr>,
     runs: Vec<(u32, u32)>,
     map: Option<ChunkMap>,
-    withdrawn: bool,
 }
 
 /// A blob being pulled.
@@ -544,7 +545,6 @@ impl Swarm {
                 peers,
                 runs,
                 map,
-                withdrawn: resp.withdrawn.contains(&key),
             };
             if let Some(w) = lock(&self.wanted).get(d) {
                 w.updates.send_replace(update);
@@ -569,7 +569,7 @@ impl Swarm {
         };
         let mut alone = !self.tracker.is_configured();
         let mut recut = false;
-        // Wrong maps this node found itself (not withdrawals it was told of).
+        // Wrong maps this node found itself (not replacements it was told of).
         let mut own_failures = 0;
         loop {
             let map = ChunkMap::unhashed(digest, size, self.config.chunk_size)?;
@@ -621,42 +621,32 @@ impl Swarm {
                     tracing::info!(%digest, chunk_size, "joining the swarm in its chunk size");
                     recut = true;
                 }
-                // Other nodes reported the failure and the tracker withdrew
-                // the map: start over through the swarm, dropping whatever
-                // was verified against it. Reporting it again would only cost
-                // the swarm another copy of the blob. Withdrawals are few (a
-                // quorum of nodes, each believed once per report window), so
-                // this cannot go on.
-                Err(Error::Withdrawn(_)) if !alone => {
-                    if transfer.blob().held().count() > 0 {
-                        report.map_failures += 1;
-                        tracing::warn!(%digest, "the tracker withdrew the blob's chunk map; pulling it again through the swarm");
-                    } else {
-                        tracing::info!(%digest, "the tracker withdrew the blob's chunk map; starting over");
-                    }
-                    self.forget(digest).await?;
+                // A recheck found a wrong chunk held here: the new attempt
+                // fetches what was dropped, through the swarm.
+                Err(Error::Replaced { chunks, .. }) => {
+                    report.map_failures += 1;
+                    tracing::warn!(%digest, chunks, "the swarm replaced chunks held here; fetching them again");
                 }
                 Err(e) if is_map_failure(&e) && !alone => {
                     report.map_failures += 1;
                     own_failures += 1;
-                    self.node.metrics().fell_back(FallbackReason::MapFailure);
                     // A second wrong map of our own in one pull: the swarm
                     // cannot be trusted with this blob now, the registry
                     // alone can.
                     alone = own_failures >= MAP_FAILURES_BEFORE_ALONE;
-                    let how = if alone {
-                        "from the registry alone"
-                    } else {
-                        "again through the swarm"
-                    };
-                    tracing::warn!(error = %e, %digest, "the published chunk map was wrong; pulling the blob {how}");
                     // The tracker believes a node once per report window.
                     if own_failures == 1 {
                         self.report_digest_failure(&transfer.blob().map(), registry.base())
                             .await;
                     }
-                    lock(&self.wanted).remove(&digest);
-                    self.forget(digest).await?;
+                    if alone {
+                        tracing::warn!(error = %e, %digest, "the published chunk map was wrong again; pulling the blob from the registry alone");
+                        self.node.metrics().fell_back(FallbackReason::MapFailure);
+                        lock(&self.wanted).remove(&digest);
+                        self.forget(digest).await?;
+                    } else {
+                        tracing::warn!(error = %e, %digest, "the published chunk map was wrong; keeping the chunks while the swarm rechecks them against the registry");
+                    }
                 }
                 Err(e) => return Err(e),
             }
@@ -709,9 +699,6 @@ impl Swarm {
             }
             if std::mem::take(&mut woke) || rx.has_changed().unwrap_or(false) {
                 let u = rx.borrow_and_update().clone();
-                if u.withdrawn && !alone {
-                    return Err(Error::Withdrawn(digest));
-                }
                 if u.tracker_ok && u.fetching {
                     // A registry slower than the stall rule (a first chunk
                     // can take minutes when many runs share a slow link)
@@ -746,10 +733,10 @@ impl Swarm {
                         }
                         tracing::warn!(%digest, swarm = m.chunk_size(), ours = t.blob().chunk_size(), "the swarm cuts this blob in other chunks than the ones held here");
                     } else if let Some(m) = &u.map {
-                        match t.blob().learn(m) {
-                            Ok(n) if n > 0 => t.nudge(),
-                            Ok(_) => {}
-                            Err(e) => return Err(e),
+                        match t.blob().adopt(m)? {
+                            (_, chunks @ 1..) => return Err(Error::Replaced { digest, chunks }),
+                            (1.., _) => t.nudge(),
+                            _ => {}
                         }
                     }
                     for p in u.peers {
@@ -779,6 +766,14 @@ impl Swarm {
             } else {
                 None
             };
+            if fallback != Fallback::All
+                && wanted.is_some_and(|(mode, _)| mode == Fallback::All)
+                && t.blob().is_failed()
+            {
+                // Every chunk is held: the registry fallback has nothing to
+                // fetch, and the recheck found nothing wrong in time.
+                return Err(Error::RecheckStalled(digest));
+            }
             if let Some((mode, reason)) = wanted.filter(|&(mode, _)| mode > fallback) {
                 tracing::warn!(%digest, ?reason, tracker_silent_s = last_tracker.elapsed().as_secs_f64(), "falling back to the registry");
                 self.node.metrics().fell_back(reason);
@@ -862,18 +857,20 @@ impl Swarm {
 }
 
 /// Wrong chunk maps one pull finds itself before it fetches the blob from
-/// the registry alone. The first costs a pull through the swarm again (the
-/// tracker withdraws the map once a quorum of nodes reports it, and every
-/// node starts over together: about one more copy of the blob from the
-/// registry, whatever the node count); a second one in the same pull means
-/// the swarm keeps getting it wrong.
+/// the registry alone. After the first the node keeps its chunks: once a
+/// quorum of nodes reports the failure the tracker has the chunks fetched
+/// again from the registry, a few at a time, until one differs, whose hash
+/// it replaces; every node then fetches that chunk again from a peer (about
+/// half a copy more of the blob from the registry on average, whatever the
+/// node count). A second failure in the same pull means the swarm keeps
+/// getting it wrong.
 const MAP_FAILURES_BEFORE_ALONE: u32 = 2;
 
 /// Errors that mean the published chunk map cannot be trusted.
 fn is_map_failure(e: &Error) -> bool {
     matches!(
         e,
-        Error::Withdrawn(_)
+        Error::RecheckStalled(_)
             | Error::Verify(VerifyError::BlobDigest { .. } | VerifyError::HashConflict { .. })
     )
 }
@@ -906,10 +903,18 @@ async fn fetch_run(
         if cancel.is_cancelled() {
             return Ok(());
         }
-        if !t.claim(index) {
+        // A chunk held by a blob that failed its digest is fetched again and
+        // compared: the tracker's recheck.
+        let recheck = t.blob().take_recheck(index);
+        if !recheck && !t.claim(index) {
             continue;
         }
-        tracing::debug!(index, "requesting registry chunk");
+        let settle = |stored| {
+            if !recheck {
+                t.settle(index, stored);
+            }
+        };
+        tracing::debug!(index, recheck, "requesting registry chunk");
         let digest = map.digest();
         let range = registry.blob_range(
             &repo,
@@ -918,20 +923,22 @@ async fn fetch_run(
             map.chunk_len(index) as u64,
         );
         let Some(fetched) = cancel.run_until_cancelled(range).await else {
-            t.settle(index, false);
+            settle(false);
             return Ok(());
         };
         let data = match fetched {
             Ok(d) => d,
             Err(e) => {
-                t.settle(index, false);
+                settle(false);
                 return Err(e.into());
             }
         };
         match t.store(index, data, None).await {
-            Ok(PutOutcome::Stored | PutOutcome::Completed) => {
-                tracing::debug!(index, "registry chunk stored");
-                t.settle(index, true);
+            // A recheck publishes the hash even when it is the same: that
+            // settles the chunk at the tracker, and the next goes out.
+            Ok(outcome) if recheck || outcome != PutOutcome::Duplicate => {
+                tracing::debug!(index, recheck, "registry chunk stored");
+                settle(true);
                 // Peers can take the chunk only once its hash is published;
                 // the next chunk need not wait for that (nor for a dead
                 // tracker's timeout), and neither need the announce that
@@ -941,7 +948,7 @@ async fn fetch_run(
                 tokio::spawn(async move { publisher.publish_chunk(index, &blob).await });
                 swarm.poke.notify_one();
             }
-            Ok(PutOutcome::Duplicate) => t.settle(index, true),
+            Ok(_) => t.settle(index, true),
             Err(e) => {
                 if matches!(
                     e,
@@ -951,7 +958,7 @@ async fn fetch_run(
                 ) {
                     swarm.node.metrics().verify_failed(Source::Registry);
                 }
-                t.settle(index, false);
+                settle(false);
                 return Err(e);
             }
         }

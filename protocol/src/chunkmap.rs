@@ -176,6 +176,25 @@ impl ChunkMap {
         }
     }
 
+    /// Sets chunk `index`'s hash whatever it was; returns the one it replaced
+    /// (`None` if it had none or the same).
+    pub fn replace_hash(
+        &mut self,
+        index: u32,
+        hash: ChunkHash,
+    ) -> Result<Option<ChunkHash>, VerifyError> {
+        let (digest, count) = (self.digest, self.chunk_count());
+        let slot = self
+            .hashes
+            .get_mut(index as usize)
+            .ok_or(VerifyError::OutOfRange {
+                digest,
+                index,
+                count,
+            })?;
+        Ok(slot.replace(hash).filter(|old| *old != hash))
+    }
+
     /// Takes every hash `other` knows that this map lacks; refuses conflicts
     /// and maps of another blob or geometry.
     pub fn merge(&mut self, other: &ChunkMap) -> Result<u32, VerifyError> {

@@ -282,12 +282,7 @@ struct TrackerState {
     /// Chunk maps as published so far, per blob; may be partial. Shared
     /// with answers being encoded, so that the lock is not held for that.
     maps: HashMap<BlobDigest, Arc<ChunkMap>>,
-    /// Maps withdrawn after a digest failure, while their blob is tracked: a
-    /// hash of theirs is taken again only from the chunk's new registry
-    /// fetcher, never from nodes agreeing on it (every node that assembled
-    /// the bad blob holds the same wrong chunk, and any two would agree).
-    discredited: HashMap<BlobDigest, Arc<ChunkMap>>,
-    /// Bytes the maps and discredited maps hold (`HASH_SLOT_BYTES` a chunk).
+    /// Bytes the maps hold (`HASH_SLOT_BYTES` a chunk).
     map_bytes: u64,
     /// Hashes published by nodes that were not the chunk's registry
     /// fetcher, with their publishers, oldest first: one is taken once a
@@ -339,7 +334,6 @@ impl Tracker {
                 maps: HashMap::new(),
                 map_bytes: 0,
                 unconfirmed: HashMap::new(),
-                discredited: HashMap::new(),
                 limits: Limits {
                     max_nodes: config.max_nodes,
                     max_blobs_per_node: config.max_blobs_per_node,
@@ -471,16 +465,13 @@ impl Tracker {
                 let reporter = speaker("a digest-failure report", f.reporter, certified)?;
                 let d = digest(&f.digest)?;
                 let mut st = self.lock();
-                let withdrawn = st.scheduler.blob_failed(&reporter, &d, now)?;
-                if withdrawn {
-                    st.discredit_map(&d);
-                }
+                let rechecking = st.scheduler.blob_failed(&reporter, &d, now)?;
                 drop(st);
-                if withdrawn {
+                if rechecking {
                     self.metrics.digest_failed();
-                    tracing::warn!(digest = %d, %reporter, "blob failed its digest at several nodes; chunk map withdrawn");
+                    tracing::warn!(digest = %d, %reporter, "blob failed its digest at several nodes; rechecking its chunks against the registry");
                 } else {
-                    tracing::warn!(digest = %d, %reporter, "a node reports that a blob failed its digest; its map stays until another node says so");
+                    tracing::warn!(digest = %d, %reporter, "a node reports that a blob failed its digest; nothing is rechecked until another node says so");
                 }
                 Ok(None)
             }
@@ -690,7 +681,6 @@ impl TrackerState {
             interval_ms: decision.interval.as_millis() as u32,
             chunk_maps: Vec::new(),
             resend_full: decision.resend_full,
-            withdrawn: decision.withdrawn.iter().map(ToString::to_string).collect(),
             fetching: decision.fetching.iter().map(ToString::to_string).collect(),
             holders: decision
                 .holders
@@ -735,8 +725,11 @@ impl TrackerState {
 
     /// Takes the hashes of `map` that `publisher` may vouch for: those of
     /// chunks the tracker assigned it to fetch from the registry, and others
-    /// once a second node publishes the same. Returns how many it took. A
-    /// hash differing from one taken already refuses the whole map.
+    /// once a second node publishes the same. A chunk's hash differing from
+    /// the one taken already replaces it only when the publisher fetched the
+    /// chunk again from the registry for a recheck (the blob failed its
+    /// digest); otherwise it refuses the whole map. Returns how many hashes
+    /// it took.
     fn publish(
         &mut self,
         publisher: &str,
@@ -745,10 +738,14 @@ impl TrackerState {
     ) -> Result<u32, TrackerError> {
         let d = map.digest();
         self.check_map(d, map.size(), map.chunk_size(), map.chunk_count())?;
+        let rechecked = |s: &Self, i: u32| {
+            s.scheduler.rechecking(&d, i) && s.scheduler.registry_fetcher(&d, i) == Some(publisher)
+        };
         if let Some(known) = self.maps.get(&d) {
             for (i, (new, old)) in map.hashes().iter().zip(known.hashes()).enumerate() {
                 if let (Some(new), Some(old)) = (new, old)
                     && new != old
+                    && !rechecked(self, i as u32)
                 {
                     return Err(dray_protocol::VerifyError::HashConflict {
                         digest: d,
@@ -758,27 +755,24 @@ impl TrackerState {
                 }
             }
         }
-        let mut take = Vec::new();
+        let (mut take, mut replace) = (Vec::new(), Vec::new());
         for (i, h) in map.hashes().iter().enumerate() {
             let (i, Some(h)) = (i as u32, h) else {
                 continue;
             };
-            if self
-                .maps
-                .get(&d)
-                .is_some_and(|m| m.hashes()[i as usize].is_some())
-            {
+            let known = self.maps.get(&d).and_then(|m| m.hashes()[i as usize]);
+            if rechecked(self, i) {
+                match known {
+                    Some(old) if old == *h => self.scheduler.hash_settled(&d, i, now),
+                    _ => replace.push((i, *h)),
+                }
+                continue;
+            }
+            if known.is_some() {
                 continue;
             }
             if self.scheduler.registry_fetcher(&d, i) == Some(publisher) {
                 take.push((i, *h));
-                continue;
-            }
-            if self
-                .discredited
-                .get(&d)
-                .is_some_and(|m| m.hashes()[i as usize] == Some(*h))
-            {
                 continue;
             }
             let pending = self.unconfirmed.len();
@@ -809,8 +803,17 @@ impl TrackerState {
                 }
             }
         }
+        if let Some(stored) = self.maps.get_mut(&d) {
+            let stored = Arc::make_mut(stored);
+            for &(i, h) in &replace {
+                stored.replace_hash(i, h)?;
+                self.scheduler.chunk_replaced(&d, i, now);
+                tracing::warn!(digest = %d, index = i, %publisher,
+                    "a chunk fetched again from the registry differs from its published hash: the hash is replaced, and holders of the old chunk fetch it again");
+            }
+        }
         if take.is_empty() {
-            return Ok(0);
+            return Ok(replace.len() as u32);
         }
         if !self.maps.contains_key(&d) {
             let more = u64::from(map.chunk_count()) * HASH_SLOT_BYTES;
@@ -836,23 +839,10 @@ impl TrackerState {
     }
 
     fn forget_map(&mut self, digest: &BlobDigest) {
-        let maps = [self.maps.remove(digest), self.discredited.remove(digest)];
-        for m in maps.into_iter().flatten() {
+        if let Some(m) = self.maps.remove(digest) {
             self.map_bytes -= u64::from(m.chunk_count()) * HASH_SLOT_BYTES;
         }
         self.unconfirmed.retain(|(d, _), _| d != digest);
-    }
-
-    /// The blob failed its digest: its map is handed out no more, and its
-    /// hashes need a new registry fetcher to be taken again.
-    fn discredit_map(&mut self, digest: &BlobDigest) {
-        self.unconfirmed.retain(|(d, _), _| d != digest);
-        let Some(m) = self.maps.remove(digest) else {
-            return;
-        };
-        if let Some(old) = self.discredited.insert(*digest, m) {
-            self.map_bytes -= u64::from(old.chunk_count()) * HASH_SLOT_BYTES;
-        }
     }
 
     /// Drops maps and unconfirmed hashes of blobs no longer tracked.
@@ -860,7 +850,6 @@ impl TrackerState {
         let gone: Vec<BlobDigest> = self
             .maps
             .keys()
-            .chain(self.discredited.keys())
             .filter(|d| self.scheduler.geometry(d).is_none())
             .copied()
             .collect();
@@ -1049,7 +1038,7 @@ mod tests {
     }
 
     #[test]
-    fn a_restarted_tracker_asks_for_full_announces_and_a_digest_failure_withdraws_the_map() {
+    fn a_restarted_tracker_asks_for_full_announces() {
         let t = Tracker::new(&TrackerConfig::default());
         let d = BlobDigest::of(b"blob");
         let resp = t
@@ -1057,30 +1046,6 @@ mod tests {
             .unwrap()
             .unwrap();
         assert!(resp.resend_full);
-        let mut all = Bitfield::new(1);
-        all.set(0);
-        for p in ["a", "b", "c"] {
-            t.handle(
-                announce(p, d, 1 << 22, Some(&all), true),
-                None,
-                Instant::now(),
-            )
-            .unwrap();
-        }
-        let withdrawn = |p: &str| {
-            t.handle(announce(p, d, 1 << 22, None, false), None, Instant::now())
-                .unwrap()
-                .unwrap()
-                .withdrawn
-        };
-        // One node's word is not enough; a second's is.
-        t.handle(digest_failed("a", d), None, Instant::now())
-            .unwrap();
-        assert!(withdrawn("c").is_empty());
-        t.handle(digest_failed("b", d), None, Instant::now())
-            .unwrap();
-        assert_eq!(withdrawn("c"), vec![d.to_string()]);
-        assert_eq!(withdrawn("a"), vec![d.to_string()]);
     }
 
     fn digest_failed(reporter: &str, d: BlobDigest) -> pb::TrackerRequest {
@@ -1093,7 +1058,7 @@ mod tests {
     }
 
     #[test]
-    fn a_withdrawn_maps_hashes_are_taken_again_only_from_a_new_registry_fetcher() {
+    fn after_a_digest_failure_a_hash_is_replaced_only_by_the_chunks_new_registry_fetcher() {
         let t = Tracker::new(&TrackerConfig::default());
         let d = BlobDigest::of(b"blob");
         let (size, now) = (1u64 << 22, Instant::now());
@@ -1114,30 +1079,29 @@ mod tests {
             t.handle(announce(p, d, size, Some(&all), true), Some(p), now)
                 .unwrap();
         }
-        for p in ["b", "c"] {
-            t.handle(digest_failed(p, d), Some(p), now).unwrap();
-        }
-        assert!(t.map(&d).is_none(), "withdrawn");
-        // b and c, still holding the blob that failed, agree on its hash:
-        // that proves nothing.
-        t.handle(publish("b", &hashed(6)), Some("b"), now).unwrap();
-        t.handle(publish("c", &hashed(6)), Some("c"), now).unwrap();
-        assert!(
-            t.map(&d).is_none(),
-            "a withdrawn hash taken from nodes agreeing"
-        );
-        // The chunk's new registry fetcher is believed.
-        for p in ["b", "c"] {
-            t.handle(announce(p, d, size, Some(&none), true), Some(p), now)
-                .unwrap();
-        }
-        let fetcher = ["b", "c"]
-            .into_iter()
-            .find(|p| t.lock().scheduler.registry_fetcher(&d, 0) == Some(p))
-            .expect("a new run covers the chunk");
-        t.handle(publish(fetcher, &hashed(7)), Some(fetcher), now)
+        let rechecking = || t.lock().scheduler.rechecking(&d, 0);
+        // One node's word is not enough; a second's is.
+        t.handle(digest_failed("b", d), Some("b"), now).unwrap();
+        assert!(!rechecking());
+        t.handle(digest_failed("c", d), Some("c"), now).unwrap();
+        assert!(rechecking());
+        assert_eq!(t.map(&d).unwrap().hashes()[0], Some([6; 32]), "kept");
+        let fetcher = t
+            .handle(announce("b", d, size, Some(&all), true), Some("b"), now)
+            .unwrap()
             .unwrap();
+        assert_eq!(fetcher.assignments.len(), 1, "b fetches the chunk again");
+        // c, not its fetcher, cannot replace the hash.
+        let refused = refusal(&t, publish("c", &hashed(7)), "c");
+        assert!(refused.contains("two different hashes"), "{refused}");
+        assert!(rechecking());
+        // The new registry fetcher is believed.
+        t.handle(publish("b", &hashed(7)), Some("b"), now).unwrap();
         assert_eq!(t.map(&d).unwrap().hashes()[0], Some([7; 32]));
+        assert!(!rechecking());
+        // The old hash is no longer taken from anybody.
+        let refused = refusal(&t, publish("a", &hashed(6)), "a");
+        assert!(refused.contains("two different hashes"), "{refused}");
     }
 
     #[test]

@@ -161,7 +161,7 @@ impl TrackerMetrics {
         );
         r.register(
             "digest_failures",
-            "Blobs that failed their digest, withdrawing the chunk map",
+            "Blobs that failed their digest at two nodes, whose chunks are rechecked against the registry",
             m.digest_failures.clone(),
         );
         m
