@@ -582,7 +582,7 @@ async fn pull(
                 }
                 match &*rx.borrow() {
                     PullState::Running => ended = false,
-                    PullState::Done(r) => {
+                    PullState::Done(r, _) => {
                         p.bytes_from_peers = r.bytes_from_peers;
                         p.bytes_from_registry = r.bytes_from_registry;
                         p.complete = true;
