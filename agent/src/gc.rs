@@ -528,14 +528,28 @@ pub fn make_room(store: &ChunkStore, digest: &BlobDigest, size: u64) -> Result<(
         }
         (need, limit)
     };
-    let (need, _) = room(&store.usage()?);
+    let usage = store.usage()?;
+    let (need, _) = room(&usage);
+    // Past the high watermark with the new blob: down to the low one now,
+    // as the collector would at its next pass (pulls fill a store faster
+    // than one gc.period), but refused only past the budget or critical.
+    let with_blob = Usage {
+        store_bytes: usage.store_bytes + size,
+        fs_free: usage.fs_free.saturating_sub(size),
+        ..usage
+    };
+    let after = pressure(&cfg, &with_blob);
+    let need = need.max(after.need);
     if need == 0 {
         return Ok(());
     }
     let cands = store.candidates(&cfg.pins());
+    // A blob that would take the disk past the critical watermark may
+    // cost the cluster's last copies, as the collector's pass would: the
+    // alternative is a refused pull (and the registry again) for sure.
     let p = Pressure {
         need,
-        critical: false,
+        critical: after.critical,
     };
     for e in plan(
         &cands,
@@ -545,7 +559,11 @@ pub fn make_room(store: &ChunkStore, digest: &BlobDigest, size: u64) -> Result<(
     ) {
         let d: BlobDigest = e.digest.parse().expect("planned from a digest");
         if store.evict(&d)?.is_some() {
-            tracing::info!(digest = %d, bytes = e.bytes, reason = e.reason.as_str(), "evicted to make room");
+            if e.reason == Reason::Critical {
+                tracing::warn!(digest = %d, bytes = e.bytes, "a new blob would take the disk past the critical watermark: evicting a blob the cluster has too few copies of");
+            } else {
+                tracing::info!(digest = %d, bytes = e.bytes, reason = e.reason.as_str(), "evicted to make room");
+            }
             store.gc().count_eviction(&e);
         }
     }
@@ -555,12 +573,17 @@ pub fn make_room(store: &ChunkStore, digest: &BlobDigest, size: u64) -> Result<(
         (0, _) => Ok(()),
         (_, limit) => {
             store.gc().count_refusal();
+            let held = |f: fn(&Candidate) -> bool| -> u64 {
+                cands.iter().filter(|c| f(c)).map(|c| c.bytes).sum()
+            };
             Err(Error::NoRoom {
                 digest: *digest,
                 size,
                 detail: format!(
-                    "{} and what could be evicted is in use, pinned or among the cluster's last copies",
-                    limit.unwrap_or_default()
+                    "{}, and what is left is in use ({} bytes: reads, pulls, uploads), pinned ({} bytes) or among the cluster's last copies",
+                    limit.unwrap_or_default(),
+                    held(|c| c.in_use),
+                    held(|c| c.pinned && !c.in_use),
                 ),
             })
         }
