@@ -485,10 +485,29 @@ fn read_slowly(mirror: &str, ns: &str, digest: &str, bytes_per_s: u64) -> String
     format!("sha256:{}", hex::encode(hasher.finalize()))
 }
 
+/// The test's directory, kept when the test fails: the failures name the
+/// agents' logs in it.
+struct TestDir(tempfile::TempDir);
+
+impl TestDir {
+    fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.disable_cleanup(true);
+            eprintln!("kept {} for its logs", self.0.path().display());
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_agents_pull_100_images_through_their_mirrors_on_small_disks_within_the_watermarks() {
     let started = Instant::now();
-    let dir = tempfile::tempdir().unwrap();
+    let dir = TestDir(tempfile::tempdir().unwrap());
     let ids: Vec<String> = (0..AGENTS).map(|i| format!("node-{i}")).collect();
     issue_certificates(
         dir.path(),
