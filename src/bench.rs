@@ -61,9 +61,112 @@ pub struct SwarmBench {
     /// a registry that is the bottleneck; unlimited by default.
     #[arg(long, value_parser = parse_size)]
     registry_rate: Option<u64>,
+    /// Also run the swarm with each agent's store filled to its high
+    /// watermark (a `gc.budget` of twice the blob, 8 filler blobs) and its
+    /// collector every 100 ms, so that opening the blob evicts and the
+    /// collector runs during the storm; reports its times beside the run
+    /// without pressure, and the ratio.
+    #[arg(long)]
+    gc_pressure: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+/// The settings of a store under `--gc-pressure` for a blob of `size`.
+fn pressure_gc(size: u64) -> dray_agent::gc::GcConfig {
+    dray_agent::gc::GcConfig {
+        budget: Some(2 * size),
+        high_watermark: 0.8,
+        low_watermark: 0.6,
+        period: std::time::Duration::from_millis(100),
+        // The fillers have no other holder: kept for the cluster, nothing
+        // could be evicted.
+        keep_cluster_copies: 0,
+        ..Default::default()
+    }
+}
+
+/// Fills the stores of `nodes` agents under `root` with 8 filler blobs
+/// each, up to `gc`'s high watermark of its budget.
+fn fill_stores(root: &std::path::Path, nodes: usize, gc: &dray_agent::gc::GcConfig) -> Result<()> {
+    let budget = gc.budget.context("a pressure run has a budget")?;
+    let each = (budget as f64 * gc.high_watermark) as u64 / 8;
+    let src = root.join("filler");
+    for i in 0..nodes {
+        let store = ChunkStore::open(&crate::cluster::LocalCluster::node_dir(root, i))?;
+        for k in 0..8 {
+            write_random_seeded(&src, each, 1000 + (i * 8 + k) as u64)?;
+            store.import(&src, dray_protocol::DEFAULT_CHUNK_SIZE)?;
+        }
+    }
+    std::fs::remove_file(&src)?;
+    Ok(())
+}
+
+/// One swarm run: a tracker and `nodes` agents in this process (stores
+/// under `root`) pull the blob at once.
+struct SwarmRun {
+    /// Each agent's completion time, sorted.
+    times: Vec<f64>,
+    egress: u64,
+    fell_back: usize,
+    /// Blobs the agents' stores lost during the run (the collectors' and
+    /// the opens' evictions; the time they took is in the pull times).
+    evicted: usize,
+}
+
+async fn run_swarm(
+    root: &std::path::Path,
+    nodes: usize,
+    registry: &crate::testbed::Registry,
+    client: &Arc<dray_agent::registry::RegistryClient>,
+    digest: dray_protocol::BlobDigest,
+    gc: &dray_agent::gc::GcConfig,
+) -> Result<SwarmRun> {
+    let cluster = crate::cluster::LocalCluster::start(
+        root,
+        nodes,
+        dray_agent::swarm::SwarmConfig::default(),
+        gc,
+    )
+    .await?;
+    let held_before: usize = cluster
+        .agents
+        .iter()
+        .map(|a| a.node().store().holdings().len())
+        .sum();
+    let before = registry.egress();
+    let start = Instant::now();
+    let fell_back = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let pulls: Vec<_> = cluster
+        .agents
+        .iter()
+        .map(|swarm| {
+            let (swarm, client, fell_back) = (swarm.clone(), client.clone(), fell_back.clone());
+            tokio::spawn(async move {
+                let report = swarm.pull(&client, "bench/blob", digest).await?;
+                if report.fell_back {
+                    fell_back.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    let times = finish_times(pulls, start).await.context("swarm pulls")?;
+    let egress = registry.egress() - before;
+    // Every agent holds the blob now: what is missing was evicted.
+    let held_after: usize = cluster
+        .agents
+        .iter()
+        .map(|a| a.node().store().holdings().len())
+        .sum();
+    Ok(SwarmRun {
+        times,
+        egress,
+        fell_back: fell_back.load(std::sync::atomic::Ordering::Relaxed),
+        evicted: (held_before + nodes).saturating_sub(held_after),
+    })
 }
 
 /// Parses sizes such as `1GiB`, `256MiB`, `64KiB` or a plain byte count.
@@ -224,6 +327,22 @@ struct SwarmResult {
     registry_bound_s: Option<f64>,
     /// swarm_last_s / registry_bound_s.
     bound_ratio: Option<f64>,
+    /// With --gc-pressure: the same storm with every store at its high
+    /// watermark, run after the one without.
+    gc_pressure: Option<GcPressureResult>,
+}
+
+#[derive(Serialize)]
+struct GcPressureResult {
+    swarm_p50_s: f64,
+    swarm_last_s: f64,
+    egress_ratio: f64,
+    fell_back: usize,
+    /// Filler blobs evicted, over every agent.
+    evicted: usize,
+    /// swarm_last_s under pressure / without: above 1 is what GC costs.
+    last_ratio: f64,
+    p50_ratio: f64,
 }
 
 /// Waits for every task; returns each one's completion time, sorted.
@@ -242,7 +361,6 @@ async fn finish_times(
 
 async fn swarm(b: SwarmBench) -> Result<()> {
     use dray_agent::registry::RegistryClient;
-    use dray_agent::swarm::SwarmConfig;
     if b.nodes == 0 || b.size == 0 {
         bail!("--nodes and --size must be positive");
     }
@@ -274,29 +392,26 @@ async fn swarm(b: SwarmBench) -> Result<()> {
     let direct_egress = registry.egress() - before;
 
     // The swarm: a tracker and N agents in this process.
-    let cluster =
-        crate::cluster::LocalCluster::start(dir.path(), b.nodes, SwarmConfig::default()).await?;
-    let before = registry.egress();
-    let start = Instant::now();
-    let fell_back = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let pulls: Vec<_> = cluster
-        .agents
-        .iter()
-        .map(|swarm| {
-            let (swarm, client, fell_back) = (swarm.clone(), client.clone(), fell_back.clone());
-            tokio::spawn(async move {
-                let report = swarm.pull(&client, "bench/blob", digest).await?;
-                if report.fell_back {
-                    fell_back.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
-                Ok(())
-            })
-        })
-        .collect();
-    let times = finish_times(pulls, start).await.context("swarm pulls")?;
-    let egress = registry.egress() - before;
-    drop(cluster);
-
+    let clean = run_swarm(
+        &dir.path().join("swarm"),
+        b.nodes,
+        &registry,
+        &client,
+        digest,
+        &dray_agent::gc::GcConfig::default(),
+    )
+    .await?;
+    // The same with every store at its high watermark, side by side.
+    let pressured = match b.gc_pressure {
+        true => {
+            let root = dir.path().join("swarm-gc");
+            let gc = pressure_gc(b.size);
+            fill_stores(&root, b.nodes, &gc)?;
+            Some(run_swarm(&root, b.nodes, &registry, &client, digest, &gc).await?)
+        }
+        false => None,
+    };
+    let (times, egress) = (&clean.times, clean.egress);
     let median = |t: &[f64]| t[t.len() / 2];
     let last = |t: &[f64]| t[t.len() - 1];
     let r = SwarmResult {
@@ -304,17 +419,26 @@ async fn swarm(b: SwarmBench) -> Result<()> {
         blob_bytes: b.size,
         registry_egress_bytes: egress,
         egress_ratio: egress as f64 / b.size as f64,
-        swarm_p50_s: median(&times),
-        swarm_last_s: last(&times),
+        swarm_p50_s: median(times),
+        swarm_last_s: last(times),
         direct_egress_ratio: direct_egress as f64 / b.size as f64,
         direct_p50_s: median(&direct),
         direct_last_s: last(&direct),
-        speedup: last(&direct) / last(&times),
-        fell_back: fell_back.load(std::sync::atomic::Ordering::Relaxed),
+        speedup: last(&direct) / last(times),
+        fell_back: clean.fell_back,
         registry_bound_s: b.registry_rate.map(|rate| b.size as f64 / rate as f64),
         bound_ratio: b
             .registry_rate
-            .map(|rate| last(&times) / (b.size as f64 / rate as f64)),
+            .map(|rate| last(times) / (b.size as f64 / rate as f64)),
+        gc_pressure: pressured.map(|p| GcPressureResult {
+            swarm_p50_s: median(&p.times),
+            swarm_last_s: last(&p.times),
+            egress_ratio: p.egress as f64 / b.size as f64,
+            fell_back: p.fell_back,
+            evicted: p.evicted,
+            last_ratio: last(&p.times) / last(times),
+            p50_ratio: median(&p.times) / median(times),
+        }),
     };
     emit(b.json, &r, |r| {
         println!(
@@ -333,10 +457,22 @@ async fn swarm(b: SwarmBench) -> Result<()> {
             "direct      {:11.3} {:7.2} {:8.2}",
             r.direct_egress_ratio, r.direct_p50_s, r.direct_last_s
         );
+        if let Some(g) = &r.gc_pressure {
+            println!(
+                "swarm, gc   {:11.3} {:7.2} {:8.2}   ({} blobs evicted)",
+                g.egress_ratio, g.swarm_p50_s, g.swarm_last_s, g.evicted
+            );
+        }
         println!(
             "direct_last / swarm_last = {:.2}   agents that fell back: {}",
             r.speedup, r.fell_back
         );
+        if let Some(g) = &r.gc_pressure {
+            println!(
+                "under gc pressure / without: last {:.2}, p50 {:.2}   agents that fell back: {}",
+                g.last_ratio, g.p50_ratio, g.fell_back
+            );
+        }
     })
 }
 

@@ -1,8 +1,8 @@
-//! `dray pull` and `dray status`: clients of a running agent's local API on
-//! its unix socket (see `dray_agent::local_api`).
+//! `dray pull`, `status`, `gc`, `pin` and `unpin`: clients of a running
+//! agent's local API on its unix socket (see `dray_agent::local_api`).
 
 use anyhow::{Context, Result, bail};
-use dray_agent::local_api::{PullProgress, PullRequest, Status};
+use dray_agent::local_api::{PinRequest, PullProgress, PullRequest, Status};
 use futures_util::StreamExt;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use std::collections::HashMap;
@@ -191,5 +191,62 @@ pub async fn gc(socket: &Path, dry_run: bool, json: bool) -> Result<()> {
         done.evicted.len(),
         indicatif::HumanBytes(total)
     );
+    Ok(())
+}
+
+fn print_pinned(p: &dray_agent::gc::PinnedImage) {
+    println!("{}  {} blobs", p.image, p.blobs.len());
+    for b in &p.blobs {
+        println!("  {b}");
+    }
+}
+
+/// Pins `image` (or, with none, lists the pinned images).
+pub async fn pin(socket: &Path, image: Option<&str>, json: bool) -> Result<()> {
+    let request = client(socket)?.request(
+        if image.is_some() {
+            reqwest::Method::POST
+        } else {
+            reqwest::Method::GET
+        },
+        "http://agent/v1/pins",
+    );
+    let resp = match image {
+        Some(i) => request.json(&PinRequest { image: i.into() }),
+        None => request,
+    }
+    .send()
+    .await;
+    let body = checked(socket, resp).await?;
+    let pinned: Vec<dray_agent::gc::PinnedImage> = match image {
+        Some(_) => vec![body.json().await.context("parsing the agent's answer")?],
+        None => body.json().await.context("parsing the agent's answer")?,
+    };
+    if json {
+        println!("{}", serde_json::to_string(&pinned)?);
+        return Ok(());
+    }
+    if image.is_none() && pinned.is_empty() {
+        println!("no images pinned");
+    }
+    pinned.iter().for_each(print_pinned);
+    Ok(())
+}
+
+/// Unpins `image`.
+pub async fn unpin(socket: &Path, image: &str) -> Result<()> {
+    let resp = client(socket)?
+        .delete("http://agent/v1/pins")
+        .json(&PinRequest {
+            image: image.into(),
+        })
+        .send()
+        .await;
+    let was: dray_agent::gc::PinnedImage = checked(socket, resp)
+        .await?
+        .json()
+        .await
+        .context("parsing the agent's answer")?;
+    println!("unpinned {} ({} blobs)", was.image, was.blobs.len());
     Ok(())
 }

@@ -1,7 +1,8 @@
 //! A swarm in this process: a tracker and N agents on loopback, each with
 //! its own chunk store under one root directory and its own certificate from
 //! one in-memory cluster CA (the tracker's too: they speak TLS to it as in a
-//! cluster). Shared by `dray bench swarm` and `dray demo`.
+//! cluster). Each agent runs its garbage collector, as `dray agent` does.
+//! Shared by `dray bench swarm` and `dray demo`.
 
 use anyhow::{Context, Result};
 use dray_agent::identity::ClusterCa;
@@ -16,14 +17,21 @@ use tokio::task::JoinHandle;
 pub struct LocalCluster {
     /// The agents, `node-0` to `node-{N-1}`, each announcing to the tracker.
     pub agents: Vec<Arc<Swarm>>,
-    announcers: Vec<JoinHandle<()>>,
+    /// Each agent's announcer and garbage collector.
+    tasks: Vec<JoinHandle<()>>,
     tracker: JoinHandle<std::io::Result<()>>,
 }
 
 impl LocalCluster {
     /// Starts a tracker on 127.0.0.1 and `nodes` agents with their stores in
-    /// [`Self::node_dir`]`(root, i)`; `swarm.trackers` is set to the tracker.
-    pub async fn start(root: &Path, nodes: usize, swarm: SwarmConfig) -> Result<LocalCluster> {
+    /// [`Self::node_dir`]`(root, i)`, collecting garbage under `gc`;
+    /// `swarm.trackers` is set to the tracker.
+    pub async fn start(
+        root: &Path,
+        nodes: usize,
+        swarm: SwarmConfig,
+        gc: &dray_agent::gc::GcConfig,
+    ) -> Result<LocalCluster> {
         let ca = ClusterCa::generate()?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -43,7 +51,7 @@ impl LocalCluster {
         ));
         let mut cluster = LocalCluster {
             agents: Vec::new(),
-            announcers: Vec::new(),
+            tasks: Vec::new(),
             tracker,
         };
         for i in 0..nodes {
@@ -52,6 +60,8 @@ impl LocalCluster {
                 ChunkStore::open(&dir)
                     .with_context(|| format!("opening the store in {}", dir.display()))?,
             );
+            store.gc().configure(gc.clone(), true);
+            cluster.tasks.push(dray_agent::gc::spawn(store.clone()));
             let node = PeerNode::bind(
                 ca.issue(&Self::node_id(i))?,
                 store,
@@ -65,7 +75,7 @@ impl LocalCluster {
                     ..swarm.clone()
                 },
             );
-            cluster.announcers.push(swarm.spawn_announcer());
+            cluster.tasks.push(swarm.spawn_announcer());
             cluster.agents.push(swarm);
         }
         Ok(cluster)
@@ -84,8 +94,8 @@ impl LocalCluster {
 
 impl Drop for LocalCluster {
     fn drop(&mut self) {
-        for a in &self.announcers {
-            a.abort();
+        for t in &self.tasks {
+            t.abort();
         }
         for s in &self.agents {
             s.node().close();

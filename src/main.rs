@@ -113,6 +113,28 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Pin an image on this node: its config and layers (for an index, this
+    /// node's platform's), resolved through the agent, are never evicted,
+    /// across restarts too. Pinning a tag again takes what it names now.
+    Pin {
+        /// Image reference, e.g. registry.example:5000/team/app:1.0.
+        #[arg(required_unless_present = "list", conflicts_with = "list")]
+        image: Option<String>,
+        /// List the pinned images instead.
+        #[arg(long)]
+        list: bool,
+        #[command(flatten)]
+        socket: SocketArg,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Unpin an image pinned with `dray pin` (named as `dray pin --list` shows it, or as pinned).
+    Unpin {
+        image: String,
+        #[command(flatten)]
+        socket: SocketArg,
+    },
     /// Measure dray against baselines in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -543,6 +565,13 @@ async fn run(command: Command) -> Result<()> {
             dry_run,
             json,
         } => client::gc(&socket.path, dry_run, json).await,
+        Command::Pin {
+            image,
+            list,
+            socket,
+            json,
+        } => client::pin(&socket.path, image.as_deref().filter(|_| !list), json).await,
+        Command::Unpin { image, socket } => client::unpin(&socket.path, &image).await,
         Command::Tracker(args) => {
             let mut cfg = match &args.config {
                 Some(p) => TrackerConfig::load(p)?,

@@ -392,3 +392,138 @@ async fn a_kill_9_during_eviction_leaves_no_half_deleted_blob_and_the_accounting
     }
     assert!(cut_short > 0, "no kill landed during an eviction");
 }
+
+/// `dray ARGS` against the agent listening on `socket`, as JSON.
+fn dray_json(args: &[&str], socket: &Path) -> serde_json::Value {
+    let mut all = args.to_vec();
+    all.extend(["--socket", socket.to_str().unwrap(), "--json"]);
+    serde_json::from_str(&dray_ok(&all)).unwrap()
+}
+
+/// The blobs `dray status` reports complete.
+fn complete_blobs(socket: &Path) -> Vec<String> {
+    let status = dray_json(&["status"], socket);
+    status["blobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|b| b["complete"].as_bool() == Some(true))
+        .map(|b| b["digest"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_image_survives_pressure_that_evicts_an_unpinned_one_and_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Registry::start(None).await;
+    for repo in ["test/pinned", "test/other"] {
+        build_image(&registry, &dir.path().join(repo), repo, 1 << 20, None);
+    }
+    issue_certificates(dir.path(), &["node-a"]);
+    let d = |p: &str| dir.path().join("node-a").join(p);
+    let socket = d("agent.sock");
+    // Room for both images, but past 0.5 of the budget the collector
+    // evicts down to 0.05 of it: everything it may.
+    let cfg = dir.path().join("agent.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "state_dir = {:?}\npeer_listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+             cert = {:?}\nkey = {:?}\nca = {:?}\n\
+             [gc]\nbudget = {}\nhigh_watermark = 0.5\nlow_watermark = 0.05\nperiod = \"1h\"\n\
+             [local_api]\nsocket = {:?}\n[mirror]\nlisten = \"127.0.0.1:0\"\n\
+             [mirror.upstreams]\n{:?} = {:?}\n",
+            d("state"),
+            d("agent.crt"),
+            d("agent.key"),
+            d("ca.crt"),
+            6u64 << 20,
+            socket,
+            registry.host(),
+            registry.url(),
+        ),
+    )
+    .unwrap();
+    let start = |n: u32| {
+        DrayProc::start(
+            &["agent", "-c", cfg.to_str().unwrap()],
+            &dir.path().join(format!("agent-{n}.log")),
+        )
+    };
+    let agent = start(0);
+    let pinned_ref = format!("{}/test/pinned:gzip", registry.host());
+    let other_ref = format!("{}/test/other:gzip", registry.host());
+    let layers = |image: &str| -> Vec<String> {
+        let pulled = dray_json(&["pull", image], &socket);
+        pulled["layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l["digest"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let pinned_layers = layers(&pinned_ref);
+    let pin = dray_json(&["pin", &pinned_ref], &socket);
+    assert_eq!(pin[0]["image"], pinned_ref);
+    let pinned_blobs: Vec<String> = serde_json::from_value(pin[0]["blobs"].clone()).unwrap();
+    assert_eq!(
+        pinned_blobs.len(),
+        pinned_layers.len() + 1,
+        "config and layers"
+    );
+    assert!(pinned_layers.iter().all(|l| pinned_blobs.contains(l)));
+    let other_only: Vec<String> = layers(&other_ref)
+        .into_iter()
+        .filter(|l| !pinned_blobs.contains(l))
+        .collect();
+    assert!(!other_only.is_empty(), "the images share every layer");
+
+    let gc = dray_json(&["gc"], &socket);
+    eprintln!("collection under pressure: {gc}");
+    let held = complete_blobs(&socket);
+    for l in &pinned_layers {
+        assert!(held.contains(l), "pinned layer {l} was evicted");
+    }
+    for l in &other_only {
+        assert!(!held.contains(l), "unpinned layer {l} was kept");
+    }
+
+    // After a restart the pin holds, from the state directory alone.
+    drop(agent);
+    let _agent = start(1);
+    let listed = dray_json(&["pin", "--list"], &socket);
+    assert_eq!(listed, pin, "the pins after a restart");
+    layers(&other_ref);
+    dray_json(&["gc"], &socket);
+    let held = complete_blobs(&socket);
+    for l in &pinned_layers {
+        assert!(
+            held.contains(l),
+            "pinned layer {l} was evicted after a restart"
+        );
+        assert_eq!(
+            &file_digest(&d("state").join("blobs").join(&l["sha256:".len()..])),
+            l
+        );
+    }
+    for l in &other_only {
+        assert!(!held.contains(l), "unpinned layer {l} was kept");
+    }
+
+    // Unpinned, it goes like any other; a second unpin says what is pinned.
+    let out = dray_ok(&["unpin", &pinned_ref, "--socket", socket.to_str().unwrap()]);
+    assert!(out.contains(&format!("unpinned {pinned_ref}")), "{out}");
+    dray_json(&["gc"], &socket);
+    let held = complete_blobs(&socket);
+    assert!(pinned_layers.iter().all(|l| !held.contains(l)), "{held:?}");
+    let again = std::process::Command::new(env!("CARGO_BIN_EXE_dray"))
+        .args(["unpin", &pinned_ref, "--socket", socket.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert!(!again.status.success());
+    assert!(
+        err.contains(&format!("{pinned_ref} is not pinned (pinned: none)")),
+        "{err}"
+    );
+}

@@ -13,7 +13,9 @@
 //! (abandoned pulls, preallocation and all); complete blobs idle past `ttl`;
 //! then, under pressure, least recently used, blobs with many holders
 //! first. Never a blob in use (an `Arc` of it is held: a mirror stream, an
-//! unpack, an upload, a pull) or pinned. The tracker tells each node, per
+//! unpack, an upload, a pull) or pinned (`gc.pinned`, and the blobs of the
+//! images pinned with `dray pin`, kept in the state directory by
+//! [`GcState::pin`]). The tracker tells each node, per
 //! blob it holds complete, the cluster's complete copies and this node's
 //! rank among them (`dray_protocol::scheduler::CompleteHolders`): a node of
 //! rank below `keep_cluster_copies` keeps the blob unless the disk is past
@@ -354,13 +356,67 @@ fn freed_enough(out: &[Eviction], need: u64) -> bool {
 }
 
 /// The collector's live state, kept by the store: settings, what the
-/// tracker said of holders, metrics.
+/// tracker said of holders, the images the operator pinned, metrics.
 #[derive(Debug, Default)]
 pub struct GcState {
     config: RwLock<GcConfig>,
     cluster_aware: AtomicBool,
     holders: Mutex<HashMap<BlobDigest, Holders>>,
+    pinned: Mutex<PinnedImages>,
     metrics: RwLock<GcMetrics>,
+}
+
+/// Images pinned at run time (`dray pin`): each image reference with the
+/// blobs (config and layers) it resolved to, kept in a file of the state
+/// directory so that they outlive a restart.
+#[derive(Debug, Default)]
+struct PinnedImages {
+    /// None until the store is opened (a store in memory keeps none).
+    file: Option<std::path::PathBuf>,
+    images: std::collections::BTreeMap<String, Vec<BlobDigest>>,
+}
+
+/// An image pinned with `dray pin`, as `dray pin --list` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PinnedImage {
+    pub image: String,
+    /// `sha256:...` of its config and layers.
+    pub blobs: Vec<String>,
+}
+
+impl PinnedImages {
+    fn list(&self) -> Vec<PinnedImage> {
+        self.images
+            .iter()
+            .map(|(image, blobs)| PinnedImage {
+                image: image.clone(),
+                blobs: blobs.iter().map(ToString::to_string).collect(),
+            })
+            .collect()
+    }
+
+    /// Writes the pins to a new file, synced, then renamed over the old one:
+    /// a crash leaves the old pins or the new, never half of either.
+    fn save(&self) -> Result<()> {
+        let Some(path) = &self.file else {
+            return Ok(());
+        };
+        let text = serde_json::to_vec_pretty(&self.list()).expect("serializable");
+        let tmp = path.with_extension("json.new");
+        let write = || -> std::io::Result<()> {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(&text)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, path)
+        };
+        write().map_err(|e| {
+            Error::io(
+                format!("writing the pinned images to {}", path.display()),
+                e,
+            )
+        })
+    }
 }
 
 impl GcState {
@@ -397,6 +453,87 @@ impl GcState {
     /// blobs it did not mention keep what it said before.
     pub fn note_holders(&self, said: impl IntoIterator<Item = (BlobDigest, Holders)>) {
         self.holders().extend(said);
+    }
+
+    fn pinned(&self) -> std::sync::MutexGuard<'_, PinnedImages> {
+        self.pinned.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reads the images pinned at run time from `file` (none if it does
+    /// not exist), and keeps them there from now on.
+    pub(crate) fn load_pins(&self, file: std::path::PathBuf) -> Result<()> {
+        let images = match std::fs::read(&file) {
+            Ok(text) => {
+                let list: Vec<PinnedImage> = serde_json::from_slice(&text).map_err(|e| {
+                    Error::Config(format!("the pinned images in {}: {e}", file.display()))
+                })?;
+                let mut images = std::collections::BTreeMap::new();
+                for p in list {
+                    let blobs = p
+                        .blobs
+                        .iter()
+                        .map(|d| d.parse())
+                        .collect::<std::result::Result<Vec<BlobDigest>, _>>()
+                        .map_err(|e| {
+                            Error::Config(format!(
+                                "the pinned images in {}: image {}: {e}",
+                                file.display(),
+                                p.image
+                            ))
+                        })?;
+                    images.insert(p.image, blobs);
+                }
+                images
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Default::default(),
+            Err(e) => {
+                return Err(Error::io(
+                    format!("reading the pinned images in {}", file.display()),
+                    e,
+                ));
+            }
+        };
+        *self.pinned() = PinnedImages {
+            file: Some(file),
+            images,
+        };
+        Ok(())
+    }
+
+    /// Pins `image`'s blobs (replacing what it was pinned to before), durably.
+    pub fn pin(&self, image: &str, blobs: Vec<BlobDigest>) -> Result<()> {
+        let mut pinned = self.pinned();
+        let before = pinned.images.insert(image.to_string(), blobs);
+        pinned.save().inspect_err(|_| {
+            match before {
+                Some(b) => pinned.images.insert(image.to_string(), b),
+                None => pinned.images.remove(image),
+            };
+        })
+    }
+
+    /// Unpins `image`, durably; false if it was not pinned.
+    pub fn unpin(&self, image: &str) -> Result<bool> {
+        let mut pinned = self.pinned();
+        let Some(before) = pinned.images.remove(image) else {
+            return Ok(false);
+        };
+        pinned.save().inspect_err(|_| {
+            pinned.images.insert(image.to_string(), before);
+        })?;
+        Ok(true)
+    }
+
+    /// The images pinned at run time.
+    pub fn pinned_images(&self) -> Vec<PinnedImage> {
+        self.pinned().list()
+    }
+
+    /// Every blob never evicted: `gc.pinned` and the pinned images' blobs.
+    pub fn pins(&self) -> HashSet<BlobDigest> {
+        let mut pins = self.config().pins();
+        pins.extend(self.pinned().images.values().flatten().copied());
+        pins
     }
 
     pub fn holders_of(&self, digest: &BlobDigest) -> Option<Holders> {
@@ -463,7 +600,7 @@ pub fn collect(store: &ChunkStore, dry: bool) -> Result<Collection> {
     let cfg = store.gc().config();
     let usage = store.usage()?;
     let p = pressure(&cfg, &usage);
-    let cands = store.candidates(&cfg.pins());
+    let cands = store.candidates(&store.gc().pins());
     let chosen = plan(
         &cands,
         p,
@@ -528,14 +665,28 @@ pub fn make_room(store: &ChunkStore, digest: &BlobDigest, size: u64) -> Result<(
         }
         (need, limit)
     };
-    let (need, _) = room(&store.usage()?);
+    let usage = store.usage()?;
+    let (need, _) = room(&usage);
+    // Past the high watermark with the new blob: down to the low one now,
+    // as the collector would at its next pass (pulls fill a store faster
+    // than one gc.period), but refused only past the budget or critical.
+    let with_blob = Usage {
+        store_bytes: usage.store_bytes + size,
+        fs_free: usage.fs_free.saturating_sub(size),
+        ..usage
+    };
+    let after = pressure(&cfg, &with_blob);
+    let need = need.max(after.need);
     if need == 0 {
         return Ok(());
     }
-    let cands = store.candidates(&cfg.pins());
+    let cands = store.candidates(&store.gc().pins());
+    // A blob that would take the disk past the critical watermark may
+    // cost the cluster's last copies, as the collector's pass would: the
+    // alternative is a refused pull (and the registry again) for sure.
     let p = Pressure {
         need,
-        critical: false,
+        critical: after.critical,
     };
     for e in plan(
         &cands,
@@ -545,7 +696,11 @@ pub fn make_room(store: &ChunkStore, digest: &BlobDigest, size: u64) -> Result<(
     ) {
         let d: BlobDigest = e.digest.parse().expect("planned from a digest");
         if store.evict(&d)?.is_some() {
-            tracing::info!(digest = %d, bytes = e.bytes, reason = e.reason.as_str(), "evicted to make room");
+            if e.reason == Reason::Critical {
+                tracing::warn!(digest = %d, bytes = e.bytes, "a new blob would take the disk past the critical watermark: evicting a blob the cluster has too few copies of");
+            } else {
+                tracing::info!(digest = %d, bytes = e.bytes, reason = e.reason.as_str(), "evicted to make room");
+            }
             store.gc().count_eviction(&e);
         }
     }
@@ -555,12 +710,17 @@ pub fn make_room(store: &ChunkStore, digest: &BlobDigest, size: u64) -> Result<(
         (0, _) => Ok(()),
         (_, limit) => {
             store.gc().count_refusal();
+            let held = |f: fn(&Candidate) -> bool| -> u64 {
+                cands.iter().filter(|c| f(c)).map(|c| c.bytes).sum()
+            };
             Err(Error::NoRoom {
                 digest: *digest,
                 size,
                 detail: format!(
-                    "{} and what could be evicted is in use, pinned or among the cluster's last copies",
-                    limit.unwrap_or_default()
+                    "{}, and what is left is in use ({} bytes: reads, pulls, uploads), pinned ({} bytes) or among the cluster's last copies",
+                    limit.unwrap_or_default(),
+                    held(|c| c.in_use),
+                    held(|c| c.pinned && !c.in_use),
                 ),
             })
         }

@@ -60,6 +60,18 @@ impl std::str::FromStr for ImageRef {
     }
 }
 
+impl std::fmt::Display for ImageRef {
+    /// `registry/repo:tag` or `registry/repo@digest`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let sep = if self.reference.contains(':') {
+            '@'
+        } else {
+            ':'
+        };
+        write!(f, "{}/{}{sep}{}", self.registry, self.repo, self.reference)
+    }
+}
+
 /// One layer of a resolved image.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Layer {

@@ -12,6 +12,9 @@
 //! - `POST /v1/images/pull`: pulls every layer of an image into the store,
 //!   answering with one JSON progress line per tick (`dray pull`).
 //! - `GET /v1/status`: what the node holds and where it listens (`dray status`).
+//! - `POST /v1/gc`: one garbage collection now, or a dry run (`dray gc`).
+//! - `GET`, `POST`, `DELETE /v1/pins`: the images pinned at run time, whose
+//!   config and layers are never evicted (`dray pin`, `dray unpin`).
 //!
 //! A unix socket rather than TCP because the unpack call writes where it is
 //! told as root: only local, privileged clients may make it, and only into
@@ -230,6 +233,7 @@ impl LocalApi {
             .route("/v1/images/pull", axum::routing::post(pull))
             .route("/v1/status", axum::routing::get(status))
             .route("/v1/gc", axum::routing::post(collect))
+            .route("/v1/pins", axum::routing::get(pins).post(pin).delete(unpin))
             .with_state(self.clone())
     }
 
@@ -542,6 +546,72 @@ async fn collect(
         .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
 }
 
+/// `POST /v1/pins` and `DELETE /v1/pins` request.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PinRequest {
+    pub image: String,
+}
+
+/// `GET /v1/pins`: the images pinned at run time.
+async fn pins(State(api): State<Arc<LocalApi>>) -> Json<Vec<crate::gc::PinnedImage>> {
+    Json(api.pulls.swarm().node().store().gc().pinned_images())
+}
+
+/// `POST /v1/pins`: resolves the image (an index to this node's platform)
+/// and pins its config and layers; answers the image as pinned.
+async fn pin(
+    State(api): State<Arc<LocalApi>>,
+    Json(req): Json<PinRequest>,
+) -> Result<Json<crate::gc::PinnedImage>, ApiError> {
+    let (image, _, resolved) = api.resolve(&req.image, None).await?;
+    let mut blobs = vec![resolved.config];
+    blobs.extend(resolved.layers.iter().map(|l| l.digest));
+    let name = image.to_string();
+    let store = api.pulls.swarm().node().store().clone();
+    store
+        .gc()
+        .pin(&name, blobs.clone())
+        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    tracing::info!(image = %name, blobs = blobs.len(), "image pinned");
+    Ok(Json(crate::gc::PinnedImage {
+        image: name,
+        blobs: blobs.iter().map(ToString::to_string).collect(),
+    }))
+}
+
+/// `DELETE /v1/pins`: unpins an image; 404 if it is not pinned.
+async fn unpin(
+    State(api): State<Arc<LocalApi>>,
+    Json(req): Json<PinRequest>,
+) -> Result<Json<crate::gc::PinnedImage>, ApiError> {
+    let name = req.image.parse::<ImageRef>()?.to_string();
+    let gc = api.pulls.swarm().node().store().gc();
+    let was = gc.pinned_images().into_iter().find(|p| p.image == name);
+    let removed = gc
+        .unpin(&name)
+        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    match was.filter(|_| removed) {
+        Some(p) => {
+            tracing::info!(image = %name, "image unpinned");
+            Ok(Json(p))
+        }
+        None => {
+            let pinned: Vec<String> = gc.pinned_images().into_iter().map(|p| p.image).collect();
+            Err(ApiError(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "{name} is not pinned (pinned: {})",
+                    if pinned.is_empty() {
+                        "none".to_string()
+                    } else {
+                        pinned.join(", ")
+                    }
+                ),
+            ))
+        }
+    }
+}
+
 async fn pull(
     State(api): State<Arc<LocalApi>>,
     Json(req): Json<PullRequest>,
@@ -582,7 +652,7 @@ async fn pull(
                 }
                 match &*rx.borrow() {
                     PullState::Running => ended = false,
-                    PullState::Done(r) => {
+                    PullState::Done(r, _) => {
                         p.bytes_from_peers = r.bytes_from_peers;
                         p.bytes_from_registry = r.bytes_from_registry;
                         p.complete = true;

@@ -17,7 +17,7 @@
 
 use crate::bounded::BoundedMap;
 use crate::registry::{ReaderGuard, Readers, RegistryClient, RegistryError};
-use crate::store::{Blob, Progress};
+use crate::store::{Blob, ChunkStore, Progress};
 use crate::swarm::{PullReport, Swarm};
 use bytes::Bytes;
 use dray_protocol::{BlobDigest, ChunkMap};
@@ -37,13 +37,30 @@ const STALL: Duration = Duration::from_secs(60);
 /// tokens with it). A node mirrors a handful of registries; with `*` the
 /// names come from clients.
 const MAX_UPSTREAMS: usize = 64;
+/// Swarm pulls of a blob per shared pull, should the collector evict the
+/// blob as each ends.
+const PULL_ATTEMPTS: usize = 3;
 
 /// How a shared pull is going.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub enum PullState {
     Running,
-    Done(Arc<PullReport>),
+    /// The pull's report, and the blob, complete: held here for as long as
+    /// anyone waits on the pull, so that the collector (which evicts no
+    /// blob in use) cannot take it between the pull's end and a reader's
+    /// open, which would then find an empty blob that nobody fills.
+    Done(Arc<PullReport>, Arc<Blob>),
     Failed(String),
+}
+
+impl std::fmt::Debug for PullState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Running => f.write_str("Running"),
+            Self::Done(report, _) => f.debug_tuple("Done").field(report).finish(),
+            Self::Failed(e) => f.debug_tuple("Failed").field(e).finish(),
+        }
+    }
 }
 
 /// Why a blob could not be opened for reading.
@@ -210,21 +227,32 @@ impl Pulls {
         );
         let (pulls, repo, mine) = (self.clone(), repo.to_string(), rx.clone());
         tokio::spawn(async move {
-            let state = match pulls.swarm.pull(&client, &repo, digest).await {
-                Ok(report) => PullState::Done(Arc::new(report)),
-                Err(e) => {
-                    tracing::warn!(%digest, error = %e, "blob pull failed");
-                    // Before the failure is told, while no other pull of the
-                    // blob can start: a file with nothing verified in it
-                    // gives its reserved disk back.
-                    let discarded =
-                        tokio::task::spawn_blocking(move || store.discard_if_empty(&digest)).await;
-                    if let Ok(Err(e)) = discarded {
-                        tracing::warn!(%digest, error = %e, "could not remove the empty blob");
+            let mut state = PullState::Running;
+            // Bounded: the collector evicting the blob between the swarm
+            // pull's end and this take (a complete blob is pulled again from
+            // the store at once) is rare; several times in a row is a bug.
+            for _ in 0..PULL_ATTEMPTS {
+                let report = match pulls.swarm.pull(&client, &repo, digest).await {
+                    Ok(report) => report,
+                    Err(e) => {
+                        state = failed(&store, digest, e.to_string()).await;
+                        break;
                     }
-                    PullState::Failed(e.to_string())
+                };
+                let s = store.clone();
+                if let Ok(Ok(Some(blob))) =
+                    tokio::task::spawn_blocking(move || s.get(&digest)).await
+                    && blob.is_complete()
+                {
+                    state = PullState::Done(Arc::new(report), blob);
+                    break;
                 }
-            };
+                tracing::info!(%digest, "the blob was evicted as its pull ended: pulling it again");
+            }
+            if matches!(state, PullState::Running) {
+                let why = format!("evicted as soon as it was pulled, {PULL_ATTEMPTS} times");
+                state = failed(&store, digest, why).await;
+            }
             let _ = tx.send(state);
             let mut running = lock(&pulls.running);
             // A pull started after this one failed is not this one's to end.
@@ -290,6 +318,19 @@ impl Pulls {
             size,
         })
     }
+}
+
+/// A failed pull's state, once a file with nothing verified in it has
+/// given its reserved disk back (before the failure is told, while no other
+/// pull of the blob can start).
+async fn failed(store: &Arc<ChunkStore>, digest: BlobDigest, why: String) -> PullState {
+    tracing::warn!(%digest, error = %why, "blob pull failed");
+    let store = store.clone();
+    let discarded = tokio::task::spawn_blocking(move || store.discard_if_empty(&digest)).await;
+    if let Ok(Err(e)) = discarded {
+        tracing::warn!(%digest, error = %e, "could not remove the empty blob");
+    }
+    PullState::Failed(why)
 }
 
 /// Reads a blob's verified bytes in order as they arrive.

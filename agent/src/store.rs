@@ -618,6 +618,9 @@ pub const DEFAULT_MAX_OPEN_IDLE_BLOBS: usize = 256;
 /// disk (the file is freed again when its pull fails with nothing verified).
 pub const DEFAULT_MAX_BLOB_SIZE: u64 = 64 << 30;
 
+/// The images pinned at run time (`dray pin`), in the state directory.
+pub const PINS_FILE: &str = "pinned-images.json";
+
 /// Sizes vouched for by verified manifests, kept at most.
 const MAX_VOUCHED: usize = 4096;
 
@@ -695,6 +698,7 @@ impl ChunkStore {
             store.entries().insert(digest, Entry::of(&rec, last_used));
         }
         store.sweep()?;
+        store.gc.load_pins(dir.join(PINS_FILE))?;
         Ok(store)
     }
 

@@ -152,7 +152,13 @@ async fn demo(args: &DemoArgs, root: &Path) -> Result<()> {
     let image = Arc::new(image);
     let rate = args.registry_mbps * 1_000_000 / 8;
     let registry = Arc::new(DemoRegistry::start(image.clone(), args.nodes, rate).await?);
-    let cluster = LocalCluster::start(root, args.nodes, SwarmConfig::default()).await?;
+    let cluster = LocalCluster::start(
+        root,
+        args.nodes,
+        SwarmConfig::default(),
+        &dray_agent::gc::GcConfig::default(),
+    )
+    .await?;
     let display = progress::Display::new(!args.json, &image, &cluster, &registry, rate);
 
     let start = Instant::now();
