@@ -205,9 +205,11 @@ fn start_agent(
     let config = dir.join(format!("{id}.toml"));
     std::fs::write(&config, toml).unwrap();
     let log = dir.join(format!("{id}.log"));
+    // SOAK_LOG (e.g. `info,dray_agent::swarm=debug`) to see more.
+    let filter = std::env::var("SOAK_LOG").unwrap_or_else(|_| "info".into());
     let proc = DrayProc::start_until(
         &["agent", "-c", config.to_str().unwrap()],
-        &[("DRAY_LOG", "info")],
+        &[("DRAY_LOG", &filter)],
         "serving peers on ",
         &log,
     );

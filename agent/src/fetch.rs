@@ -321,11 +321,13 @@ impl Transfer {
         self.shared.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Runs `f` as one of the transfer's tasks, in the caller's span (a
+    /// swarm pull's names the blob in every line logged).
     fn spawn(&self, f: impl std::future::Future<Output = ()> + Send + 'static) {
         self.tasks
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .spawn(f);
+            .spawn(tracing::Instrument::in_current_span(f));
     }
 
     /// Starts fetching from `peer` unless it is already in use (retiring
@@ -725,7 +727,10 @@ async fn run_peer(t: Arc<Transfer>, p: PeerAddr, retired: CancellationToken) {
     };
     let mut lanes = tokio::task::JoinSet::new();
     for _ in 0..DEPTH_PER_PEER {
-        lanes.spawn(lane(t.clone(), link.clone()));
+        lanes.spawn(tracing::Instrument::in_current_span(lane(
+            t.clone(),
+            link.clone(),
+        )));
     }
     let lanes_done = async { while lanes.join_next().await.is_some() {} };
     if t.swarm {

@@ -51,6 +51,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 /// Swarm settings; every key optional.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -69,8 +70,9 @@ pub struct SwarmConfig {
     /// Tracker silent this long during a pull: carry on with known peers and the registry, ms.
     pub tracker_grace_ms: u64,
     /// Nothing arrived and nothing was in flight for this long, and the
-    /// tracker reported no registry fetch of the blob under way: fetch
-    /// unclaimed chunks from the registry, ms.
+    /// tracker reported no registry fetch of the blob under way (or nothing
+    /// arrived for [`FETCHING_PATIENCE`] times this long, whatever it
+    /// reported): fetch unclaimed chunks from the registry, ms.
     pub stall_ms: u64,
     /// Registry runs in flight at once when falling back to the registry.
     pub registry_parallel: usize,
@@ -553,6 +555,9 @@ impl Swarm {
     }
 
     /// Pulls a blob into the store; returns when it is complete and verified.
+    /// Its lines, and its tasks' (peer lanes, registry runs), are logged in
+    /// a `pull` span naming the blob.
+    #[tracing::instrument(name = "pull", skip_all, fields(%digest))]
     pub async fn pull(
         self: &Arc<Self>,
         registry: &Arc<RegistryClient>,
@@ -669,6 +674,10 @@ impl Swarm {
         let mut assigned: HashMap<u32, tokio::task::AbortHandle> = HashMap::new();
         let mut last_tracker = Instant::now();
         let mut progress = (Instant::now(), t.blob().held().count());
+        // When the last chunk arrived, and whether a quiet spell since was
+        // logged (with what kept the stall rule from firing).
+        let mut arrived = (Instant::now(), false);
+        let mut tracker_fetching = false;
         // Without a tracker every chunk comes from the registry.
         let mut fallback = if alone { Fallback::All } else { Fallback::Off };
         // Cancels the registry fetches of the current tracker-silence fallback.
@@ -699,10 +708,13 @@ impl Swarm {
             }
             if std::mem::take(&mut woke) || rx.has_changed().unwrap_or(false) {
                 let u = rx.borrow_and_update().clone();
-                if u.tracker_ok && u.fetching {
+                tracker_fetching = u.tracker_ok && u.fetching;
+                if tracker_fetching && arrived.0.elapsed() < stall * FETCHING_PATIENCE {
                     // A registry slower than the stall rule (a first chunk
                     // can take minutes when many runs share a slow link)
                     // would otherwise send every waiting node to it too.
+                    // Not forever: a run nobody fetches (its holder gone
+                    // with the chunk) held pulls for good.
                     progress.0 = Instant::now();
                 }
                 if u.tracker_ok {
@@ -747,7 +759,9 @@ impl Swarm {
                         // again: ours may have skipped a chunk then in flight
                         // from a peer that has since gone (a stopping node).
                         if assigned.get(&first).is_none_or(|r| r.is_finished()) {
-                            let handle = runs.spawn(run(first, count, CancellationToken::new()));
+                            let handle = runs.spawn(
+                                run(first, count, CancellationToken::new()).in_current_span(),
+                            );
                             assigned.insert(first, handle);
                         }
                     }
@@ -756,8 +770,21 @@ impl Swarm {
             let held = t.blob().held().count();
             // Chunks in flight count as progress: only a swarm with nothing to
             // offer is stalled.
+            if held != progress.1 {
+                arrived = (Instant::now(), false);
+            }
             if held != progress.1 || t.in_flight() > 0 {
                 progress = (Instant::now(), held);
+            }
+            if arrived.0.elapsed() > stall && !std::mem::replace(&mut arrived.1, true) {
+                tracing::info!(
+                    held,
+                    chunks = t.blob().map().chunk_count(),
+                    in_flight = t.in_flight(),
+                    tracker_fetching,
+                    ?fallback,
+                    "no chunk arrived for stall_ms; waiting on the requests in flight and the registry fetches the tracker reports"
+                );
             }
             let wanted = if progress.0.elapsed() > stall {
                 Some((Fallback::All, FallbackReason::Stall))
@@ -798,7 +825,7 @@ impl Swarm {
                     {
                         count += 1;
                     }
-                    runs.spawn(run(first, count, cancel.clone()));
+                    runs.spawn(run(first, count, cancel.clone()).in_current_span());
                 }
             }
             // `changed()` marks the value seen, so remember that it fired.
@@ -874,6 +901,14 @@ fn is_map_failure(e: &Error) -> bool {
             | Error::Verify(VerifyError::BlobDigest { .. } | VerifyError::HashConflict { .. })
     )
 }
+
+/// How many `stall_ms` without a chunk a pull waits on registry fetches the
+/// tracker reports under way before the stall rule applies anyway. In the
+/// soak of `tests/soak.rs`, when a node evicted a blob's last copy under
+/// critical disk pressure, another node's pull held 2 of 3 chunks while the
+/// tracker reported a fetch of the third under way for over 60 s that no
+/// node made.
+const FETCHING_PATIENCE: u32 = 4;
 
 /// What a pull fetches from the registry on its own, mildest first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
