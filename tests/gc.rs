@@ -15,7 +15,7 @@ use dray_agent::store::ChunkStore;
 use dray_agent::swarm::{Swarm, SwarmConfig};
 use dray_protocol::BlobDigest;
 use dray_protocol::chunkmap::MIN_CHUNK_SIZE;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -315,34 +315,41 @@ fn blob_files(state: &Path) -> Vec<(String, u64)> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_kill_9_during_eviction_leaves_no_half_deleted_blob_and_the_accounting_matches_the_disk()
-{
-    let dir = tempfile::tempdir().unwrap();
-    issue_certificates(dir.path(), &["node-a"]);
-    let d = |p: &str| dir.path().join("node-a").join(p).display().to_string();
-    let state = dir.path().join("node-a").join("state");
-    let (count, size) = (60u64, 64u64 << 10);
-    // The store holds 3.75 MiB: past 0.5 of the 4 MiB budget; the
-    // collector runs at once and evicts down to 0.05 of it, one blob after
-    // another, until the kill.
-    let cfg = dir.path().join("agent.toml");
+/// Writes `root/agent.toml` for node-a (certificates under `root/node-a`):
+/// a `budget`-byte store whose collector, every `period`, evicts past 0.5 of
+/// it down to 0.05; `extra` is appended.
+fn node_a_config(root: &Path, budget: u64, period: &str, extra: &str) -> PathBuf {
+    let d = |p: &str| root.join("node-a").join(p);
+    let cfg = root.join("agent.toml");
     std::fs::write(
         &cfg,
         format!(
             "state_dir = {:?}\npeer_listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
              cert = {:?}\nkey = {:?}\nca = {:?}\n\
-             [gc]\nbudget = {}\nhigh_watermark = 0.5\nlow_watermark = 0.05\nperiod = \"1ms\"\n\
-             [local_api]\nsocket = {:?}\n[mirror]\nlisten = \"127.0.0.1:0\"\n",
-            state.display().to_string(),
+             [gc]\nbudget = {budget}\nhigh_watermark = 0.5\nlow_watermark = 0.05\nperiod = {period:?}\n\
+             [local_api]\nsocket = {:?}\n[mirror]\nlisten = \"127.0.0.1:0\"\n{extra}",
+            d("state"),
             d("agent.crt"),
             d("agent.key"),
             d("ca.crt"),
-            4u64 << 20,
             d("agent.sock"),
         ),
     )
     .unwrap();
+    cfg
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_9_during_eviction_leaves_no_half_deleted_blob_and_the_accounting_matches_the_disk()
+{
+    let dir = tempfile::tempdir().unwrap();
+    issue_certificates(dir.path(), &["node-a"]);
+    let state = dir.path().join("node-a").join("state");
+    let (count, size) = (60u64, 64u64 << 10);
+    // The store holds 3.75 MiB: past 0.5 of the 4 MiB budget; the
+    // collector runs at once and evicts down to 0.05 of it, one blob after
+    // another, until the kill.
+    let cfg = node_a_config(dir.path(), 4 << 20, "1ms", "");
     let mut cut_short = 0;
     for round in 0..10u64 {
         {
@@ -424,26 +431,16 @@ async fn a_pinned_image_survives_pressure_that_evicts_an_unpinned_one_and_a_rest
     let socket = d("agent.sock");
     // Room for both images, but past 0.5 of the budget the collector
     // evicts down to 0.05 of it: everything it may.
-    let cfg = dir.path().join("agent.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "state_dir = {:?}\npeer_listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-             cert = {:?}\nkey = {:?}\nca = {:?}\n\
-             [gc]\nbudget = {}\nhigh_watermark = 0.5\nlow_watermark = 0.05\nperiod = \"1h\"\n\
-             [local_api]\nsocket = {:?}\n[mirror]\nlisten = \"127.0.0.1:0\"\n\
-             [mirror.upstreams]\n{:?} = {:?}\n",
-            d("state"),
-            d("agent.crt"),
-            d("agent.key"),
-            d("ca.crt"),
-            6u64 << 20,
-            socket,
+    let cfg = node_a_config(
+        dir.path(),
+        6 << 20,
+        "1h",
+        &format!(
+            "[mirror.upstreams]\n{:?} = {:?}\n",
             registry.host(),
-            registry.url(),
+            registry.url()
         ),
-    )
-    .unwrap();
+    );
     let start = |n: u32| {
         DrayProc::start(
             &["agent", "-c", cfg.to_str().unwrap()],
