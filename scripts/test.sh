@@ -28,8 +28,8 @@ fi
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
-cargo clippy --workspace --all-targets --release -- -D warnings
+cargo clippy --workspace --all-targets --release --features dray/hostile -- -D warnings
 echo "== cargo test"
-cargo test --workspace --release -- --test-threads 1
+cargo test --workspace --release --features dray/hostile -- --test-threads 1
 echo "== deploy/ (offline manifest and chart checks)"
 DRAY_BIN="$CARGO_TARGET_DIR/release/dray" ./scripts/validate-deploy.sh

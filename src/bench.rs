@@ -68,6 +68,22 @@ pub struct SwarmBench {
     /// without pressure, and the ratio.
     #[arg(long)]
     gc_pressure: bool,
+    /// Also run the storm with this many liars beside the agents (cluster
+    /// members speaking the real protocol, each running one of `--attacks`
+    /// in turn); reports what they cost beside the run without them. Built
+    /// only with the `hostile` cargo feature.
+    #[cfg(feature = "hostile")]
+    #[arg(long, default_value_t = 0)]
+    hostile: usize,
+    /// The liars' attacks, taken in turn.
+    #[cfg(feature = "hostile")]
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "flip,trickle,forge,accuse"
+    )]
+    attacks: Vec<crate::hostile::Attack>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -104,18 +120,22 @@ fn fill_stores(root: &std::path::Path, nodes: usize, gc: &dray_agent::gc::GcConf
     Ok(())
 }
 
-/// One swarm run: a tracker and `nodes` agents in this process (stores
-/// under `root`) pull the blob at once.
-struct SwarmRun {
-    /// Each agent's completion time, sorted.
-    times: Vec<f64>,
-    egress: u64,
-    fell_back: usize,
+/// One swarm run: a tracker and agents pulling the blob at once.
+pub(crate) struct SwarmRun {
+    /// Each completed agent's completion time, sorted.
+    pub times: Vec<f64>,
+    /// The completed pulls' reports.
+    pub reports: Vec<dray_agent::swarm::PullReport>,
+    /// The pulls that failed, with their errors.
+    pub failures: Vec<String>,
+    pub egress: u64,
     /// Blobs the agents' stores lost during the run (the collectors' and
     /// the opens' evictions; the time they took is in the pull times).
     evicted: usize,
 }
 
+/// A tracker and `nodes` agents in this process (stores under `root`) pull
+/// the blob at once; every pull must complete.
 async fn run_swarm(
     root: &std::path::Path,
     nodes: usize,
@@ -131,42 +151,58 @@ async fn run_swarm(
         gc,
     )
     .await?;
-    let held_before: usize = cluster
-        .agents
-        .iter()
-        .map(|a| a.node().store().holdings().len())
-        .sum();
+    let run = pull_all(&cluster, registry, client, digest).await?;
+    if let Some(e) = run.failures.first() {
+        bail!("a swarm pull failed: {e}");
+    }
+    Ok(run)
+}
+
+/// Every agent of `cluster` pulls the blob at once.
+pub(crate) async fn pull_all(
+    cluster: &crate::cluster::LocalCluster,
+    registry: &crate::testbed::Registry,
+    client: &Arc<dray_agent::registry::RegistryClient>,
+    digest: dray_protocol::BlobDigest,
+) -> Result<SwarmRun> {
+    let held = || -> usize {
+        cluster
+            .agents
+            .iter()
+            .map(|a| a.node().store().holdings().len())
+            .sum()
+    };
+    let held_before = held();
     let before = registry.egress();
     let start = Instant::now();
-    let fell_back = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let pulls: Vec<_> = cluster
         .agents
         .iter()
         .map(|swarm| {
-            let (swarm, client, fell_back) = (swarm.clone(), client.clone(), fell_back.clone());
-            tokio::spawn(async move {
-                let report = swarm.pull(&client, "bench/blob", digest).await?;
-                if report.fell_back {
-                    fell_back.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
-                Ok(())
-            })
+            let (swarm, client) = (swarm.clone(), client.clone());
+            tokio::spawn(async move { Ok(swarm.pull(&client, "bench/blob", digest).await?) })
         })
         .collect();
-    let times = finish_times(pulls, start).await.context("swarm pulls")?;
-    let egress = registry.egress() - before;
-    // Every agent holds the blob now: what is missing was evicted.
-    let held_after: usize = cluster
-        .agents
-        .iter()
-        .map(|a| a.node().store().holdings().len())
-        .sum();
-    Ok(SwarmRun {
-        times,
-        egress,
-        fell_back: fell_back.load(std::sync::atomic::Ordering::Relaxed),
-        evicted: (held_before + nodes).saturating_sub(held_after),
-    })
+    let mut run = SwarmRun {
+        times: Vec::new(),
+        reports: Vec::new(),
+        failures: Vec::new(),
+        egress: 0,
+        evicted: 0,
+    };
+    for (time, outcome) in finish_times(pulls, start).await? {
+        match outcome {
+            Ok(report) => {
+                run.times.push(time);
+                run.reports.push(report);
+            }
+            Err(e) => run.failures.push(format!("{e:#}")),
+        }
+    }
+    run.egress = registry.egress() - before;
+    // Every agent that completed holds the blob now: what is missing was evicted.
+    run.evicted = (held_before + run.reports.len()).saturating_sub(held());
+    Ok(run)
 }
 
 /// Parses sizes such as `1GiB`, `256MiB`, `64KiB` or a plain byte count.
@@ -330,6 +366,9 @@ struct SwarmResult {
     /// With --gc-pressure: the same storm with every store at its high
     /// watermark, run after the one without.
     gc_pressure: Option<GcPressureResult>,
+    /// With --hostile: the same storm beside liars, run after the one without.
+    #[cfg(feature = "hostile")]
+    hostile: Option<crate::hostile::HostileResult>,
 }
 
 #[derive(Serialize)]
@@ -345,18 +384,18 @@ struct GcPressureResult {
     p50_ratio: f64,
 }
 
-/// Waits for every task; returns each one's completion time, sorted.
-async fn finish_times(
-    tasks: Vec<tokio::task::JoinHandle<Result<()>>>,
+/// Waits for every task; returns each one's outcome with the time it
+/// was seen done, sorted by that time.
+async fn finish_times<T>(
+    tasks: Vec<tokio::task::JoinHandle<Result<T>>>,
     start: Instant,
-) -> Result<Vec<f64>> {
-    let mut times = Vec::new();
-    for t in tasks {
-        t.await??;
-        times.push(start.elapsed().as_secs_f64());
+) -> Result<Vec<(f64, Result<T>)>> {
+    let mut done = Vec::new();
+    let mut tasks: futures_util::stream::FuturesUnordered<_> = tasks.into_iter().collect();
+    while let Some(t) = futures_util::StreamExt::next(&mut tasks).await {
+        done.push((start.elapsed().as_secs_f64(), t.context("a pull's task")?));
     }
-    times.sort_by(f64::total_cmp);
-    Ok(times)
+    Ok(done)
 }
 
 async fn swarm(b: SwarmBench) -> Result<()> {
@@ -388,7 +427,12 @@ async fn swarm(b: SwarmBench) -> Result<()> {
             })
         })
         .collect();
-    let direct = finish_times(direct, start).await.context("direct pulls")?;
+    let direct = finish_times(direct, start)
+        .await?
+        .into_iter()
+        .map(|(time, outcome)| outcome.map(|()| time))
+        .collect::<Result<Vec<f64>>>()
+        .context("direct pulls")?;
     let direct_egress = registry.egress() - before;
 
     // The swarm: a tracker and N agents in this process.
@@ -411,6 +455,23 @@ async fn swarm(b: SwarmBench) -> Result<()> {
         }
         false => None,
     };
+    #[cfg(feature = "hostile")]
+    let hostile = match b.hostile {
+        0 => None,
+        k => Some(
+            crate::hostile::storm(
+                &dir.path().join("swarm-hostile"),
+                b.nodes,
+                k,
+                &b.attacks,
+                &registry,
+                &client,
+                digest,
+                &clean,
+            )
+            .await?,
+        ),
+    };
     let (times, egress) = (&clean.times, clean.egress);
     let median = |t: &[f64]| t[t.len() / 2];
     let last = |t: &[f64]| t[t.len() - 1];
@@ -425,7 +486,7 @@ async fn swarm(b: SwarmBench) -> Result<()> {
         direct_p50_s: median(&direct),
         direct_last_s: last(&direct),
         speedup: last(&direct) / last(times),
-        fell_back: clean.fell_back,
+        fell_back: clean.reports.iter().filter(|r| r.fell_back).count(),
         registry_bound_s: b.registry_rate.map(|rate| b.size as f64 / rate as f64),
         bound_ratio: b
             .registry_rate
@@ -434,11 +495,13 @@ async fn swarm(b: SwarmBench) -> Result<()> {
             swarm_p50_s: median(&p.times),
             swarm_last_s: last(&p.times),
             egress_ratio: p.egress as f64 / b.size as f64,
-            fell_back: p.fell_back,
+            fell_back: p.reports.iter().filter(|r| r.fell_back).count(),
             evicted: p.evicted,
             last_ratio: last(&p.times) / last(times),
             p50_ratio: median(&p.times) / median(times),
         }),
+        #[cfg(feature = "hostile")]
+        hostile,
     };
     emit(b.json, &r, |r| {
         println!(
@@ -472,6 +535,10 @@ async fn swarm(b: SwarmBench) -> Result<()> {
                 "under gc pressure / without: last {:.2}, p50 {:.2}   agents that fell back: {}",
                 g.last_ratio, g.p50_ratio, g.fell_back
             );
+        }
+        #[cfg(feature = "hostile")]
+        if let Some(h) = &r.hostile {
+            crate::hostile::print(h);
         }
     })
 }

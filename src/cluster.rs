@@ -17,9 +17,16 @@ use tokio::task::JoinHandle;
 pub struct LocalCluster {
     /// The agents, `node-0` to `node-{N-1}`, each announcing to the tracker.
     pub agents: Vec<Arc<Swarm>>,
+    /// The CA that issued every certificate of the cluster.
+    pub ca: ClusterCa,
+    /// The tracker's URL and its state, which the agents reach over TLS.
+    pub tracker_url: String,
+    pub tracker: Arc<dray_tracker::Tracker>,
     /// Each agent's announcer and garbage collector.
     tasks: Vec<JoinHandle<()>>,
-    tracker: JoinHandle<std::io::Result<()>>,
+    /// Every member's swarm, the agents' and [`Self::join`]'s, to close.
+    members: Vec<Arc<Swarm>>,
+    server: JoinHandle<std::io::Result<()>>,
 }
 
 impl LocalCluster {
@@ -41,9 +48,10 @@ impl LocalCluster {
         let tls = ca
             .issue_tracker(&["localhost".into(), "127.0.0.1".into()], 1)?
             .tracker_server_tls()?;
-        let tracker = tokio::spawn(dray_tracker::serve(
+        let tracker = dray_tracker::Tracker::new(&config);
+        let server = tokio::spawn(dray_tracker::serve(
             listener,
-            dray_tracker::Tracker::new(&config),
+            tracker.clone(),
             dray_tracker::Transport::Tls {
                 config: Arc::new(tls),
                 max_connections: config.max_connections,
@@ -51,34 +59,55 @@ impl LocalCluster {
         ));
         let mut cluster = LocalCluster {
             agents: Vec::new(),
-            tasks: Vec::new(),
+            ca,
+            tracker_url,
             tracker,
+            tasks: Vec::new(),
+            members: Vec::new(),
+            server,
         };
         for i in 0..nodes {
-            let dir = Self::node_dir(root, i);
-            let store = Arc::new(
-                ChunkStore::open(&dir)
-                    .with_context(|| format!("opening the store in {}", dir.display()))?,
-            );
-            store.gc().configure(gc.clone(), true);
-            cluster.tasks.push(dray_agent::gc::spawn(store.clone()));
-            let node = PeerNode::bind(
-                ca.issue(&Self::node_id(i))?,
-                store,
-                "127.0.0.1:0".parse()?,
+            let swarm = cluster.join(
+                &Self::node_id(i),
+                &Self::node_dir(root, i),
+                swarm.clone(),
                 PeerConfig::default(),
+                Some(gc),
             )?;
-            let swarm = Swarm::new(
-                node,
-                SwarmConfig {
-                    trackers: vec![tracker_url.clone()],
-                    ..swarm.clone()
-                },
-            );
-            cluster.tasks.push(swarm.spawn_announcer());
             cluster.agents.push(swarm);
         }
         Ok(cluster)
+    }
+
+    /// Starts one more member, `id`, with its store in `dir`, announcing to
+    /// the tracker (and collecting garbage under `gc`, if given).
+    pub fn join(
+        &mut self,
+        id: &str,
+        dir: &Path,
+        swarm: SwarmConfig,
+        peer: PeerConfig,
+        gc: Option<&dray_agent::gc::GcConfig>,
+    ) -> Result<Arc<Swarm>> {
+        let store = Arc::new(
+            ChunkStore::open(dir)
+                .with_context(|| format!("opening the store in {}", dir.display()))?,
+        );
+        if let Some(gc) = gc {
+            store.gc().configure(gc.clone(), true);
+            self.tasks.push(dray_agent::gc::spawn(store.clone()));
+        }
+        let node = PeerNode::bind(self.ca.issue(id)?, store, "127.0.0.1:0".parse()?, peer)?;
+        let swarm = Swarm::new(
+            node,
+            SwarmConfig {
+                trackers: vec![self.tracker_url.clone()],
+                ..swarm
+            },
+        );
+        self.tasks.push(swarm.spawn_announcer());
+        self.members.push(swarm.clone());
+        Ok(swarm)
     }
 
     /// Agent `i`'s peer id.
@@ -97,9 +126,9 @@ impl Drop for LocalCluster {
         for t in &self.tasks {
             t.abort();
         }
-        for s in &self.agents {
+        for s in &self.members {
             s.node().close();
         }
-        self.tracker.abort();
+        self.server.abort();
     }
 }

@@ -6,6 +6,8 @@ mod bench_unpack;
 mod client;
 mod cluster;
 mod demo;
+#[cfg(feature = "hostile")]
+mod hostile;
 mod oci_image;
 mod service;
 mod storm;

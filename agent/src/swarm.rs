@@ -129,6 +129,11 @@ pub struct PullReport {
     pub slow_peers: Vec<String>,
     /// Times the assembled blob failed its digest and was pulled again.
     pub map_failures: u32,
+    /// Bytes held here as verified that turned out wrong and were thrown
+    /// away: chunks a recheck replaced (counted at the chunk size), and the
+    /// whole blob when it failed its digest twice and was pulled alone.
+    /// Such bytes may have been served to peers, which check the digest too.
+    pub discarded_bytes: u64,
     /// The pull fell back to fetching unclaimed chunks from the registry itself.
     pub fell_back: bool,
 }
@@ -630,6 +635,7 @@ impl Swarm {
                 // fetches what was dropped, through the swarm.
                 Err(Error::Replaced { chunks, .. }) => {
                     report.map_failures += 1;
+                    report.discarded_bytes += u64::from(chunks) * u64::from(map.chunk_size());
                     tracing::warn!(%digest, chunks, "the swarm replaced chunks held here; fetching them again");
                 }
                 Err(e) if is_map_failure(&e) && !alone => {
@@ -647,6 +653,7 @@ impl Swarm {
                     if alone {
                         tracing::warn!(error = %e, %digest, "the published chunk map was wrong again; pulling the blob from the registry alone");
                         self.node.metrics().fell_back(FallbackReason::MapFailure);
+                        report.discarded_bytes += transfer.blob().held_bytes();
                         lock(&self.wanted).remove(&digest);
                         self.forget(digest).await?;
                     } else {
