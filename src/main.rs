@@ -237,7 +237,7 @@ struct TrackerArgs {
     #[arg(long, short, env = "DRAY_TRACKER_CONFIG")]
     config: Option<PathBuf>,
     /// Overrides `listen`.
-    #[arg(long, env = "DRAY_TRACKER_LISTEN")]
+    #[arg(long, env = "DRAY_TRACKER_LISTEN", value_parser = dray_agent::config::parse_socket_addr)]
     listen: Option<std::net::SocketAddr>,
     /// Overrides `cert` (the tracker's certificate, from `dray ca issue --tracker`).
     #[arg(long, env = "DRAY_TRACKER_CERT")]
@@ -263,13 +263,13 @@ struct ConfigArgs {
     #[arg(long, env = "DRAY_STATE_DIR")]
     state_dir: Option<PathBuf>,
     /// Overrides `peer_listen`.
-    #[arg(long, env = "DRAY_PEER_LISTEN")]
+    #[arg(long, env = "DRAY_PEER_LISTEN", value_parser = dray_agent::config::parse_socket_addr)]
     peer_listen: Option<std::net::SocketAddr>,
     /// Overrides `admin_listen` (metrics and health checks).
-    #[arg(long, env = "DRAY_ADMIN_LISTEN")]
+    #[arg(long, env = "DRAY_ADMIN_LISTEN", value_parser = dray_agent::config::parse_socket_addr)]
     admin_listen: Option<std::net::SocketAddr>,
     /// Overrides `swarm.advertise`: the peer address other agents dial.
-    #[arg(long, env = "DRAY_ADVERTISE")]
+    #[arg(long, env = "DRAY_ADVERTISE", value_parser = dray_agent::config::parse_socket_addr)]
     advertise: Option<std::net::SocketAddr>,
     /// Overrides `peer.download_bytes_per_s`.
     #[arg(long, env = "DRAY_DOWNLOAD_BYTES_PER_S")]
@@ -282,7 +282,7 @@ struct ConfigArgs {
     #[arg(long = "tracker", env = "DRAY_TRACKERS", value_delimiter = ',')]
     trackers: Vec<String>,
     /// Overrides `mirror.listen`.
-    #[arg(long, env = "DRAY_MIRROR_LISTEN")]
+    #[arg(long, env = "DRAY_MIRROR_LISTEN", value_parser = dray_agent::config::parse_socket_addr)]
     mirror_listen: Option<std::net::SocketAddr>,
     /// Overrides `local_api.socket`.
     #[arg(long, env = "DRAY_LOCAL_SOCKET")]

@@ -354,10 +354,10 @@ fn run_ok(c: &mut Command) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
-#[test]
-fn a_receiver_killed_halfway_resumes_fetching_only_the_missing_chunks_plus_one() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = |p: &str| dir.path().join(p).to_str().unwrap().to_string();
+/// A cluster CA in `dir/ca` and `node-a`, `node-b` with their certificates
+/// and configs (`dir/node-X.toml`) on 127.0.0.1.
+fn two_nodes(dir: &Path) {
+    let d = |p: &str| dir.join(p).to_str().unwrap().to_string();
     run_ok(&mut dray(&["ca", "init", "--dir", &d("ca")]));
     for id in ["node-a", "node-b"] {
         run_ok(&mut dray(&[
@@ -378,8 +378,43 @@ fn a_receiver_killed_halfway_resumes_fetching_only_the_missing_chunks_plus_one()
             d(&format!("{id}/ca.crt")),
             d(&format!("{id}/agent.sock")),
         );
-        std::fs::write(dir.path().join(format!("{id}.toml")), cfg).unwrap();
+        std::fs::write(dir.join(format!("{id}.toml")), cfg).unwrap();
     }
+}
+
+/// Starts `dray ARGS` (an agent) and returns it with the peer address its
+/// first line names.
+fn serving(args: &[&str]) -> (std::process::Child, String) {
+    let mut a = dray(args).stderr(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(a.stderr.as_mut().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let addr = line
+        .split("serving peers on ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .unwrap_or_else(|| panic!("the agent names its peer address: {line}"))
+        .to_string();
+    (a, addr)
+}
+
+/// The blob `want` in `node`'s store, by its digest.
+fn held_digest(dir: &Path, node: &str, want: &str) -> String {
+    file_digest(
+        &dir.join(node)
+            .join("state/blobs")
+            .join(want.trim_start_matches("sha256:")),
+    )
+}
+
+#[test]
+fn a_receiver_killed_halfway_resumes_fetching_only_the_missing_chunks_plus_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |p: &str| dir.path().join(p).to_str().unwrap().to_string();
+    two_nodes(dir.path());
     let src = dir.path().join("src");
     random_file(&src, 256 << 20);
     let want = file_digest(&src);
@@ -394,22 +429,7 @@ fn a_receiver_killed_halfway_resumes_fetching_only_the_missing_chunks_plus_one()
         &d("map"),
     ]));
 
-    let mut a = dray(&["agent", "-c", &d("node-a.toml")])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(a.stderr.as_mut().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    let a_addr = line
-        .split("serving peers on ")
-        .nth(1)
-        .and_then(|rest| rest.split(' ').next())
-        .expect("the agent names its peer address")
-        .to_string();
+    let (mut a, a_addr) = serving(&["agent", "-c", &d("node-a.toml")]);
     let peer = format!("node-a@{a_addr}");
 
     // 256 MiB at 64 MiB/s: about four seconds; kill -9 after two.
@@ -462,11 +482,31 @@ fn a_receiver_killed_halfway_resumes_fetching_only_the_missing_chunks_plus_one()
         fetched <= chunks - stored_before + 1,
         "fetched {fetched} after {stored_before} stored of {chunks}"
     );
-    let b_blob = dir
-        .path()
-        .join("node-b/state/blobs")
-        .join(want.trim_start_matches("sha256:"));
-    assert_eq!(file_digest(&b_blob), want);
+    assert_eq!(held_digest(dir.path(), "node-b", &want), want);
+    a.kill().unwrap();
+    a.wait().unwrap();
+}
+
+/// `--peer-listen=$(NODE_IP):7881` in the chart expands on an IPv6 node to
+/// an address without brackets: the agent takes it, and a peer fetches a
+/// blob from it over IPv6 (loopback `::1`).
+#[test]
+fn an_agent_given_an_ipv6_address_without_brackets_serves_peers_on_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |p: &str| dir.path().join(p).to_str().unwrap().to_string();
+    two_nodes(dir.path());
+    let src = dir.path().join("src");
+    random_file(&src, 16 << 20);
+    let want = file_digest(&src);
+    let import = ["blob", "import", "-c", &d("node-a.toml"), &d("src")];
+    run_ok(dray(&import).args(["--map-out", &d("map")]));
+
+    let (mut a, addr) = serving(&["agent", "-c", &d("node-a.toml"), "--peer-listen", "::1:0"]);
+    assert!(addr.starts_with("[::1]:"), "serving on {addr}");
+    let fetch = ["blob", "fetch", "-c", &d("node-b.toml"), "--map", &d("map")];
+    let peer = format!("node-a@{addr}");
+    run_ok(dray(&fetch).args(["--peer", &peer, "--peer-listen", "::1:0"]));
+    assert_eq!(held_digest(dir.path(), "node-b", &want), want);
     a.kill().unwrap();
     a.wait().unwrap();
 }

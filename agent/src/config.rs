@@ -8,7 +8,7 @@ use crate::peer::PeerConfig;
 use crate::swarm::SwarmConfig;
 use crate::unpack::UnpackLimits;
 use serde::{Deserialize, Serialize};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -130,6 +130,24 @@ pub mod millis {
     }
 }
 
+/// Parses a socket address as `addr:port`, where an IPv6 address may also
+/// come without brackets (`fd00::1:7881`, as `$(NODE_IP):7881` in a pod
+/// spec expands on an IPv6 node): a socket address always ends in a port,
+/// so the last colon splits them.
+pub fn parse_socket_addr(s: &str) -> std::result::Result<SocketAddr, String> {
+    if let Ok(addr) = s.parse() {
+        return Ok(addr);
+    }
+    s.rsplit_once(':')
+        .and_then(|(ip, port)| {
+            let ip: IpAddr = ip.parse().ok().filter(IpAddr::is_ipv6)?;
+            Some(SocketAddr::new(ip, port.parse().ok()?))
+        })
+        .ok_or_else(|| {
+            format!("{s:?} is not an address and port such as 10.0.0.1:7881, [fd00::1]:7881 or fd00::1:7881")
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -205,5 +223,27 @@ mod tests {
         let cfg = AgentConfig::load(&p).unwrap();
         assert_eq!(cfg.peer.upload_bytes_per_s, Some(1000));
         assert_eq!(cfg.peer.max_uploads, PeerConfig::default().max_uploads);
+    }
+
+    #[test]
+    fn socket_addresses_take_ipv6_with_or_without_brackets() {
+        for (text, want) in [
+            ("10.0.0.1:7881", "10.0.0.1:7881"),
+            ("[fd00::1]:7881", "[fd00::1]:7881"),
+            ("fd00::1:7881", "[fd00::1]:7881"),
+            ("::1:5050", "[::1]:5050"),
+        ] {
+            assert_eq!(parse_socket_addr(text).unwrap().to_string(), want, "{text}");
+        }
+        for bad in [
+            "10.0.0.1",
+            "fd00::1",
+            "node-a:7881",
+            "10.0.0.1:7881:1",
+            "[fd00::1]",
+        ] {
+            let err = parse_socket_addr(bad).unwrap_err();
+            assert!(err.contains("is not an address and port"), "{bad}: {err}");
+        }
     }
 }
