@@ -331,7 +331,7 @@ impl LocalApi {
         }
         // The download starts now; the unpack waits for a slot (it catches up
         // with what has arrived meanwhile).
-        let pull = self.pulls.ensure(client, &image.repo, digest);
+        let pull = self.pulls.ensure(client, &image.repo, digest, layer.size);
         let _slot = self.unpacks.acquire().await.expect("never closed");
         let reader = self
             .pulls
@@ -624,7 +624,8 @@ async fn pull(
         .map(|l| {
             (
                 l.clone(),
-                api.pulls.ensure(client.clone(), &image.repo, l.digest),
+                api.pulls
+                    .ensure(client.clone(), &image.repo, l.digest, l.size),
             )
         })
         .collect();

@@ -565,7 +565,7 @@ impl Mirror {
         } else {
             let (pull, credentials) = self
                 .pulls
-                .ensure_from(&shared, authorization, name, digest)
+                .ensure_from(&shared, authorization, name, digest, size)
                 .map_err(|e| {
                     tracing::warn!(error = %e, "mirror request refused");
                     match e {

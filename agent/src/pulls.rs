@@ -148,12 +148,13 @@ impl Pulls {
         client: Arc<RegistryClient>,
         repo: &str,
         digest: BlobDigest,
+        size: u64,
     ) -> watch::Receiver<PullState> {
         let mut running = lock(&self.running);
         if let Some(r) = running.get(&digest).filter(|r| r.is_running()) {
             return r.state.clone();
         }
-        self.start(&mut running, client, repo, digest, None)
+        self.start(&mut running, client, repo, (digest, size), None)
     }
 
     /// Starts or joins the pull of a blob for a mirror client that passed
@@ -167,6 +168,7 @@ impl Pulls {
         authorization: Option<HeaderValue>,
         repo: &str,
         digest: BlobDigest,
+        size: u64,
     ) -> Result<(watch::Receiver<PullState>, Option<ReaderGuard>), OriginError> {
         let asked = upstream.base().to_string();
         let elsewhere = |held: String| OriginError::Elsewhere {
@@ -198,17 +200,18 @@ impl Pulls {
         let readers = Arc::new(Readers::default());
         let guard = readers.join(authorization);
         let client = Arc::new(upstream.for_readers(readers.clone()));
-        let rx = self.start(&mut running, client, repo, digest, Some(readers));
+        let rx = self.start(&mut running, client, repo, (digest, size), Some(readers));
         Ok((rx, Some(guard)))
     }
 
-    /// Starts a pull from `client`'s registry, recording it as the blob's origin.
+    /// Starts a pull of a blob (digest and size) from `client`'s registry,
+    /// recording it as the blob's origin.
     fn start(
         self: &Arc<Self>,
         running: &mut HashMap<BlobDigest, Running>,
         client: Arc<RegistryClient>,
         repo: &str,
-        digest: BlobDigest,
+        (digest, size): (BlobDigest, u64),
         readers: Option<Arc<Readers>>,
     ) -> watch::Receiver<PullState> {
         let origin = client.base().to_string();
@@ -232,7 +235,7 @@ impl Pulls {
             // pull's end and this take (a complete blob is pulled again from
             // the store at once) is rare; several times in a row is a bug.
             for _ in 0..PULL_ATTEMPTS {
-                let report = match pulls.swarm.pull(&client, &repo, digest).await {
+                let report = match pulls.swarm.pull_sized(&client, &repo, digest, size).await {
                     Ok(report) => report,
                     Err(e) => {
                         state = failed(&store, digest, e.to_string()).await;

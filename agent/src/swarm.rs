@@ -559,19 +559,33 @@ impl Swarm {
         }
     }
 
-    /// Pulls a blob into the store; returns when it is complete and verified.
-    /// Its lines, and its tasks' (peer lanes, registry runs), are logged in
-    /// a `pull` span naming the blob.
-    #[tracing::instrument(name = "pull", skip_all, fields(%digest))]
+    /// Pulls a blob into the store, asking the registry its size first;
+    /// returns when it is complete and verified.
     pub async fn pull(
         self: &Arc<Self>,
         registry: &Arc<RegistryClient>,
         repo: &str,
         digest: BlobDigest,
     ) -> Result<PullReport> {
+        let size = registry.blob_size(repo, &digest).await?;
+        self.pull_sized(registry, repo, digest, size).await
+    }
+
+    /// Pulls a blob of `size` bytes (from a verified manifest, or the
+    /// registry's answer to the caller's own access check: a wrong size
+    /// fails the digest) into the store; returns when it is complete and
+    /// verified. Its lines, and its tasks' (peer lanes, registry runs), are
+    /// logged in a `pull` span naming the blob.
+    #[tracing::instrument(name = "pull", skip_all, fields(%digest))]
+    pub async fn pull_sized(
+        self: &Arc<Self>,
+        registry: &Arc<RegistryClient>,
+        repo: &str,
+        digest: BlobDigest,
+        size: u64,
+    ) -> Result<PullReport> {
         let started = Instant::now();
         let timer = self.node.metrics().pull_started();
-        let size = registry.blob_size(repo, &digest).await?;
         let mut report = PullReport {
             digest: digest.to_string(),
             size,
