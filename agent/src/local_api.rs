@@ -70,45 +70,10 @@ impl Default for LocalApiConfig {
     }
 }
 
-/// `POST /v1/layers/unpack` request.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct UnpackRequest {
-    /// `registry/repo[:tag]`, as in the CRI `cri.image-ref` label.
-    pub image_ref: String,
-    /// The platform manifest holding the layer.
-    pub manifest_digest: String,
-    pub layer_digest: String,
-    /// Absolute directory to create; must not exist.
-    pub target: PathBuf,
-}
-
-/// `POST /v1/layers/describe` request: one layer of one image manifest.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct DescribeRequest {
-    pub image_ref: String,
-    pub manifest_digest: String,
-    pub layer_digest: String,
-}
-
-/// `POST /v1/layers/describe` answer, as the manifest states it.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct LayerDescription {
-    pub layer_digest: String,
-    /// Compressed bytes.
-    pub size: u64,
-    pub media_type: String,
-}
-
-/// `POST /v1/layers/unpack` answer.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct UnpackResponse {
-    pub layer_digest: String,
-    pub diff_id: String,
-    pub compressed_bytes: u64,
-    pub uncompressed_bytes: u64,
-    /// Seconds from the request to the verified tree.
-    pub seconds: f64,
-}
+use dray_protocol::local_api::{DESCRIBE_PATH, UNPACK_PATH};
+pub use dray_protocol::local_api::{
+    DescribeRequest, LayerDescription, UnpackRequest, UnpackResponse,
+};
 
 /// `POST /v1/images/pull` request.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -228,8 +193,8 @@ impl LocalApi {
 
     pub fn router(self: &Arc<Self>) -> axum::Router {
         axum::Router::new()
-            .route("/v1/layers/unpack", axum::routing::post(unpack))
-            .route("/v1/layers/describe", axum::routing::post(describe))
+            .route(UNPACK_PATH, axum::routing::post(unpack))
+            .route(DESCRIBE_PATH, axum::routing::post(describe))
             .route("/v1/images/pull", axum::routing::post(pull))
             .route("/v1/status", axum::routing::get(status))
             .route("/v1/gc", axum::routing::post(collect))

@@ -5,13 +5,15 @@
 //! the tracker and the simulator share, as `quinn-proto` is to `quinn`. Decoders
 //! take untrusted bytes and either return a value within hard limits or a typed
 //! error; they never panic. [`settings`] turns the agent's and the tracker's
-//! TOML settings into typed structs with one-line errors.
+//! TOML settings into typed structs with one-line errors; [`local_api`] holds
+//! the local API messages that the agent and the snapshotter shim share.
 
 pub mod bitfield;
 pub mod chunkmap;
 pub mod digest;
 pub mod framing;
 pub mod identity;
+pub mod local_api;
 pub mod picker;
 pub mod scheduler;
 pub mod settings;

@@ -19,33 +19,8 @@ use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// What the shim asks for: one layer of one image, unpacked into `target`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct UnpackRequest {
-    /// The image reference the layer belongs to (`registry/repo:tag@...`).
-    pub image_ref: String,
-    pub manifest_digest: String,
-    /// The compressed blob's digest.
-    pub layer_digest: String,
-    /// An absolute directory that does not exist yet.
-    pub target: PathBuf,
-}
-
-/// The agent's answer once the layer is unpacked and verified.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct UnpackReport {
-    pub layer_digest: String,
-    pub diff_id: String,
-    pub compressed_bytes: u64,
-    pub uncompressed_bytes: u64,
-}
-
-/// The agent's `POST /v1/layers/describe` answer (the request is the
-/// unpack request; the agent ignores its target).
-#[derive(Clone, Debug, Deserialize)]
-struct LayerDescription {
-    size: u64,
-}
+use dray_protocol::local_api::{DESCRIBE_PATH, DescribeRequest, LayerDescription, UNPACK_PATH};
+pub use dray_protocol::local_api::{UnpackRequest, UnpackResponse};
 
 /// How long the agent may take for one layer: `floor` plus its compressed
 /// size at `min_bytes_per_s`. Asking for the size has the floor alone.
@@ -93,7 +68,7 @@ pub trait LayerSource: Send + Sync + 'static {
     fn unpack(
         &self,
         request: &UnpackRequest,
-    ) -> impl Future<Output = Result<UnpackReport, AgentError>> + Send;
+    ) -> impl Future<Output = Result<UnpackResponse, AgentError>> + Send;
 }
 
 /// The HTTP client for the agent's unix socket (one connection per call:
@@ -121,7 +96,7 @@ impl AgentClient {
     async fn post<T: DeserializeOwned>(
         &self,
         path: &str,
-        request: &UnpackRequest,
+        request: &impl Serialize,
     ) -> Result<T, AgentError> {
         let stream = tokio::net::UnixStream::connect(&self.socket)
             .await
@@ -155,12 +130,12 @@ impl AgentClient {
         Ok(serde_json::from_slice(&bytes)?)
     }
 
-    /// `post`, given up after `deadline`.
+    /// `post` of a request about `layer`, given up after `deadline`.
     async fn post_within<T: DeserializeOwned>(
         &self,
         what: &'static str,
         path: &str,
-        request: &UnpackRequest,
+        (layer, request): (&str, &(impl Serialize + Sync)),
         deadline: Duration,
     ) -> Result<T, AgentError> {
         tokio::time::timeout(deadline, self.post(path, request))
@@ -168,7 +143,7 @@ impl AgentClient {
             .unwrap_or_else(|_| {
                 Err(AgentError::Deadline {
                     what,
-                    layer: request.layer_digest.clone(),
+                    layer: layer.to_string(),
                     deadline,
                 })
             })
@@ -185,18 +160,23 @@ impl<T> Drop for AbortOnDrop<T> {
 }
 
 impl LayerSource for AgentClient {
-    async fn unpack(&self, request: &UnpackRequest) -> Result<UnpackReport, AgentError> {
+    async fn unpack(&self, request: &UnpackRequest) -> Result<UnpackResponse, AgentError> {
         let layer: LayerDescription = self
             .post_within(
                 "describe",
-                "/v1/layers/describe",
-                request,
+                DESCRIBE_PATH,
+                (&request.layer_digest, &DescribeRequest::from(request)),
                 self.deadline.floor,
             )
             .await?;
         let deadline = self.deadline.for_size(layer.size);
-        self.post_within("unpack", "/v1/layers/unpack", request, deadline)
-            .await
+        self.post_within(
+            "unpack",
+            UNPACK_PATH,
+            (&request.layer_digest, request),
+            deadline,
+        )
+        .await
     }
 }
 
@@ -294,7 +274,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("agent.sock");
         let described = r#"{"layer_digest":"sha256:l","size":10,"media_type":"application/vnd.oci.image.layer.v1.tar+gzip"}"#;
-        let report = r#"{"layer_digest":"sha256:l","diff_id":"sha256:d","compressed_bytes":10,"uncompressed_bytes":20}"#;
+        let report = r#"{"layer_digest":"sha256:l","diff_id":"sha256:d","compressed_bytes":10,"uncompressed_bytes":20,"seconds":0.5}"#;
         let server = server(
             &socket,
             vec![answer("200 OK", described), answer("200 OK", report)],
@@ -304,20 +284,18 @@ mod tests {
         assert_eq!(report.diff_id, "sha256:d");
         assert_eq!(report.uncompressed_bytes, 20);
         let sent = server.await.unwrap();
-        for (req, path) in sent
-            .iter()
-            .zip(["/v1/layers/describe", "/v1/layers/unpack"])
-        {
+        let json = |req: &str, path: &str| {
             assert!(
                 req.starts_with(&format!("POST {path} HTTP/1.1\r\n")),
                 "{req}"
             );
-            let json = req.split_once("\r\n\r\n").unwrap().1;
-            assert_eq!(
-                serde_json::from_str::<UnpackRequest>(json).unwrap(),
-                request()
-            );
-        }
+            req.split_once("\r\n\r\n").unwrap().1.to_string()
+        };
+        let described: DescribeRequest =
+            serde_json::from_str(&json(&sent[0], DESCRIBE_PATH)).unwrap();
+        assert_eq!(described, DescribeRequest::from(&request()));
+        let unpack: UnpackRequest = serde_json::from_str(&json(&sent[1], UNPACK_PATH)).unwrap();
+        assert_eq!(unpack, request());
     }
 
     #[tokio::test]

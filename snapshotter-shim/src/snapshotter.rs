@@ -489,7 +489,7 @@ pub(crate) async fn blocking<T: Send + 'static>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::agent::{AgentError, UnpackReport};
+    use crate::agent::{AgentError, UnpackResponse};
     use std::sync::atomic::{AtomicBool, Ordering};
 
     /// Writes `/layer` (holding the layer digest) into the target, or fails.
@@ -500,7 +500,7 @@ mod tests {
     }
 
     impl LayerSource for Arc<FakeAgent> {
-        async fn unpack(&self, request: &UnpackRequest) -> Result<UnpackReport, AgentError> {
+        async fn unpack(&self, request: &UnpackRequest) -> Result<UnpackResponse, AgentError> {
             self.calls.lock().unwrap().push(request.clone());
             if self.fail.load(Ordering::SeqCst) {
                 return Err(AgentError::Refused {
@@ -511,11 +511,12 @@ mod tests {
             assert!(!request.target.exists(), "the target must not exist yet");
             std::fs::create_dir(&request.target).unwrap();
             std::fs::write(request.target.join("layer"), &request.layer_digest).unwrap();
-            Ok(UnpackReport {
+            Ok(UnpackResponse {
                 layer_digest: request.layer_digest.clone(),
                 diff_id: "sha256:diff".into(),
                 compressed_bytes: 1,
                 uncompressed_bytes: 1,
+                seconds: 0.0,
             })
         }
     }
