@@ -455,10 +455,19 @@ impl Tracker {
                 }
                 let standing = reported?;
                 drop(st);
-                self.metrics
-                    .bad_chunk_reported(standing.banned && !was_banned);
-                tracing::warn!(offender = %report.offender, reporter = %report.reporter, digest = %report.digest,
-                    index = report.index, banned = standing.banned, "bad chunk reported");
+                let banned_now = standing.banned && !was_banned;
+                self.metrics.bad_chunk_reported(banned_now);
+                // A warning for what changes the swarm: one node's word, which
+                // any certificate holder can repeat many times a second, is
+                // counted (`dray_tracker_bad_chunk_reports_total`) and logged
+                // at info.
+                if banned_now {
+                    tracing::warn!(offender = %report.offender, reporter = %report.reporter, digest = %report.digest,
+                        index = report.index, "bad chunk reported; the offender is banned");
+                } else {
+                    tracing::info!(offender = %report.offender, reporter = %report.reporter, digest = %report.digest,
+                        index = report.index, banned = standing.banned, "bad chunk reported");
+                }
                 Ok(None)
             }
             Some(Body::DigestFailed(f)) => {
@@ -471,7 +480,7 @@ impl Tracker {
                     self.metrics.digest_failed();
                     tracing::warn!(digest = %d, %reporter, "blob failed its digest at several nodes; rechecking its chunks against the registry");
                 } else {
-                    tracing::warn!(digest = %d, %reporter, "a node reports that a blob failed its digest; nothing is rechecked until another node says so");
+                    tracing::info!(digest = %d, %reporter, "a node reports that a blob failed its digest; nothing is rechecked until another node says so");
                 }
                 Ok(None)
             }
