@@ -575,11 +575,12 @@ impl PeerNode {
             })?;
         self.download.take(want).await;
         // On a slow or shared link a chunk may take long; only a transfer that
-        // stops moving is abandoned.
-        let mut buf = vec![0u8; want];
-        let mut got = 0;
-        while got < want {
-            match tokio::time::timeout(idle, recv.read(&mut buf[got..])).await {
+        // stops moving is abandoned. Quinn's own buffers are copied in once,
+        // into memory nothing zeroes first.
+        let mut buf = Vec::with_capacity(want);
+        while buf.len() < want {
+            let got = buf.len();
+            match tokio::time::timeout(idle, recv.read_chunk(want - got, true)).await {
                 Err(_) => {
                     return Err(peer_err(
                         peer,
@@ -595,7 +596,7 @@ impl PeerNode {
                         format!("chunk {index} ended after {got} of {want} bytes"),
                     ));
                 }
-                Ok(Ok(Some(n))) => got += n,
+                Ok(Ok(Some(piece))) => buf.extend_from_slice(&piece.bytes),
             }
         }
         Ok(buf)
