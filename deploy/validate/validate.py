@@ -27,7 +27,7 @@ VARIANTS = {
     "no-snapshotter": {"snapshotter": {"enabled": False}},
     "privileged-agent": {"agent": {"privileged": True, "priorityClassName": ""}},
     "custom": {
-        "tracker": {"replicas": 5},
+        "tracker": {"replicas": 5, "listenAddress": "[::]"},
         "registries": [{"name": "registry.internal:5000", "server": "http://registry.internal:5000"}],
         "agent": {"config": {"peer": {"upload_bytes_per_s": 125000000}}},
         "metrics": {"annotations": False},
