@@ -148,19 +148,16 @@ pub async fn storm(
                 holders += 1;
             }
             Attack::Forge | Attack::Accuse => {
-                let tracker =
-                    TrackerClient::new(vec![cluster.tracker_url.clone()], &cluster.ca.issue(id)?);
-                let (url, id, map, stop) = (
-                    cluster.tracker_url.clone(),
-                    id.clone(),
-                    real.clone(),
-                    stop.clone(),
-                );
-                tasks.push(tokio::spawn(match attack {
-                    Attack::Forge => Box::pin(forge(tracker, url, id, map, stop))
-                        as std::pin::Pin<Box<dyn Future<Output = Tally> + Send>>,
-                    _ => Box::pin(accuse(tracker, url, id, map, stop)),
-                }));
+                let speaker = Speaker {
+                    tracker: TrackerClient::new(
+                        vec![cluster.tracker_url.clone()],
+                        &cluster.ca.issue(id)?,
+                    ),
+                    url: cluster.tracker_url.clone(),
+                    id: id.clone(),
+                    map: real.clone(),
+                };
+                tasks.push(tokio::spawn(speaker.lie(*attack, stop.clone())));
             }
         }
     }
@@ -299,67 +296,72 @@ async fn finish(tasks: Vec<JoinHandle<Tally>>) -> Result<Tally> {
     Ok(all)
 }
 
-/// Until `stop`: a fresh forged map of `map`'s blob every [`LIE_EVERY`].
-async fn forge(
+/// A forger or an accuser: a certificate holder that only talks to the tracker.
+struct Speaker {
     tracker: TrackerClient,
     url: String,
     id: String,
+    /// The real map of the blob it lies about.
     map: ChunkMap,
-    stop: Arc<AtomicBool>,
-) -> Tally {
-    let mut tally = Tally::default();
-    let started = Instant::now();
-    let mut round = 0u8;
-    while !stop.load(Ordering::Relaxed) && started.elapsed() < LIE_FOR {
-        round = round.wrapping_add(1);
+}
+
+impl Speaker {
+    /// Runs one round of `attack` every [`LIE_EVERY`] until `stop`.
+    async fn lie(self, attack: Attack, stop: Arc<AtomicBool>) -> Tally {
+        let mut tally = Tally::default();
+        let started = Instant::now();
+        let mut round = 0u8;
+        while !stop.load(Ordering::Relaxed) && started.elapsed() < LIE_FOR {
+            round = round.wrapping_add(1);
+            match attack {
+                Attack::Forge => self.forge(round, &mut tally).await,
+                _ => self.accuse(&mut tally).await,
+            }
+            tokio::time::sleep(LIE_EVERY).await;
+        }
+        tally
+    }
+
+    /// Publishes a forged map of the blob, different each round.
+    async fn forge(&self, round: u8, tally: &mut Tally) {
+        let map = &self.map;
         let hashes = (0..map.chunk_count())
             .map(|i| [round ^ i as u8; 32])
             .collect();
         let Ok(forged) = ChunkMap::new(map.digest(), map.size(), map.chunk_size(), hashes) else {
-            break;
+            return;
         };
         let publish = Body::Publish(pb::PublishChunkMap {
-            peer_id: id.clone(),
+            peer_id: self.id.clone(),
             map: Some(forged.to_pb()),
         });
-        if let Err(e) = tracker.send(&url, publish).await {
+        if let Err(e) = self.tracker.send(&self.url, publish).await {
             tally.last_refusal = Some(e.0);
         }
-        tokio::time::sleep(LIE_EVERY).await;
     }
-    tally
-}
 
-/// Until `stop`, every [`LIE_EVERY`]: wants `map`'s blob, accuses every
-/// peer the tracker names, claims the whole blob and reports that it failed.
-async fn accuse(
-    tracker: TrackerClient,
-    url: String,
-    id: String,
-    map: ChunkMap,
-    stop: Arc<AtomicBool>,
-) -> Tally {
-    let mut tally = Tally::default();
-    let started = Instant::now();
-    let bytes = map.chunk_count().div_ceil(8) as usize;
-    let announce = |bits: Vec<u8>| {
-        Body::Announce(pb::Announce {
-            peer_id: id.clone(),
-            address: "127.0.0.1:9".into(),
-            full: true,
-            blobs: vec![pb::BlobHolding {
-                digest: map.digest().to_string(),
-                size: map.size(),
-                chunk_size: map.chunk_size(),
-                bits: bits.into(),
-                wanted: true,
+    /// Wants the blob, accuses every peer the tracker names, claims the
+    /// whole blob and reports that it failed its digest.
+    async fn accuse(&self, tally: &mut Tally) {
+        let (map, id) = (&self.map, &self.id);
+        let bytes = map.chunk_count().div_ceil(8) as usize;
+        let announce = |bits: Vec<u8>| {
+            Body::Announce(pb::Announce {
+                peer_id: id.clone(),
+                address: "127.0.0.1:9".into(),
+                full: true,
+                blobs: vec![pb::BlobHolding {
+                    digest: map.digest().to_string(),
+                    size: map.size(),
+                    chunk_size: map.chunk_size(),
+                    bits: bits.into(),
+                    wanted: true,
+                    ..Default::default()
+                }],
                 ..Default::default()
-            }],
-            ..Default::default()
-        })
-    };
-    while !stop.load(Ordering::Relaxed) && started.elapsed() < LIE_FOR {
-        if let Ok(Some(answer)) = tracker.send(&url, announce(vec![0; bytes])).await {
+            })
+        };
+        if let Ok(Some(answer)) = self.tracker.send(&self.url, announce(vec![0; bytes])).await {
             for named in answer.peers.values().flat_map(|l| &l.peers) {
                 let report = Body::BadChunk(pb::BadChunkReport {
                     reporter: id.clone(),
@@ -367,21 +369,22 @@ async fn accuse(
                     digest: map.digest().to_string(),
                     index: 0,
                 });
-                match tracker.send(&url, report).await {
+                match self.tracker.send(&self.url, report).await {
                     Ok(_) => tally.accepted += 1,
                     Err(e) => tally.last_refusal = Some(e.0),
                 }
             }
         }
-        _ = tracker.send(&url, announce(vec![0xff; bytes])).await;
+        _ = self
+            .tracker
+            .send(&self.url, announce(vec![0xff; bytes]))
+            .await;
         let failed = Body::DigestFailed(pb::BlobDigestFailed {
             reporter: id.clone(),
             digest: map.digest().to_string(),
         });
-        _ = tracker.send(&url, failed).await;
-        tokio::time::sleep(LIE_EVERY).await;
+        _ = self.tracker.send(&self.url, failed).await;
     }
-    tally
 }
 
 /// The table lines of a hostile run.
