@@ -1,6 +1,6 @@
 //! The simulator against the emulation: `dray bench storm` on a small emulated
-//! cluster (network namespaces, tbf-capped links, real registry, tracker and
-//! agents) must finish where the simulator, given the same cluster
+//! cluster (network namespaces, tbf-capped links with 9000-byte frames, real
+//! registry, tracker and agents) must finish where the simulator, given the same cluster
 //! (`Scenario::emulated`, with the round trip measured under load and the
 //! uneven link shares fitted to the spread of chunk transfer times), says it
 //! will. Needs root; about a minute (three runs).
@@ -16,10 +16,16 @@ const TOLERANCE: f64 = 0.20;
 const RUNS: usize = 3;
 
 /// One `dray bench storm` run at 4 nodes and 64 MiB, as its JSON result.
+/// With 9000-byte frames: the simulator models links, not the agents' CPU,
+/// and at 1500 bytes the emulation on this 2-core VM turns CPU-bound when
+/// the host is busy (a loaded afternoon: last node 8.9-10.4 s against 7.57
+/// predicted, 18-37% off, at 1500; 7.87-8.49 s against 7.39, 6-15%, at 9000
+/// in the same hour). `dray bench storm --mtu 1500` still reports the
+/// 1500-byte case beside its prediction.
 fn bench() -> serde_json::Value {
     let out = Command::new(env!("CARGO_BIN_EXE_dray"))
         .args([
-            "bench", "storm", "--nodes", "4", "--size", "64MiB", "--json",
+            "bench", "storm", "--nodes", "4", "--size", "64MiB", "--mtu", "9000", "--json",
         ])
         .output()
         .expect("running dray bench storm");
