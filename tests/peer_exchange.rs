@@ -355,8 +355,10 @@ fn run_ok(c: &mut Command) -> String {
 }
 
 /// A cluster CA in `dir/ca` and `node-a`, `node-b` with their certificates
-/// and configs (`dir/node-X.toml`) on 127.0.0.1.
-fn two_nodes(dir: &Path) {
+/// and configs (`dir/node-X.toml`) on 127.0.0.1; `node-a` holds a random
+/// blob of `size` bytes (`dir/src`), whose chunk map is `dir/map`. Returns
+/// the blob's digest.
+fn two_nodes_a_holding(dir: &Path, size: u64) -> String {
     let d = |p: &str| dir.join(p).to_str().unwrap().to_string();
     run_ok(&mut dray(&["ca", "init", "--dir", &d("ca")]));
     for id in ["node-a", "node-b"] {
@@ -380,6 +382,11 @@ fn two_nodes(dir: &Path) {
         );
         std::fs::write(dir.join(format!("{id}.toml")), cfg).unwrap();
     }
+    let src = dir.join("src");
+    random_file(&src, size);
+    let import = ["blob", "import", "-c", &d("node-a.toml"), &d("src")];
+    run_ok(dray(&import).args(["--map-out", &d("map")]));
+    file_digest(&src)
 }
 
 /// Starts `dray ARGS` (an agent) and returns it with the peer address its
@@ -414,20 +421,8 @@ fn held_digest(dir: &Path, node: &str, want: &str) -> String {
 fn a_receiver_killed_halfway_resumes_fetching_only_the_missing_chunks_plus_one() {
     let dir = tempfile::tempdir().unwrap();
     let d = |p: &str| dir.path().join(p).to_str().unwrap().to_string();
-    two_nodes(dir.path());
-    let src = dir.path().join("src");
-    random_file(&src, 256 << 20);
-    let want = file_digest(&src);
+    let want = two_nodes_a_holding(dir.path(), 256 << 20);
     let chunks = 64;
-    run_ok(&mut dray(&[
-        "blob",
-        "import",
-        "-c",
-        &d("node-a.toml"),
-        &d("src"),
-        "--map-out",
-        &d("map"),
-    ]));
 
     let (mut a, a_addr) = serving(&["agent", "-c", &d("node-a.toml")]);
     let peer = format!("node-a@{a_addr}");
@@ -494,12 +489,7 @@ fn a_receiver_killed_halfway_resumes_fetching_only_the_missing_chunks_plus_one()
 fn an_agent_given_an_ipv6_address_without_brackets_serves_peers_on_it() {
     let dir = tempfile::tempdir().unwrap();
     let d = |p: &str| dir.path().join(p).to_str().unwrap().to_string();
-    two_nodes(dir.path());
-    let src = dir.path().join("src");
-    random_file(&src, 16 << 20);
-    let want = file_digest(&src);
-    let import = ["blob", "import", "-c", &d("node-a.toml"), &d("src")];
-    run_ok(dray(&import).args(["--map-out", &d("map")]));
+    let want = two_nodes_a_holding(dir.path(), 16 << 20);
 
     let (mut a, addr) = serving(&["agent", "-c", &d("node-a.toml"), "--peer-listen", "::1:0"]);
     assert!(addr.starts_with("[::1]:"), "serving on {addr}");
