@@ -382,6 +382,24 @@ impl Transfer {
         self.lock().picker.claim(index)
     }
 
+    /// Waits until chunk `index` is held (false) or neither held nor in
+    /// flight, then claims it (true), as [`Transfer::claim`] does.
+    pub async fn claim_when_free(&self, index: u32) -> bool {
+        loop {
+            // Registered before the check, so a release in between wakes us.
+            let released = self.released.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            if self.blob.has(index) {
+                return false;
+            }
+            if self.claim(index) {
+                return true;
+            }
+            released.await;
+        }
+    }
+
     /// Verifies and stores a chunk from `peer` (or, with `None`, the
     /// registry) and counts it, in one step on a blocking thread, so a lane or
     /// run aborted meanwhile cannot store a chunk without counting it.
@@ -1099,5 +1117,47 @@ mod tests {
         }
         assert_eq!(peers(&plain), (ids(&["p1", "p2", "p3"]), vec![]));
         plain.finish().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_chunk_in_flight_is_claimed_once_its_request_fails_and_not_once_it_is_stored() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = ClusterCa::generate().unwrap();
+        let store = Arc::new(ChunkStore::open(dir.path()).unwrap());
+        let any = "127.0.0.1:0".parse().unwrap();
+        let node =
+            PeerNode::bind(ca.issue("n").unwrap(), store, any, PeerConfig::default()).unwrap();
+        let bytes = vec![7u8; 2 * MIN_CHUNK_SIZE as usize];
+        let map = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
+        let t = Transfer::start(&node, &map, true).await.unwrap();
+        let waiting = Duration::from_millis(50);
+
+        // In flight elsewhere (a peer request): the waiter waits; the
+        // request fails, and the waiter holds the claim.
+        assert!(t.claim(0));
+        let waiter = tokio::spawn({
+            let t = t.clone();
+            async move { t.claim_when_free(0).await }
+        });
+        tokio::time::sleep(waiting).await;
+        assert!(!waiter.is_finished());
+        t.settle(0, false);
+        assert!(waiter.await.unwrap());
+        assert!(!t.claim(0), "the waiter's claim stands");
+        t.settle(0, false);
+
+        // The request succeeds: nothing to claim.
+        assert!(t.claim(1));
+        let waiter = tokio::spawn({
+            let t = t.clone();
+            async move { t.claim_when_free(1).await }
+        });
+        tokio::time::sleep(waiting).await;
+        assert!(!waiter.is_finished());
+        let chunk = bytes[MIN_CHUNK_SIZE as usize..].to_vec();
+        t.store(1, chunk, None).await.unwrap();
+        t.settle(1, true);
+        assert!(!waiter.await.unwrap());
+        t.finish().await.unwrap();
     }
 }
