@@ -969,6 +969,24 @@ fn panel(out: &mut String, p: &Panel, lines: &[Line]) {
 
 #[cfg(test)]
 mod tests {
+    /// The simulator's model of `dray bench storm` is the agent as shipped:
+    /// a default changed on one side only fails here.
+    #[test]
+    fn the_simulated_storm_runs_the_agents_defaults() {
+        let agent = dray_agent::config::AgentConfig::default();
+        let sim = dray_simulations::Scenario::emulated(&Default::default());
+        let secs = |ms: u64| ms as f64 / 1e3;
+        assert_eq!(sim.announce_interval_s, secs(agent.swarm.pull_announce_ms));
+        assert_eq!(sim.stall_s, secs(agent.swarm.stall_ms));
+        assert_eq!(sim.tracker_grace_s, secs(agent.swarm.tracker_grace_ms));
+        assert_eq!(sim.registry_parallel, agent.swarm.registry_parallel);
+        assert_eq!(sim.max_uploads as usize, agent.peer.max_uploads);
+        assert_eq!(sim.max_downloads as usize, agent.peer.max_downloads);
+        assert_eq!(sim.max_peers_per_blob, agent.peer.max_peers_per_blob);
+        assert_eq!(sim.max_watchers_per_blob, agent.peer.max_watchers_per_blob);
+        assert_eq!(sim.sim_chunk_bytes, u64::from(agent.swarm.chunk_size));
+    }
+
     use super::transmit_bytes;
 
     #[test]

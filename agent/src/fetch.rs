@@ -54,6 +54,7 @@ use crate::error::{Error, Result};
 use crate::metrics::Source;
 use crate::peer::{MIN_CHUNK_DEADLINE, PeerLink, PeerNode};
 use crate::store::{Blob, PutOutcome};
+use dray_protocol::defaults::DEFAULTS;
 use dray_protocol::picker::{ChunkPicker, DEFAULT_WINDOW};
 use dray_protocol::{Bitfield, ChunkMap, VerifyError};
 use serde::Serialize;
@@ -852,7 +853,7 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
                 }
                 if matches!(e, Error::Rejected { .. }) {
                     // BUSY or not held: give the peer (and the others) a moment.
-                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    tokio::time::sleep(Duration::from_millis(DEFAULTS.busy_backoff_ms)).await;
                 }
                 continue;
             }

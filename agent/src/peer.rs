@@ -20,6 +20,7 @@ use crate::metrics::AgentMetrics;
 use crate::rate::ByteRate;
 use crate::store::ChunkStore;
 use bytes::Bytes;
+use dray_protocol::defaults::DEFAULTS;
 use dray_protocol::framing::{self, FrameError, MAX_BITFIELD_WAIT_MS, MAX_PEER_FRAME, PeerRequest};
 use dray_protocol::pb::{self, peer_message::Body, reject::Reason};
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap, PROTOCOL_VERSION};
@@ -152,10 +153,10 @@ impl Default for PeerConfig {
         Self {
             upload_bytes_per_s: None,
             download_bytes_per_s: None,
-            max_uploads: 8,
-            max_downloads: 8,
-            max_peers_per_blob: 16,
-            max_watchers_per_blob: 256,
+            max_uploads: DEFAULTS.max_uploads,
+            max_downloads: DEFAULTS.max_downloads,
+            max_peers_per_blob: DEFAULTS.max_peers_per_blob,
+            max_watchers_per_blob: DEFAULTS.max_watchers_per_blob,
             request_timeout: Duration::from_secs(20),
             min_chunk_bytes_per_s: 256 << 10,
             max_connections_per_peer: 16,

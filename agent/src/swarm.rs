@@ -40,6 +40,7 @@ use crate::peer::PeerNode;
 use crate::registry::RegistryClient;
 use crate::store::{Blob, Holding, PutOutcome};
 use crate::tracker_client::TrackerClient;
+use dray_protocol::defaults::DEFAULTS;
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::scheduler::SchedulerConfig;
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap, DEFAULT_CHUNK_SIZE, VerifyError};
@@ -71,7 +72,7 @@ pub struct SwarmConfig {
     pub tracker_grace_ms: u64,
     /// Nothing arrived and nothing was in flight for this long, and the
     /// tracker reported no registry fetch of the blob under way (or nothing
-    /// arrived for [`FETCHING_PATIENCE`] times this long, whatever it
+    /// arrived for `fetching_patience` (in [`DEFAULTS`]) times this long, whatever it
     /// reported): fetch unclaimed chunks from the registry, ms.
     pub stall_ms: u64,
     /// Registry runs in flight at once when falling back to the registry.
@@ -100,12 +101,12 @@ impl Default for SwarmConfig {
             trackers: Vec::new(),
             advertise: None,
             labels: BTreeMap::new(),
-            pull_announce_ms: 500,
-            idle_announce_ms: 10_000,
-            tracker_grace_ms: 3_000,
-            stall_ms: 30_000,
-            registry_parallel: 4,
-            run_chunks: 4,
+            pull_announce_ms: DEFAULTS.pull_announce_ms,
+            idle_announce_ms: DEFAULTS.idle_announce_ms,
+            tracker_grace_ms: DEFAULTS.tracker_grace_ms,
+            stall_ms: DEFAULTS.stall_ms,
+            registry_parallel: DEFAULTS.registry_parallel,
+            run_chunks: DEFAULTS.run_chunks,
             chunk_size: DEFAULT_CHUNK_SIZE,
             max_announce_blobs: SchedulerConfig::default().max_blobs_per_peer,
         }
@@ -730,12 +731,15 @@ impl Swarm {
             if std::mem::take(&mut woke) || rx.has_changed().unwrap_or(false) {
                 let u = rx.borrow_and_update().clone();
                 tracker_fetching = u.tracker_ok && u.fetching;
-                if tracker_fetching && arrived.0.elapsed() < stall * FETCHING_PATIENCE {
+                if tracker_fetching && arrived.0.elapsed() < stall * DEFAULTS.fetching_patience {
                     // A registry slower than the stall rule (a first chunk
                     // can take minutes when many runs share a slow link)
                     // would otherwise send every waiting node to it too.
-                    // Not forever: a run nobody fetches (its holder gone
-                    // with the chunk) held pulls for good.
+                    // Not forever (`fetching_patience` stall periods): in
+                    // the soak of `tests/soak.rs` a node evicted a blob's
+                    // last copy under critical disk pressure, and the
+                    // tracker reported a fetch of it under way for over
+                    // 60 s that no node made.
                     progress.0 = Instant::now();
                 }
                 if u.tracker_ok {
@@ -922,14 +926,6 @@ fn is_map_failure(e: &Error) -> bool {
             | Error::Verify(VerifyError::BlobDigest { .. } | VerifyError::HashConflict { .. })
     )
 }
-
-/// How many `stall_ms` without a chunk a pull waits on registry fetches the
-/// tracker reports under way before the stall rule applies anyway. In the
-/// soak of `tests/soak.rs`, when a node evicted a blob's last copy under
-/// critical disk pressure, another node's pull held 2 of 3 chunks while the
-/// tracker reported a fetch of the third under way for over 60 s that no
-/// node made.
-const FETCHING_PATIENCE: u32 = 4;
 
 /// What a pull fetches from the registry on its own, mildest first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]

@@ -6,10 +6,13 @@
 //! take untrusted bytes and either return a value within hard limits or a typed
 //! error; they never panic. [`settings`] turns the agent's and the tracker's
 //! TOML settings into typed structs with one-line errors; [`local_api`] holds
-//! the local API messages that the agent and the snapshotter shim share.
+//! the local API messages that the agent and the snapshotter shim share;
+//! [`defaults`] the swarm's timings and limits, which the agent, the tracker
+//! and the simulator all read.
 
 pub mod bitfield;
 pub mod chunkmap;
+pub mod defaults;
 pub mod digest;
 pub mod framing;
 pub mod identity;

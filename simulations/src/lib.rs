@@ -171,6 +171,16 @@
 //! a hop in 4 or 16 times a chunk's time, so these storms come out slower
 //! than the agent's 4 MiB chunks would make them. The baselines (`direct`, `kraken-like`,
 //! `spegel-like`) are simplified models of those systems, not their code.
+//!
+//! The agent's timings and limits (announce period, stall and tracker-grace
+//! rules, peers and watchers per blob, registry fetches in fallback, BUSY
+//! back-off, the tracker's tick) come from `dray_protocol::defaults`, which
+//! the agent's configuration reads too; a test in `dray`'s `storm` module
+//! fails if the two part. The rules themselves are still modelled here, not
+//! shared: the stall rule ignores the tracker's "registry fetch under way"
+//! exception, a fallback fetches single chunks rather than runs of
+//! `run_chunks`, and an idle node checks its rules every `poll_s` (0.5 s;
+//! the agent every 50 ms).
 
 mod net;
 mod queue;

@@ -2,6 +2,7 @@
 //! (churn, late joiners, a tracker outage) a run injects.
 
 use crate::SimError;
+use dray_protocol::defaults::{DEFAULTS, secs};
 use serde::Serialize;
 
 /// 4 MiB, the agent's chunk size.
@@ -104,6 +105,12 @@ pub struct Scenario {
     pub max_downloads: u32,
     /// Concurrent chunk uploads per node.
     pub max_uploads: u32,
+    /// Peers a node keeps per blob; the oldest goes when the tracker names another.
+    pub max_peers_per_blob: usize,
+    /// Watchers a node serves per blob; a node named as a peer past that is refused.
+    pub max_watchers_per_blob: usize,
+    /// Registry fetches a node in fallback keeps going at once.
+    pub registry_parallel: usize,
     /// How often a pulling node announces.
     pub announce_interval_s: f64,
     /// How often an idle node checks its fallback rules (stall, tracker silence).
@@ -143,19 +150,19 @@ impl Scenario {
             churn: None,
             late_joiners: None,
             outage: None,
-            // The agent's `peer.max_downloads` and `peer.max_uploads`.
-            max_downloads: 8,
-            max_uploads: 8,
-            announce_interval_s: 0.5,
+            max_downloads: DEFAULTS.max_downloads as u32,
+            max_uploads: DEFAULTS.max_uploads as u32,
+            max_peers_per_blob: DEFAULTS.max_peers_per_blob,
+            max_watchers_per_blob: DEFAULTS.max_watchers_per_blob,
+            registry_parallel: DEFAULTS.registry_parallel,
+            announce_interval_s: secs(DEFAULTS.pull_announce_ms),
             poll_s: 0.5,
-            busy_backoff_s: 0.2,
+            busy_backoff_s: secs(DEFAULTS.busy_backoff_ms),
             // A data-centre fabric under load: a millisecond each way.
             rtt_s: 0.002,
             flow_weight_sigma: 0.0,
-            // The agent's default (30 s; 5 s starved registry-bound storms,
-            // see the crate docs).
-            stall_s: 30.0,
-            tracker_grace_s: 3.0,
+            stall_s: secs(DEFAULTS.stall_ms),
+            tracker_grace_s: secs(DEFAULTS.tracker_grace_ms),
             kraken_degree: 10,
         }
     }
@@ -211,8 +218,15 @@ impl Scenario {
         if chunks > 1 << 20 {
             return bad("more than 2^20 chunks per layer");
         }
-        if self.max_downloads == 0 || self.max_uploads == 0 {
-            return bad("max_downloads and max_uploads must be positive");
+        if [self.max_downloads, self.max_uploads].contains(&0)
+            || [
+                self.max_peers_per_blob,
+                self.max_watchers_per_blob,
+                self.registry_parallel,
+            ]
+            .contains(&0)
+        {
+            return bad("peer and registry limits must be positive");
         }
         if let Some(r) = &self.racks
             && (r.nodes_per_rack == 0
@@ -282,9 +296,8 @@ impl Default for Emulated {
             node_mbit: 100,
             registry_mbit: 200,
             upload_percent: 90,
-            // The agent's `peer.max_uploads` and `peer.max_downloads`.
-            max_uploads: 8,
-            max_downloads: 8,
+            max_uploads: DEFAULTS.max_uploads as u32,
+            max_downloads: DEFAULTS.max_downloads as u32,
             mtu: 1500,
         }
     }

@@ -17,20 +17,12 @@ use crate::net::{Ev, FlowId, LinkId, Net, Payload, Purpose, Rng, Source, to_ns};
 use crate::report::{Outcome, Samples, SimReport};
 use crate::scenario::Scenario;
 use crate::tracker::Tracker;
+use dray_protocol::defaults::{DEFAULTS, secs};
 use dray_protocol::picker::{ChunkPicker, DEFAULT_WINDOW};
 use dray_protocol::scheduler::{Announce, AnnounceDecision, BlobAnnounce, Held, SchedulerConfig};
 use dray_protocol::{Bitfield, BlobDigest};
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
-
-/// Peers a node keeps per blob (the agent's `peer.max_peers_per_blob`); the
-/// oldest goes when the tracker names another.
-const MAX_KNOWN_PEERS: usize = 16;
-/// Watchers a node serves per blob (the agent's `peer.max_watchers_per_blob`);
-/// a node named as a peer past that is refused.
-const MAX_WATCHERS: usize = 256;
-/// The tracker's ticker period.
-const TICK_S: f64 = 0.5;
 
 struct BlobInfo {
     digest: BlobDigest,
@@ -48,9 +40,11 @@ struct RunState {
     flow: Option<FlowId>,
 }
 
-/// Registry fetches a node in fallback keeps going at once (the agent's
-/// `swarm.registry_parallel`).
-const REGISTRY_PARALLEL: usize = 4;
+/// The tracker's ticker period.
+fn tick_s() -> f64 {
+    secs(DEFAULTS.tracker_tick_ms)
+}
+
 /// The origin every announce names: a scenario has one registry.
 const REGISTRY_ORIGIN: &str = "registry";
 
@@ -788,11 +782,11 @@ impl World<'_> {
             return;
         }
         // A peer watched by as many as it serves answers BUSY, and is dropped.
-        if self.nodes[p as usize].blobs[b].watchers.len() >= MAX_WATCHERS {
+        if self.nodes[p as usize].blobs[b].watchers.len() >= self.sc.max_watchers_per_blob {
             return;
         }
         let nb = &self.nodes[n as usize].blobs[b];
-        if nb.peers.len() >= MAX_KNOWN_PEERS {
+        if nb.peers.len() >= self.sc.max_peers_per_blob {
             // The oldest peer goes; what it offered, others now offer too.
             let nb = &mut self.nodes[n as usize].blobs[b];
             let old = nb.peers.remove(0);
@@ -816,7 +810,7 @@ impl World<'_> {
     }
 
     /// `n` no longer watches `p` (a peer it has just forgotten) for blob `b`.
-    /// A watcher list holds at most [`MAX_WATCHERS`], a few cache lines to search.
+    /// A watcher list holds at most `max_watchers_per_blob`, a few cache lines to search.
     fn unwatch(&mut self, n: u32, b: usize, p: u32) {
         let watchers = &mut self.nodes[p as usize].blobs[b].watchers;
         if let Some(at) = watchers.iter().position(|&x| x == n) {
@@ -883,7 +877,7 @@ impl World<'_> {
         self.try_fill(n);
     }
 
-    /// Keeps [`REGISTRY_PARALLEL`] registry fetches going for the chunks the
+    /// Keeps `registry_parallel` registry fetches going for the chunks the
     /// fallback wants: every unclaimed one after a stall, those no known peer
     /// holds while the tracker is silent.
     fn continue_fallback(&mut self, n: u32) {
@@ -897,7 +891,7 @@ impl World<'_> {
         for b in 0..self.blobs.len() {
             self.look_all(n, b);
             let chunks = self.blobs[b].chunks;
-            while self.nodes[nu].fallback_flows.len() < REGISTRY_PARALLEL {
+            while self.nodes[nu].fallback_flows.len() < self.sc.registry_parallel {
                 let Some(p) = self.nodes[nu].blobs[b].picker.as_mut() else {
                     break;
                 };
@@ -1036,7 +1030,7 @@ impl World<'_> {
                     let now = self.instant();
                     self.sched.tick(now);
                 }
-                self.net.after(TICK_S, Ev::Tick);
+                self.net.after(tick_s(), Ev::Tick);
             }
             Ev::Sample => self.sample(),
             Ev::Churn => self.churn(),
@@ -1202,7 +1196,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
         build_kraken_graph(&mut w, origins);
     }
     if strategy == Strategy::Dray {
-        w.net.at_secs(TICK_S, Ev::Tick);
+        w.net.at_secs(tick_s(), Ev::Tick);
         if let Some(o) = &sc.outage {
             w.net.at_secs(o.at_s, Ev::OutageStart);
             w.net.at_secs(o.at_s + o.for_s, Ev::OutageEnd);

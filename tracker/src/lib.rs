@@ -30,6 +30,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use dray_protocol::chunkmap::ChunkHash;
+use dray_protocol::defaults::DEFAULTS;
 use dray_protocol::framing::MAX_TRACKER_FRAME;
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::scheduler::{self, Scheduler, SchedulerConfig};
@@ -891,7 +892,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let ticker = tracker.clone();
     let tick = tokio::spawn(async move {
-        let mut every = tokio::time::interval(Duration::from_millis(500));
+        let mut every = tokio::time::interval(Duration::from_millis(DEFAULTS.tracker_tick_ms));
         loop {
             every.tick().await;
             ticker.tick(Instant::now());

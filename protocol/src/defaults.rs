@@ -1,0 +1,65 @@
+//! The swarm's default timings and limits, in one place: the agent's
+//! configuration defaults, the tracker's ticker and the simulator's model
+//! all read them, so a simulated storm describes the agent as shipped and a
+//! tuning change is made once (a test in the `dray` crate fails if the
+//! simulator's scenario and the agent's defaults part).
+
+/// Every default of how a node pulls and serves that the simulator models.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SwarmDefaults {
+    /// Announce period while a pull runs (the agent's `swarm.pull_announce_ms`).
+    pub pull_announce_ms: u64,
+    /// Announce period otherwise (`swarm.idle_announce_ms`).
+    pub idle_announce_ms: u64,
+    /// Tracker silent this long during a pull: chunks no known peer holds
+    /// come from the registry until it answers (`swarm.tracker_grace_ms`).
+    pub tracker_grace_ms: u64,
+    /// Nothing arrived and nothing in flight this long: every unclaimed chunk
+    /// comes from the registry (`swarm.stall_ms`). 30 s: at 5 s registry-bound
+    /// storms fell back en masse (see the `dray-simulations` crate docs).
+    pub stall_ms: u64,
+    /// How many `stall_ms` without a chunk a pull waits on registry fetches
+    /// the tracker reports under way before the stall rule applies anyway.
+    pub fetching_patience: u32,
+    /// Registry fetches a pull keeps going at once in fallback
+    /// (`swarm.registry_parallel`).
+    pub registry_parallel: usize,
+    /// Chunks per registry run in fallback (`swarm.run_chunks`).
+    pub run_chunks: u32,
+    /// Chunks a node serves at once (`peer.max_uploads`).
+    pub max_uploads: usize,
+    /// Peer chunk requests a node keeps in flight (`peer.max_downloads`).
+    pub max_downloads: usize,
+    /// Peers a pull keeps per blob; the oldest goes when the tracker names
+    /// another (`peer.max_peers_per_blob`).
+    pub max_peers_per_blob: usize,
+    /// Long-polled bitfield watchers a node serves per blob; past it a peer
+    /// is refused (`peer.max_watchers_per_blob`).
+    pub max_watchers_per_blob: usize,
+    /// How long a lane waits after a peer refused a request (BUSY, or not held).
+    pub busy_backoff_ms: u64,
+    /// The tracker's ticker period: stalled assignments are taken back on it.
+    pub tracker_tick_ms: u64,
+}
+
+/// The defaults dray ships.
+pub const DEFAULTS: SwarmDefaults = SwarmDefaults {
+    pull_announce_ms: 500,
+    idle_announce_ms: 10_000,
+    tracker_grace_ms: 3_000,
+    stall_ms: 30_000,
+    fetching_patience: 4,
+    registry_parallel: 4,
+    run_chunks: 4,
+    max_uploads: 8,
+    max_downloads: 8,
+    max_peers_per_blob: 16,
+    max_watchers_per_blob: 256,
+    busy_backoff_ms: 200,
+    tracker_tick_ms: 500,
+};
+
+/// Milliseconds as seconds, the simulator's unit.
+pub fn secs(ms: u64) -> f64 {
+    ms as f64 / 1e3
+}
