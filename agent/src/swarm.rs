@@ -42,6 +42,7 @@ use crate::store::{Blob, Holding, PutOutcome};
 use crate::tracker_client::TrackerClient;
 use dray_protocol::defaults::DEFAULTS;
 use dray_protocol::pb::{self, tracker_request::Body};
+use dray_protocol::pull::{Fallback, FallbackRule};
 use dray_protocol::scheduler::SchedulerConfig;
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap, DEFAULT_CHUNK_SIZE, VerifyError};
 use prost::Message;
@@ -694,14 +695,17 @@ impl Swarm {
         let mut runs = tokio::task::JoinSet::new();
         // The tracker's runs under way, by first chunk.
         let mut assigned: HashMap<u32, tokio::task::AbortHandle> = HashMap::new();
-        let mut last_tracker = Instant::now();
-        let mut progress = (Instant::now(), t.blob().held().count());
-        // When the last chunk arrived, and whether a quiet spell since was
-        // logged (with what kept the stall rule from firing).
-        let mut arrived = (Instant::now(), false);
-        let mut tracker_fetching = false;
         // Without a tracker every chunk comes from the registry.
-        let mut fallback = if alone { Fallback::All } else { Fallback::Off };
+        let mut fallback = FallbackRule::new(
+            Instant::now(),
+            alone,
+            Duration::from_millis(self.config.tracker_grace_ms),
+            Duration::from_millis(self.config.stall_ms),
+            DEFAULTS.fetching_patience,
+        );
+        let mut held = t.blob().held().count();
+        // Whether the current quiet spell was logged.
+        let mut quiet_logged = false;
         // Cancels the registry fetches of the current tracker-silence fallback.
         let mut silent_runs = CancellationToken::new();
         let mut woke = false;
@@ -716,7 +720,6 @@ impl Swarm {
                 cancel,
             )
         };
-        let tracker_grace = Duration::from_millis(self.config.tracker_grace_ms);
         let stall = Duration::from_millis(self.config.stall_ms);
         loop {
             if let Some(e) = t.take_error() {
@@ -730,28 +733,14 @@ impl Swarm {
             }
             if std::mem::take(&mut woke) || rx.has_changed().unwrap_or(false) {
                 let u = rx.borrow_and_update().clone();
-                tracker_fetching = u.tracker_ok && u.fetching;
-                if tracker_fetching && arrived.0.elapsed() < stall * DEFAULTS.fetching_patience {
-                    // A registry slower than the stall rule (a first chunk
-                    // can take minutes when many runs share a slow link)
-                    // would otherwise send every waiting node to it too.
-                    // Not forever (`fetching_patience` stall periods): in
-                    // the soak of `tests/soak.rs` a node evicted a blob's
-                    // last copy under critical disk pressure, and the
-                    // tracker reported a fetch of it under way for over
-                    // 60 s that no node made.
-                    progress.0 = Instant::now();
-                }
-                if u.tracker_ok {
-                    last_tracker = Instant::now();
-                    if fallback == Fallback::Unavailable {
-                        // Its runs take over: drop our own registry fetches,
-                        // whose chunks become pickable again.
-                        tracing::info!(%digest, "the tracker answers again: ending the fallback");
-                        fallback = Fallback::Off;
-                        silent_runs.cancel();
-                        silent_runs = CancellationToken::new();
-                    }
+                if !u.tracker_ok {
+                    fallback.tracker_failed();
+                } else if fallback.tracker_answered(Instant::now(), u.fetching) {
+                    // Its runs take over: drop our own registry fetches,
+                    // whose chunks become pickable again.
+                    tracing::info!(%digest, "the tracker answers again: ending the fallback");
+                    silent_runs.cancel();
+                    silent_runs = CancellationToken::new();
                 }
                 if !alone {
                     if let Some(m) = u
@@ -792,49 +781,44 @@ impl Swarm {
                     }
                 }
             }
-            let held = t.blob().held().count();
+            let now = Instant::now();
+            let was = std::mem::replace(&mut held, t.blob().held().count());
+            if held != was {
+                fallback.arrived(now);
+                quiet_logged = false;
+            }
             // Chunks in flight count as progress: only a swarm with nothing to
             // offer is stalled.
-            if held != progress.1 {
-                arrived = (Instant::now(), false);
+            if t.in_flight() > 0 {
+                fallback.busy(now);
             }
-            if held != progress.1 || t.in_flight() > 0 {
-                progress = (Instant::now(), held);
-            }
-            if arrived.0.elapsed() > stall && !std::mem::replace(&mut arrived.1, true) {
+            if fallback.quiet_for(now) > stall && !std::mem::replace(&mut quiet_logged, true) {
                 tracing::info!(
                     held,
                     chunks = t.blob().map().chunk_count(),
                     in_flight = t.in_flight(),
-                    tracker_fetching,
-                    ?fallback,
+                    tracker_fetching = fallback.tracker_fetching(),
+                    fallback = ?fallback.mode(),
                     "no chunk arrived for stall_ms; waiting on the requests in flight and the registry fetches the tracker reports"
                 );
             }
-            let wanted = if progress.0.elapsed() > stall {
-                Some((Fallback::All, FallbackReason::Stall))
-            } else if last_tracker.elapsed() > tracker_grace {
-                Some((Fallback::Unavailable, FallbackReason::TrackerSilent))
-            } else {
-                None
-            };
-            if fallback != Fallback::All
-                && wanted.is_some_and(|(mode, _)| mode == Fallback::All)
-                && t.blob().is_failed()
-            {
-                // Every chunk is held: the registry fallback has nothing to
-                // fetch, and the recheck found nothing wrong in time.
-                return Err(Error::RecheckStalled(digest));
-            }
-            if let Some((mode, reason)) = wanted.filter(|&(mode, _)| mode > fallback) {
-                tracing::warn!(%digest, ?reason, tracker_silent_s = last_tracker.elapsed().as_secs_f64(), "falling back to the registry");
+            if let Some(mode) = fallback.escalate(now) {
+                if mode == Fallback::All && t.blob().is_failed() {
+                    // Every chunk is held: the registry fallback has nothing
+                    // to fetch, and the recheck found nothing wrong in time.
+                    return Err(Error::RecheckStalled(digest));
+                }
+                let reason = match mode {
+                    Fallback::All => FallbackReason::Stall,
+                    _ => FallbackReason::TrackerSilent,
+                };
+                tracing::warn!(%digest, ?reason, tracker_silent_s = fallback.tracker_silent_for(now).as_secs_f64(), "falling back to the registry");
                 self.node.metrics().fell_back(reason);
-                fallback = mode;
                 report.fell_back = true;
             }
             // Only when a registry slot is free: listing the chunks is a
             // pass over the whole blob.
-            let todo = match fallback {
+            let todo = match fallback.mode() {
                 _ if runs.len() >= self.config.registry_parallel => None,
                 Fallback::Off => None,
                 Fallback::Unavailable => Some((t.unavailable(), silent_runs.clone())),
@@ -925,17 +909,6 @@ fn is_map_failure(e: &Error) -> bool {
         Error::RecheckStalled(_)
             | Error::Verify(VerifyError::BlobDigest { .. } | VerifyError::HashConflict { .. })
     )
-}
-
-/// What a pull fetches from the registry on its own, mildest first.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-enum Fallback {
-    /// Only the tracker's runs.
-    Off,
-    /// The tracker is silent: chunks no known peer can give us, until it answers.
-    Unavailable,
-    /// No tracker, or the swarm stalled: every unclaimed chunk, to the end.
-    All,
 }
 
 /// Fetches chunks `[first, first + count)` from the registry into the blob

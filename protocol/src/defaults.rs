@@ -19,7 +19,10 @@ pub struct SwarmDefaults {
     /// storms fell back en masse (see the `dray-simulations` crate docs).
     pub stall_ms: u64,
     /// How many `stall_ms` without a chunk a pull waits on registry fetches
-    /// the tracker reports under way before the stall rule applies anyway.
+    /// the tracker reports under way before the stall rule applies anyway:
+    /// in the soak of `tests/soak.rs` a node evicted a blob's last copy under
+    /// critical disk pressure, and the tracker reported a fetch of it under
+    /// way for over 60 s that no node made.
     pub fetching_patience: u32,
     /// Registry fetches a pull keeps going at once in fallback
     /// (`swarm.registry_parallel`).

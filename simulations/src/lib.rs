@@ -176,11 +176,13 @@
 //! rules, peers and watchers per blob, registry fetches in fallback, BUSY
 //! back-off, the tracker's tick) come from `dray_protocol::defaults`, which
 //! the agent's configuration reads too; a test in `dray`'s `storm` module
-//! fails if the two part. The rules themselves are still modelled here, not
-//! shared: the stall rule ignores the tracker's "registry fetch under way"
-//! exception, a fallback fetches single chunks rather than runs of
-//! `run_chunks`, and an idle node checks its rules every `poll_s` (0.5 s;
-//! the agent every 50 ms).
+//! fails if the two part. The fallback rules (stall, tracker silence, the
+//! tracker's "registry fetch under way" exception) are
+//! `dray_protocol::pull::FallbackRule`, which the agent's swarm engine runs
+//! too. Still modelled here: a node keeps one fallback state for all its
+//! layers (the agent one per blob), a fallback fetches single chunks rather
+//! than runs of `run_chunks`, and an idle node checks its rules every
+//! `poll_s` (0.5 s; the agent every 50 ms).
 
 mod net;
 mod queue;

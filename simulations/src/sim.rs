@@ -19,6 +19,7 @@ use crate::scenario::Scenario;
 use crate::tracker::Tracker;
 use dray_protocol::defaults::{DEFAULTS, secs};
 use dray_protocol::picker::{ChunkPicker, DEFAULT_WINDOW};
+use dray_protocol::pull::{Fallback, FallbackRule};
 use dray_protocol::scheduler::{Announce, AnnounceDecision, BlobAnnounce, Held, SchedulerConfig};
 use dray_protocol::{Bitfield, BlobDigest};
 use std::collections::{BTreeMap, HashMap};
@@ -40,6 +41,17 @@ struct RunState {
     flow: Option<FlowId>,
 }
 
+/// A node's fallback rules as the agent runs them, starting at `now`.
+fn fallback_rule(sc: &Scenario, now: Instant) -> FallbackRule {
+    FallbackRule::new(
+        now,
+        false,
+        Duration::from_secs_f64(sc.tracker_grace_s),
+        Duration::from_secs_f64(sc.stall_s),
+        DEFAULTS.fetching_patience,
+    )
+}
+
 /// The tracker's ticker period.
 fn tick_s() -> f64 {
     secs(DEFAULTS.tracker_tick_ms)
@@ -47,17 +59,6 @@ fn tick_s() -> f64 {
 
 /// The origin every announce names: a scenario has one registry.
 const REGISTRY_ORIGIN: &str = "registry";
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Fallback {
-    /// Nothing arrived or was in flight for `stall_s`: every unclaimed chunk
-    /// comes from the registry, until the blob is complete.
-    Stall,
-    /// The tracker has been silent for `tracker_grace_s`: chunks no known
-    /// peer holds come from the registry until it answers; then its runs
-    /// take over and the fetches still in flight are dropped.
-    Tracker,
-}
 
 /// A peer a node knows for a blob.
 #[derive(Clone, Copy)]
@@ -99,11 +100,11 @@ struct Node {
     out_flows: Vec<FlowId>,
     announce_gen: u32,
     poll_at: Option<u64>,
-    last_progress: f64,
-    last_tracker_ok: f64,
+    /// The agent's fallback rules, in one node-wide state (the agent keeps
+    /// one per blob; a scenario's node pulls its layers together).
+    fallback: FallbackRule,
     need_full: bool,
     runs: Vec<RunState>,
-    fallback: Option<Fallback>,
     /// Registry fetches of the fallback in flight.
     fallback_flows: Vec<FlowId>,
     rotor: usize,
@@ -303,14 +304,13 @@ impl World<'_> {
     // ---- node lifecycle ---------------------------------------------------
 
     fn start_node(&mut self, n: u32) {
-        let now = self.net.now();
+        let (sc, instant) = (self.sc, self.instant());
         let node = &mut self.nodes[n as usize];
         if node.started || !node.alive {
             return;
         }
         node.started = true;
-        node.last_progress = now;
-        node.last_tracker_ok = now;
+        node.fallback = fallback_rule(sc, instant);
         match self.strategy {
             Strategy::Dray => {
                 self.nodes[n as usize].need_full = true;
@@ -358,8 +358,9 @@ impl World<'_> {
     /// A chunk (or, for whole-blob strategies, a blob) arrived at `n`.
     fn receive(&mut self, n: u32, blob: u16, chunk: Option<u32>) {
         let now = self.net.now();
+        let at = self.instant();
         let node = &mut self.nodes[n as usize];
-        node.last_progress = now;
+        node.fallback.arrived(at);
         let nb = &mut node.blobs[blob as usize];
         match chunk {
             Some(c) => {
@@ -671,8 +672,12 @@ impl World<'_> {
         if !self.tracker_up || !self.nodes[nu].alive {
             return;
         }
-        self.nodes[nu].last_tracker_ok = self.net.now();
-        if self.nodes[nu].fallback == Some(Fallback::Tracker) {
+        let at = self.instant();
+        // A registry fetch under way is not a stall (within patience).
+        if self.nodes[nu]
+            .fallback
+            .tracker_answered(at, !d.fetching.is_empty())
+        {
             self.end_tracker_fallback(n);
         }
         if d.resend_full {
@@ -712,10 +717,6 @@ impl World<'_> {
 
     fn apply_decision(&mut self, n: u32, d: AnnounceDecision) {
         let nu = n as usize;
-        if !d.fetching.is_empty() {
-            // The swarm waits on the registry: not a stall (the agent's rule).
-            self.nodes[nu].last_progress = self.net.now();
-        }
         for (digest, contacts) in &d.peers {
             let Some(&b) = self.digest_index.get(digest) else {
                 continue;
@@ -859,19 +860,15 @@ impl World<'_> {
             return;
         }
         if self.strategy == Strategy::Dray {
-            let now = self.net.now();
-            let node = &self.nodes[nu];
-            if node.fallback.is_none() {
-                if now - node.last_tracker_ok >= self.sc.tracker_grace_s {
-                    self.nodes[nu].fallback = Some(Fallback::Tracker);
-                } else if node.downloads == 0
-                    && node.runs.iter().all(|r| r.flow.is_none())
-                    && node.fallback_flows.is_empty()
-                    && now - node.last_progress >= self.sc.stall_s
-                {
-                    self.nodes[nu].fallback = Some(Fallback::Stall);
-                }
+            let at = self.instant();
+            let node = &mut self.nodes[nu];
+            if node.downloads > 0
+                || node.runs.iter().any(|r| r.flow.is_some())
+                || !node.fallback_flows.is_empty()
+            {
+                node.fallback.busy(at);
             }
+            node.fallback.escalate(at);
             self.continue_fallback(n);
         }
         self.try_fill(n);
@@ -882,10 +879,8 @@ impl World<'_> {
     /// holds while the tracker is silent.
     fn continue_fallback(&mut self, n: u32) {
         let nu = n as usize;
-        let Some(why) = self.nodes[nu].fallback else {
-            return;
-        };
-        if !self.nodes[nu].alive {
+        let why = self.nodes[nu].fallback.mode();
+        if why == Fallback::Off || !self.nodes[nu].alive {
             return;
         }
         for b in 0..self.blobs.len() {
@@ -896,8 +891,8 @@ impl World<'_> {
                     break;
                 };
                 let candidate = match why {
-                    Fallback::Stall => (p.cursor()..chunks).find(|&c| p.is_unclaimed(c)),
-                    Fallback::Tracker => p.unavailable().find(|&c| p.is_unclaimed(c)),
+                    Fallback::All => (p.cursor()..chunks).find(|&c| p.is_unclaimed(c)),
+                    _ => p.unavailable().find(|&c| p.is_unclaimed(c)),
                 };
                 let Some(c) = candidate else {
                     break;
@@ -913,7 +908,6 @@ impl World<'_> {
     /// fetches, whose chunks become pickable again.
     fn end_tracker_fallback(&mut self, n: u32) {
         let nu = n as usize;
-        self.nodes[nu].fallback = None;
         for id in std::mem::take(&mut self.nodes[nu].fallback_flows) {
             let (p, _) = self.net.remove(id);
             remove_item(&mut self.nodes[nu].in_flows, id);
@@ -1107,6 +1101,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
         DEFAULT_WINDOW
     };
     let uses_pickers = matches!(strategy, Strategy::Dray | Strategy::KrakenLike);
+    let base = Instant::now();
     let nodes: Vec<Node> = (0..total)
         .map(|_| Node {
             start: 0.0,
@@ -1138,11 +1133,9 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             out_flows: Vec::new(),
             announce_gen: 0,
             poll_at: None,
-            last_progress: 0.0,
-            last_tracker_ok: 0.0,
+            fallback: fallback_rule(sc, base),
             need_full: true,
             runs: Vec::new(),
-            fallback: None,
             fallback_flows: Vec::new(),
             rotor: 0,
         })
@@ -1165,7 +1158,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
         sched: Tracker::new(sched_config.clone()),
         sched_config,
         tracker_up: true,
-        base: Instant::now(),
+        base,
         names: (0..total).map(|n| format!("n{n}")).collect(),
         seeds: vec![Vec::new(); layers],
         published: vec![Bitfield::new(chunks); layers],
