@@ -15,6 +15,10 @@ pub enum Error {
     },
     #[error("chunk store database: {0}")]
     Db(String),
+    /// A task of the agent's (a blocking store call, a registry run) panicked
+    /// or was cancelled: a bug or a shutdown, not the database.
+    #[error("agent task ended without finishing: {0}")]
+    Task(#[from] tokio::task::JoinError),
     #[error("configuration: {0}")]
     Config(String),
     #[error("TLS: {0}")]

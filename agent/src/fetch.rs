@@ -283,9 +283,7 @@ impl Transfer {
     pub async fn start(node: &Arc<PeerNode>, map: &ChunkMap, swarm: bool) -> Result<Arc<Self>> {
         let store = node.store().clone();
         let m = map.clone();
-        let blob = tokio::task::spawn_blocking(move || store.blob(&m))
-            .await
-            .map_err(join_err)??;
+        let blob = tokio::task::spawn_blocking(move || store.blob(&m)).await??;
         let held = blob.held();
         let t = Arc::new(Self {
             node: node.clone(),
@@ -435,8 +433,7 @@ impl Transfer {
             }
             put
         })
-        .await
-        .map_err(join_err)?
+        .await?
     }
 
     /// The outcome of a claimed chunk fetched outside the lanes.
@@ -546,9 +543,7 @@ impl Transfer {
         tasks.abort_all();
         while tasks.join_next().await.is_some() {}
         let (store, b) = (self.node.store().clone(), self.blob.clone());
-        tokio::task::spawn_blocking(move || store.persist(&b))
-            .await
-            .map_err(join_err)??;
+        tokio::task::spawn_blocking(move || store.persist(&b)).await??;
         Ok(self.report())
     }
 
@@ -705,10 +700,6 @@ pub async fn fetch_from_peers(
         });
     }
     Ok(report)
-}
-
-fn join_err(e: tokio::task::JoinError) -> Error {
-    Error::Db(format!("blocking task failed: {e}"))
 }
 
 /// Peer bits usable now: held by the peer and with a known hash.

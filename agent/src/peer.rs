@@ -970,9 +970,7 @@ async fn send_chunks(
 
 async fn lookup(node: &PeerNode, digest: BlobDigest) -> Result<Option<Arc<crate::store::Blob>>> {
     let store = node.store.clone();
-    tokio::task::spawn_blocking(move || store.get(&digest))
-        .await
-        .map_err(|e| Error::Db(e.to_string()))?
+    tokio::task::spawn_blocking(move || store.get(&digest)).await?
 }
 
 #[cfg(test)]

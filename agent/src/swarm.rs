@@ -373,9 +373,7 @@ impl Swarm {
     /// Drops `digest`'s file and record, to pull it anew.
     async fn forget(&self, digest: BlobDigest) -> Result<()> {
         let store = self.node.store().clone();
-        tokio::task::spawn_blocking(move || store.remove(&digest))
-            .await
-            .map_err(|e| Error::Db(e.to_string()))?
+        tokio::task::spawn_blocking(move || store.remove(&digest)).await?
     }
 
     /// One round of announces: every blob held or wanted, to its owner replica.
@@ -726,7 +724,7 @@ impl Swarm {
                 return Err(e);
             }
             while let Some(done) = runs.try_join_next() {
-                done.map_err(|e| Error::Db(format!("registry fetch task: {e}")))??;
+                done??;
             }
             if t.blob().is_complete() {
                 return Ok(());

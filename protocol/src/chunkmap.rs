@@ -141,11 +141,6 @@ impl ChunkMap {
         &self.hashes
     }
 
-    /// Whether every chunk's hash is known.
-    pub fn is_fully_hashed(&self) -> bool {
-        self.hashes.iter().all(Option::is_some)
-    }
-
     /// Chunks whose hash is known.
     pub fn known(&self) -> crate::Bitfield {
         let mut b = crate::Bitfield::new(self.chunk_count());

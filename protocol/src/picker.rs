@@ -300,11 +300,6 @@ impl<P: Clone + Eq + std::hash::Hash> ChunkPicker<P> {
             .zeros()
             .filter(|&i| self.availability[i as usize] == 0)
     }
-
-    /// Whether any usable peer is known.
-    pub fn has_peers(&self) -> bool {
-        !self.peers.is_empty()
-    }
 }
 
 #[cfg(test)]
