@@ -5,8 +5,6 @@
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use dray_agent::identity::ClusterCa;
-use dray_agent::peer::{PeerConfig, PeerNode};
-use dray_agent::pulls::Pulls;
 use dray_agent::store::ChunkStore;
 use serde::Serialize;
 use std::io::{Read, Write};
@@ -261,9 +259,9 @@ struct MirrorResult {
 }
 
 async fn mirror(b: MirrorBench) -> Result<()> {
+    use dray_agent::config::AgentConfig;
     use dray_agent::mirror::{Mirror, MirrorConfig};
     use dray_agent::registry::RegistryClient;
-    use dray_agent::swarm::{Swarm, SwarmConfig};
     if b.size < 4 || b.rounds == 0 {
         bail!("--size must be at least 4 bytes and --rounds positive");
     }
@@ -281,14 +279,15 @@ async fn mirror(b: MirrorBench) -> Result<()> {
         std::fs::remove_file(&src)?;
     }
     let ca = ClusterCa::generate()?;
-    let store = Arc::new(ChunkStore::open(&dir.path().join("agent"))?);
-    let node = PeerNode::bind(
+    let agent = dray_agent::Agent::open(
+        &AgentConfig {
+            state_dir: dir.path().join("agent"),
+            peer_listen: "127.0.0.1:0".parse()?,
+            ..AgentConfig::default()
+        },
         ca.issue("bench-mirror")?,
-        store,
-        "127.0.0.1:0".parse()?,
-        PeerConfig::default(),
+        Arc::default(),
     )?;
-    let swarm = Swarm::new(node, SwarmConfig::default());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let mirror_url = format!("http://{}", listener.local_addr()?);
     let config = MirrorConfig {
@@ -297,7 +296,7 @@ async fn mirror(b: MirrorBench) -> Result<()> {
         default_registry: Some(registry.host()),
         ..Default::default()
     };
-    let server = tokio::spawn(Mirror::new(Pulls::new(swarm.clone()), config).serve(listener));
+    let server = tokio::spawn(Mirror::new(agent.pulls().clone(), config).serve(listener));
     let through_mirror = RegistryClient::new(&mirror_url, None)?;
     let direct = RegistryClient::new(&registry.url(), None)?;
     let out = dir.path().join("pulled");
@@ -318,7 +317,7 @@ async fn mirror(b: MirrorBench) -> Result<()> {
         );
     }
     server.abort();
-    swarm.node().close();
+    agent.kill();
     let median = |t: &mut Vec<f64>| {
         t.sort_by(f64::total_cmp);
         t[t.len() / 2]

@@ -5,9 +5,10 @@
 //! Shared by `dray bench swarm` and `dray demo`.
 
 use anyhow::{Context, Result};
+use dray_agent::Agent;
+use dray_agent::config::AgentConfig;
 use dray_agent::identity::ClusterCa;
-use dray_agent::peer::{PeerConfig, PeerNode};
-use dray_agent::store::ChunkStore;
+use dray_agent::peer::PeerConfig;
 use dray_agent::swarm::{Swarm, SwarmConfig};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -21,11 +22,10 @@ pub struct LocalCluster {
     pub ca: ClusterCa,
     /// The tracker's URL and its state, which the agents reach over TLS.
     pub tracker_url: String,
+    #[cfg(feature = "hostile")]
     pub tracker: Arc<dray_tracker::Tracker>,
-    /// Each agent's announcer and garbage collector.
-    tasks: Vec<JoinHandle<()>>,
-    /// Every member's swarm, the agents' and [`Self::join`]'s, to close.
-    members: Vec<Arc<Swarm>>,
+    /// Every member, the agents and [`Self::join`]'s, to stop.
+    members: Vec<Agent>,
     server: JoinHandle<std::io::Result<()>>,
 }
 
@@ -61,8 +61,8 @@ impl LocalCluster {
             agents: Vec::new(),
             ca,
             tracker_url,
+            #[cfg(feature = "hostile")]
             tracker,
-            tasks: Vec::new(),
             members: Vec::new(),
             server,
         };
@@ -89,24 +89,22 @@ impl LocalCluster {
         peer: PeerConfig,
         gc: Option<&dray_agent::gc::GcConfig>,
     ) -> Result<Arc<Swarm>> {
-        let store = Arc::new(
-            ChunkStore::open(dir)
-                .with_context(|| format!("opening the store in {}", dir.display()))?,
-        );
-        if let Some(gc) = gc {
-            store.gc().configure(gc.clone(), true);
-            self.tasks.push(dray_agent::gc::spawn(store.clone()));
-        }
-        let node = PeerNode::bind(self.ca.issue(id)?, store, "127.0.0.1:0".parse()?, peer)?;
-        let swarm = Swarm::new(
-            node,
-            SwarmConfig {
+        let config = AgentConfig {
+            state_dir: dir.to_path_buf(),
+            peer_listen: "127.0.0.1:0".parse()?,
+            peer,
+            swarm: SwarmConfig {
                 trackers: vec![self.tracker_url.clone()],
                 ..swarm
             },
-        );
-        self.tasks.push(swarm.spawn_announcer());
-        self.members.push(swarm.clone());
+            gc: gc.cloned().unwrap_or_default(),
+            ..AgentConfig::default()
+        };
+        let mut agent = Agent::open(&config, self.ca.issue(id)?, Arc::default())
+            .with_context(|| format!("starting agent {id} with its store in {}", dir.display()))?;
+        agent.spawn_loops(gc.is_some());
+        let swarm = agent.swarm().clone();
+        self.members.push(agent);
         Ok(swarm)
     }
 
@@ -123,11 +121,8 @@ impl LocalCluster {
 
 impl Drop for LocalCluster {
     fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-        for s in &self.members {
-            s.node().close();
+        for a in &self.members {
+            a.kill();
         }
         self.server.abort();
     }

@@ -20,10 +20,10 @@ use dray_agent::containerd;
 use dray_agent::fetch::{PeerAddr, fetch_from_peers};
 use dray_agent::identity::{ClusterCa, Identity};
 use dray_agent::metrics::AgentMetrics;
-use dray_agent::peer::PeerNode;
+
 use dray_agent::registry::{Credentials, RegistryClient};
 use dray_agent::store::ChunkStore;
-use dray_agent::swarm::Swarm;
+
 use dray_protocol::{ChunkMap, DEFAULT_CHUNK_SIZE, pb};
 use dray_snapshotter_shim::SnapshotterConfig;
 use dray_tracker::{Tracker, TrackerConfig, Transport};
@@ -337,29 +337,17 @@ impl ConfigArgs {
         Ok(cfg)
     }
 
-    /// Opens the store and binds the peer endpoint as configured.
-    fn start(&self) -> Result<Arc<PeerNode>> {
-        Ok(self.start_swarm()?.node().clone())
-    }
-
-    /// Opens the store, binds the peer endpoint and joins the swarm.
-    fn start_swarm(&self) -> Result<Arc<Swarm>> {
-        join_swarm(self.load()?, Arc::default())
+    /// Opens the store, binds the peer endpoint and joins the swarm as configured.
+    fn open(&self) -> Result<dray_agent::Agent> {
+        open_agent(&self.load()?, Arc::default())
     }
 }
 
-/// Opens the store, binds the peer endpoint counting into `metrics`, and joins the swarm.
-fn join_swarm(cfg: AgentConfig, metrics: Arc<AgentMetrics>) -> Result<Arc<Swarm>> {
+/// The agent of `cfg` (its identity read from the configured files),
+/// counting into `metrics`.
+fn open_agent(cfg: &AgentConfig, metrics: Arc<AgentMetrics>) -> Result<dray_agent::Agent> {
     let identity = Identity::load(&cfg.cert, &cfg.key, &cfg.ca)?;
-    let store = Arc::new(ChunkStore::open(&cfg.state_dir)?);
-    store.set_max_blob_size(cfg.max_blob_size);
-    store.set_max_open_idle_blobs(cfg.max_open_idle_blobs);
-    store
-        .gc()
-        .configure(cfg.gc.clone(), !cfg.swarm.trackers.is_empty());
-    store.gc().use_metrics(metrics.gc().clone());
-    let node = PeerNode::bind_with_metrics(identity, store, cfg.peer_listen, cfg.peer, metrics)?;
-    Ok(Swarm::new(node, cfg.swarm))
+    Ok(dray_agent::Agent::open(cfg, identity, metrics)?)
 }
 
 #[derive(Subcommand)]
@@ -678,9 +666,9 @@ async fn run(command: Command) -> Result<()> {
                 .iter()
                 .map(|p| parse_peer(p))
                 .collect::<Result<Vec<_>>>()?;
-            let node = config.start()?;
-            let report = fetch_from_peers(&node, &map, &peers).await?;
-            node.close();
+            let agent = config.open()?;
+            let report = fetch_from_peers(agent.node(), &map, &peers).await?;
+            agent.kill();
             println!("{}", serde_json::to_string(&report)?);
             Ok(())
         }
@@ -703,17 +691,18 @@ async fn run(command: Command) -> Result<()> {
             };
             let registry = Arc::new(RegistryClient::new(&registry, credentials)?);
             let stop = service::shutdown_signal()?;
-            let swarm = config.start_swarm()?;
-            let announcer = swarm.spawn_announcer();
+            let mut agent = config.open()?;
+            agent.spawn_loops(false);
+            let swarm = agent.swarm();
             let report = swarm.pull(&registry, &repo, digest).await?;
             println!("{}", serde_json::to_string(&report)?);
             if serve {
                 stop.await;
             }
-            announcer.abort();
+            agent.stop_loops();
             swarm.leave().await;
-            swarm.node().close();
-            swarm.node().closed(std::time::Duration::from_secs(1)).await;
+            agent.kill();
+            agent.node().closed(std::time::Duration::from_secs(1)).await;
             Ok(())
         }
         Command::Snapshotter(args) => snapshotter(args).await,

@@ -20,7 +20,6 @@ use dray_agent::config::AgentConfig;
 use dray_agent::local_api::{self, LocalApi};
 use dray_agent::metrics::{AdminEndpoint, AgentMetrics};
 use dray_agent::mirror::Mirror;
-use dray_agent::pulls::Pulls;
 use std::future::{Future, IntoFuture};
 use std::sync::Arc;
 use std::time::Duration;
@@ -56,11 +55,10 @@ pub async fn run_agent(cfg: AgentConfig) -> Result<()> {
         .with_context(|| format!("binding the admin endpoint to {}", cfg.admin_listen))?;
     let admin_addr = admin_listener.local_addr()?;
     let admin_task = tokio::spawn(admin.clone().serve(admin_listener));
-    let swarm = crate::join_swarm(cfg.clone(), metrics)?;
-    let node = swarm.node().clone();
+    let mut agent = crate::open_agent(&cfg, metrics)?;
+    let (swarm, node) = (agent.swarm().clone(), agent.node().clone());
     admin.set_ready(node.clone());
-    let announcer = swarm.spawn_announcer();
-    let collector = dray_agent::gc::spawn(node.store().clone());
+    agent.spawn_loops(true);
     let listener = tokio::net::TcpListener::bind(cfg.mirror.listen)
         .await
         .with_context(|| format!("binding the mirror to {}", cfg.mirror.listen))?;
@@ -77,14 +75,13 @@ pub async fn run_agent(cfg: AgentConfig) -> Result<()> {
         node.local_addr()?,
         cfg.local_api.socket.display()
     );
-    let pulls = Pulls::new(swarm.clone());
     let api = LocalApi::new(
-        pulls.clone(),
+        agent.pulls().clone(),
         cfg.mirror.clone(),
         &cfg.local_api,
         cfg.unpack.clone(),
     );
-    let mirror = Mirror::new(pulls, cfg.mirror.clone());
+    let mirror = Mirror::new(agent.pulls().clone(), cfg.mirror.clone());
     // Set at the stop: no new requests; those under way run to their end.
     let (draining, drained) = watch::channel(false);
     let until_draining = move || {
@@ -128,8 +125,7 @@ pub async fn run_agent(cfg: AgentConfig) -> Result<()> {
     // A second signal cuts the wait short (the store is still flushed).
     let again = shutdown_signal()?;
     let _ = draining.send(true);
-    announcer.abort();
-    collector.abort();
+    agent.stop_loops();
     let _ = tokio::time::timeout_at(deadline, swarm.leave()).await;
     node.drain();
     let finished = async {

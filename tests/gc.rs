@@ -8,9 +8,10 @@
 mod common;
 
 use common::*;
+use dray_agent::Agent;
+use dray_agent::config::AgentConfig;
 use dray_agent::gc::GcConfig;
 use dray_agent::metrics::AgentMetrics;
-use dray_agent::peer::{PeerConfig, PeerNode};
 use dray_agent::store::ChunkStore;
 use dray_agent::swarm::{Swarm, SwarmConfig};
 use dray_protocol::BlobDigest;
@@ -23,42 +24,35 @@ use std::time::{Duration, Instant};
 /// counting into its own metrics.
 struct Node {
     swarm: Arc<Swarm>,
-    metrics: Arc<AgentMetrics>,
-    announcer: tokio::task::JoinHandle<()>,
+    agent: Agent,
 }
 
 impl Node {
     async fn start(root: &Path, id: &str, swarm: SwarmConfig, gc: GcConfig) -> Node {
-        let dir = root.join(id);
+        let config = AgentConfig {
+            state_dir: root.join(id),
+            peer_listen: "127.0.0.1:0".parse().unwrap(),
+            swarm,
+            gc,
+            ..AgentConfig::default()
+        };
         // A store just closed by a stopped node may hold its lock a moment.
         let started = Instant::now();
-        let store = loop {
-            match ChunkStore::open(&dir) {
-                Ok(s) => break Arc::new(s),
+        let mut agent = loop {
+            let metrics = Arc::new(AgentMetrics::new());
+            match Agent::open(&config, cluster_ca().issue(id).unwrap(), metrics) {
+                Ok(a) => break a,
                 Err(e) if started.elapsed() < Duration::from_secs(10) => {
                     eprintln!("{id}: store not open yet: {e}");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
-                Err(e) => panic!("opening {}: {e}", dir.display()),
+                Err(e) => panic!("opening {}: {e}", config.state_dir.display()),
             }
         };
-        let metrics = Arc::new(AgentMetrics::new());
-        store.gc().configure(gc, !swarm.trackers.is_empty());
-        store.gc().use_metrics(metrics.gc().clone());
-        let node = PeerNode::bind_with_metrics(
-            cluster_ca().issue(id).unwrap(),
-            store,
-            "127.0.0.1:0".parse().unwrap(),
-            PeerConfig::default(),
-            metrics.clone(),
-        )
-        .unwrap();
-        let swarm = Swarm::new(node, swarm);
-        let announcer = swarm.spawn_announcer();
+        agent.spawn_loops(false);
         Node {
-            swarm,
-            metrics,
-            announcer,
+            swarm: agent.swarm().clone(),
+            agent,
         }
     }
 
@@ -75,7 +69,8 @@ impl Node {
 
     /// One metric's value from the exposition, 0 if absent.
     fn metric(&self, line_start: &str) -> f64 {
-        self.metrics
+        self.agent
+            .metrics()
             .encode()
             .lines()
             .find(|l| l.starts_with(line_start))
@@ -84,8 +79,7 @@ impl Node {
     }
 
     async fn stop(self) {
-        self.announcer.abort();
-        self.swarm.node().close();
+        self.agent.kill();
         self.swarm.node().closed(Duration::from_secs(1)).await;
     }
 }
@@ -127,7 +121,7 @@ async fn blobs_keep_their_chunk_size_when_it_changes_and_are_still_served_to_pee
             registry.host()
         )
     };
-    let mirror = MirrorProc::start_for(&a.swarm, &upstreams).await;
+    let mirror = MirrorProc::start_for(a.agent.pulls(), &upstreams).await;
     let (status, body) = get_body(&url(&mirror)).await;
     assert_eq!((status, sha256(&body)), (200, digest.to_string()));
     mirror.stop();
@@ -156,7 +150,7 @@ async fn blobs_keep_their_chunk_size_when_it_changes_and_are_still_served_to_pee
         "node-b joined the swarm's chunks"
     );
 
-    let mirror = MirrorProc::start_for(&a.swarm, &upstreams).await;
+    let mirror = MirrorProc::start_for(a.agent.pulls(), &upstreams).await;
     let (status, body) = get_body(&url(&mirror)).await;
     assert_eq!(status, 200);
     assert_eq!(sha256(&body), digest.to_string());
@@ -180,7 +174,8 @@ async fn a_layer_larger_than_the_budget_is_refused_at_once_and_containerd_pulls_
         ..GcConfig::default()
     };
     let node = Node::start(work.path(), "node-a", quick_swarm(Vec::new()), gc).await;
-    let mirror = MirrorProc::start_for(&node.swarm, &[(registry.host(), registry.url())]).await;
+    let mirror =
+        MirrorProc::start_for(node.agent.pulls(), &[(registry.host(), registry.url())]).await;
     let side_door = registry.side_door().await;
     let hosts = hosts_dir(work.path(), &registry.host(), &side_door.url(), &mirror.url);
     let ctrd = Containerd::start();

@@ -7,8 +7,10 @@
 //! range fetches ([`registry`]) and the fallbacks that make a pull never worse
 //! than a direct one. [`mirror`] puts the OCI pull API on localhost for
 //! containerd. [`metrics`] counts what the agent does for Prometheus and
-//! serves it with the health checks on the admin listener.
+//! serves it with the health checks on the admin listener. [`Agent`] puts
+//! these parts together, the one way every binary and test starts an agent.
 
+pub mod agent;
 pub mod bounded;
 pub mod config;
 pub mod containerd;
@@ -30,4 +32,5 @@ pub mod tracker_client;
 pub mod udp;
 pub mod unpack;
 
+pub use agent::Agent;
 pub use error::{Error, Result};

@@ -65,14 +65,16 @@ pub struct ConfigError {
 }
 
 impl SnapshotterConfig {
-    /// Reads a TOML file; unknown keys are errors.
+    /// Reads a TOML file; unknown keys are errors. A mistake is one line
+    /// naming the file, line, column and key, as in the agent's and the
+    /// tracker's configs.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let error = |reason: String| ConfigError {
             path: path.to_path_buf(),
             reason,
         };
         let text = std::fs::read_to_string(path).map_err(|e| error(e.to_string()))?;
-        toml::from_str(&text).map_err(|e| error(e.message().to_string()))
+        dray_protocol::settings::from_toml(&text).map_err(|e| error(e.to_string()))
     }
 }
 
@@ -92,5 +94,13 @@ mod tests {
         std::fs::write(&path, "sokcet = \"/x\"\n").unwrap();
         let e = SnapshotterConfig::load(&path).unwrap_err().to_string();
         assert!(e.contains("s.toml") && e.contains("sokcet"), "{e}");
+        assert!(e.contains("line 1, column 1"), "{e}");
+        std::fs::write(&path, "root = \"/r\"\nprefetch_limit = \"many\"\n").unwrap();
+        let e = SnapshotterConfig::load(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("line 2, column 18: key `prefetch_limit`: invalid type"),
+            "{e}"
+        );
+        assert!(!e.contains('\n'), "one line: {e}");
     }
 }

@@ -116,11 +116,11 @@ pub fn quick_swarm(trackers: Vec<String>) -> SwarmConfig {
     }
 }
 
-/// An agent in this process.
+/// An agent in this process, started as `dray agent` starts one.
 pub struct Agent {
     pub swarm: Arc<Swarm>,
     pub dir: PathBuf,
-    announcer: tokio::task::JoinHandle<()>,
+    agent: dray_agent::Agent,
 }
 
 impl Agent {
@@ -132,21 +132,26 @@ impl Agent {
         peer: PeerConfig,
     ) -> Agent {
         let dir = root.join(id);
-        let store = Arc::new(ChunkStore::open(&dir).unwrap());
-        let node = PeerNode::bind(
-            ca.issue(id).unwrap(),
-            store,
-            "127.0.0.1:0".parse().unwrap(),
+        let config = dray_agent::config::AgentConfig {
+            state_dir: dir.clone(),
+            peer_listen: "127.0.0.1:0".parse().unwrap(),
             peer,
-        )
-        .unwrap();
-        let swarm = Swarm::new(node, config);
-        let announcer = swarm.spawn_announcer();
+            swarm: config,
+            ..Default::default()
+        };
+        let mut agent =
+            dray_agent::Agent::open(&config, ca.issue(id).unwrap(), Arc::default()).unwrap();
+        agent.spawn_loops(false);
         Agent {
-            swarm,
+            swarm: agent.swarm().clone(),
             dir,
-            announcer,
+            agent,
         }
+    }
+
+    /// The pulls its mirror and local API share, as in `dray agent`.
+    pub fn pulls(&self) -> &Arc<dray_agent::pulls::Pulls> {
+        self.agent.pulls()
     }
 
     /// Path of a blob's file in this agent's store.
@@ -158,8 +163,7 @@ impl Agent {
 
     /// Stops the agent as a crash would: no more announces, answers or uploads.
     pub fn kill(&self) {
-        self.announcer.abort();
-        self.swarm.node().close();
+        self.agent.kill();
     }
 }
 
@@ -416,11 +420,14 @@ impl MirrorProc {
     /// `upstreams` maps registry names (containerd's `ns`) to base URLs; the
     /// first is also the default registry for requests without `ns`.
     pub async fn start(agent: &Agent, upstreams: &[(String, String)]) -> MirrorProc {
-        MirrorProc::start_for(&agent.swarm, upstreams).await
+        MirrorProc::start_for(agent.pulls(), upstreams).await
     }
 
-    /// A mirror of the agent that `swarm` belongs to.
-    pub async fn start_for(swarm: &Arc<Swarm>, upstreams: &[(String, String)]) -> MirrorProc {
+    /// A mirror serving through `pulls` (an agent's).
+    pub async fn start_for(
+        pulls: &Arc<dray_agent::pulls::Pulls>,
+        upstreams: &[(String, String)],
+    ) -> MirrorProc {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let config = dray_agent::mirror::MirrorConfig {
@@ -429,8 +436,7 @@ impl MirrorProc {
             default_registry: upstreams.first().map(|(n, _)| n.clone()),
             ..Default::default()
         };
-        let mirror =
-            dray_agent::mirror::Mirror::new(dray_agent::pulls::Pulls::new(swarm.clone()), config);
+        let mirror = dray_agent::mirror::Mirror::new(pulls.clone(), config);
         let task = tokio::spawn(mirror.serve(listener));
         MirrorProc { url, task }
     }
@@ -696,7 +702,7 @@ impl LocalApiProc {
         };
         let listener = dray_agent::local_api::bind(socket).unwrap();
         let api = dray_agent::local_api::LocalApi::new(
-            dray_agent::pulls::Pulls::new(agent.swarm.clone()),
+            agent.pulls().clone(),
             mirror,
             &config,
             dray_agent::unpack::UnpackLimits::default(),

@@ -1,0 +1,105 @@
+//! One way to start an agent. [`Agent::open`] opens the store with the
+//! configured limits and collector settings, binds the peer endpoint, joins
+//! the swarm and makes the one [`Pulls`] that the mirror and the local API
+//! share; [`Agent::spawn_loops`] starts the announcer and the garbage
+//! collector. `dray agent`, the in-process clusters of the benches and the
+//! tests all start agents here, so what they run is what ships.
+
+use crate::config::AgentConfig;
+use crate::error::Result;
+use crate::identity::Identity;
+use crate::metrics::AgentMetrics;
+use crate::peer::PeerNode;
+use crate::pulls::Pulls;
+use crate::store::ChunkStore;
+use crate::swarm::Swarm;
+use std::sync::Arc;
+use tokio::task::JoinHandle;
+
+/// A running agent's parts. Dropping it stops its loops; [`Agent::kill`]
+/// also closes its peer endpoint.
+pub struct Agent {
+    swarm: Arc<Swarm>,
+    pulls: Arc<Pulls>,
+    metrics: Arc<AgentMetrics>,
+    loops: Vec<JoinHandle<()>>,
+}
+
+impl Agent {
+    /// Opens the store in `cfg.state_dir` (its limits and `[gc]` from `cfg`,
+    /// counting into `metrics`), binds the peer endpoint on `cfg.peer_listen`
+    /// as `identity` and joins the swarm of `cfg.swarm`. No loop runs yet.
+    pub fn open(cfg: &AgentConfig, identity: Identity, metrics: Arc<AgentMetrics>) -> Result<Self> {
+        let store = Arc::new(ChunkStore::open(&cfg.state_dir)?);
+        store.set_max_blob_size(cfg.max_blob_size);
+        store.set_max_open_idle_blobs(cfg.max_open_idle_blobs);
+        store
+            .gc()
+            .configure(cfg.gc.clone(), !cfg.swarm.trackers.is_empty());
+        store.gc().use_metrics(metrics.gc().clone());
+        let node = PeerNode::bind_with_metrics(
+            identity,
+            store,
+            cfg.peer_listen,
+            cfg.peer.clone(),
+            metrics.clone(),
+        )?;
+        let swarm = Swarm::new(node, cfg.swarm.clone());
+        Ok(Self {
+            pulls: Pulls::new(swarm.clone()),
+            swarm,
+            metrics,
+            loops: Vec::new(),
+        })
+    }
+
+    /// Starts announcing to the tracker and, with `collect`, collecting
+    /// garbage every `gc.period`.
+    pub fn spawn_loops(&mut self, collect: bool) {
+        self.loops.push(self.swarm.spawn_announcer());
+        if collect {
+            self.loops
+                .push(crate::gc::spawn(self.swarm.node().store().clone()));
+        }
+    }
+
+    /// Stops the announcer and the collector (the first step of a stop).
+    pub fn stop_loops(&self) {
+        for l in &self.loops {
+            l.abort();
+        }
+    }
+
+    /// Stops as a crash would: no more announces, answers or uploads.
+    pub fn kill(&self) {
+        self.stop_loops();
+        self.swarm.node().close();
+    }
+
+    pub fn swarm(&self) -> &Arc<Swarm> {
+        &self.swarm
+    }
+
+    /// The pulls the mirror and the local API share (one pull per blob, whoever asks).
+    pub fn pulls(&self) -> &Arc<Pulls> {
+        &self.pulls
+    }
+
+    pub fn node(&self) -> &Arc<PeerNode> {
+        self.swarm.node()
+    }
+
+    pub fn store(&self) -> &Arc<ChunkStore> {
+        self.swarm.node().store()
+    }
+
+    pub fn metrics(&self) -> &Arc<AgentMetrics> {
+        &self.metrics
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.stop_loops();
+    }
+}
