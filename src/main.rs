@@ -510,7 +510,39 @@ fn init_logging(format: LogFormat, filter: &str) {
 
 async fn run(command: Command) -> Result<()> {
     match command {
-        Command::Agent(AgentArgs {
+        Command::Agent(args) => agent(args).await,
+        Command::Pull {
+            image,
+            socket,
+            json,
+        } => client::pull(&socket.path, &image, json).await,
+        Command::Status { socket, json } => client::status(&socket.path, json).await,
+        Command::Gc {
+            socket,
+            dry_run,
+            json,
+        } => client::gc(&socket.path, dry_run, json).await,
+        Command::Pin {
+            image,
+            list,
+            socket,
+            json,
+        } => client::pin(&socket.path, image.as_deref().filter(|_| !list), json).await,
+        Command::Unpin { image, socket } => client::unpin(&socket.path, &image).await,
+        Command::Snapshotter(args) => snapshotter(args).await,
+        Command::Sim(args) => sim(args),
+        Command::Bench(cmd) => bench::run(cmd).await,
+        Command::Demo(args) => demo::run(args).await,
+        Command::Tracker(args) => tracker(args).await,
+        Command::Ca(cmd) => ca(cmd),
+        Command::Blob(cmd) => blob(cmd).await,
+    }
+}
+
+/// `dray agent`, and its `configure-containerd`.
+async fn agent(args: AgentArgs) -> Result<()> {
+    match args {
+        AgentArgs {
             action:
                 Some(AgentAction::ConfigureContainerd {
                     config_path,
@@ -519,7 +551,7 @@ async fn run(command: Command) -> Result<()> {
                     mirror,
                 }),
             ..
-        }) => {
+        } => {
             if all_registries {
                 let outcome =
                     containerd::write_default_hosts(&config_path, &mirror).with_context(|| {
@@ -540,92 +572,82 @@ async fn run(command: Command) -> Result<()> {
             }
             Ok(())
         }
-        Command::Agent(AgentArgs {
+        AgentArgs {
             action: None,
             config,
-        }) => service::run_agent(config.load()?).await,
-        Command::Pull {
-            image,
-            socket,
-            json,
-        } => client::pull(&socket.path, &image, json).await,
-        Command::Status { socket, json } => client::status(&socket.path, json).await,
-        Command::Gc {
-            socket,
-            dry_run,
-            json,
-        } => client::gc(&socket.path, dry_run, json).await,
-        Command::Pin {
-            image,
-            list,
-            socket,
-            json,
-        } => client::pin(&socket.path, image.as_deref().filter(|_| !list), json).await,
-        Command::Unpin { image, socket } => client::unpin(&socket.path, &image).await,
-        Command::Tracker(args) => {
-            let mut cfg = match &args.config {
-                Some(p) => TrackerConfig::load(p)?,
-                None => TrackerConfig::default(),
-            };
-            if let Some(l) = args.listen {
-                cfg.listen = l;
-            }
-            for (flag, key) in [
-                (args.cert, &mut cfg.cert),
-                (args.key, &mut cfg.key),
-                (args.ca, &mut cfg.ca),
-            ] {
-                if let Some(path) = flag {
-                    *key = path;
-                }
-            }
-            cfg.insecure_plain_http |= args.insecure_plain_http;
-            let (transport, scheme) = if cfg.insecure_plain_http {
-                tracing::warn!(
-                    "insecure_plain_http: the tracker serves plain HTTP, and anyone who reaches it may announce, publish and report as any peer"
-                );
-                (Transport::InsecurePlainHttp, "http")
-            } else {
-                let id = Identity::load(&cfg.cert, &cfg.key, &cfg.ca).context(
-                    "loading the tracker's certificate (`cert`, `key`, `ca`; issue one with `dray ca issue --tracker`)",
-                )?;
-                id.warn_if_expiring("tracker")?;
-                let config = Arc::new(id.tracker_server_tls()?);
-                let max_connections = cfg.max_connections;
-                (
-                    Transport::Tls {
-                        config,
-                        max_connections,
-                    },
-                    "https",
-                )
-            };
-            let listener = tokio::net::TcpListener::bind(cfg.listen)
-                .await
-                .with_context(|| format!("binding the tracker to {}", cfg.listen))?;
-            eprintln!(
-                "dray tracker listening on {scheme}://{}",
-                listener.local_addr()?
-            );
-            let stop = service::shutdown_signal()?;
-            tokio::select! {
-                served = dray_tracker::serve(listener, Tracker::new(&cfg), transport) => served?,
-                signal = stop => eprintln!("dray tracker: {signal}: stopped"),
-            }
-            Ok(())
+        } => service::run_agent(config.load()?).await,
+    }
+}
+
+/// `dray tracker`: serves until SIGTERM or SIGINT.
+async fn tracker(args: TrackerArgs) -> Result<()> {
+    let mut cfg = match &args.config {
+        Some(p) => TrackerConfig::load(p)?,
+        None => TrackerConfig::default(),
+    };
+    if let Some(l) = args.listen {
+        cfg.listen = l;
+    }
+    for (flag, key) in [
+        (args.cert, &mut cfg.cert),
+        (args.key, &mut cfg.key),
+        (args.ca, &mut cfg.ca),
+    ] {
+        if let Some(path) = flag {
+            *key = path;
         }
-        Command::Ca(CaCommand::Init { dir }) => {
+    }
+    cfg.insecure_plain_http |= args.insecure_plain_http;
+    let (transport, scheme) = if cfg.insecure_plain_http {
+        tracing::warn!(
+            "insecure_plain_http: the tracker serves plain HTTP, and anyone who reaches it may announce, publish and report as any peer"
+        );
+        (Transport::InsecurePlainHttp, "http")
+    } else {
+        let id = Identity::load(&cfg.cert, &cfg.key, &cfg.ca).context(
+                "loading the tracker's certificate (`cert`, `key`, `ca`; issue one with `dray ca issue --tracker`)",
+            )?;
+        id.warn_if_expiring("tracker")?;
+        let config = Arc::new(id.tracker_server_tls()?);
+        let max_connections = cfg.max_connections;
+        (
+            Transport::Tls {
+                config,
+                max_connections,
+            },
+            "https",
+        )
+    };
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| format!("binding the tracker to {}", cfg.listen))?;
+    eprintln!(
+        "dray tracker listening on {scheme}://{}",
+        listener.local_addr()?
+    );
+    let stop = service::shutdown_signal()?;
+    tokio::select! {
+        served = dray_tracker::serve(listener, Tracker::new(&cfg), transport) => served?,
+        signal = stop => eprintln!("dray tracker: {signal}: stopped"),
+    }
+    Ok(())
+}
+
+/// `dray ca`: the cluster CA and the certificates it issues.
+fn ca(cmd: CaCommand) -> Result<()> {
+    match cmd {
+        CaCommand::Init { dir } => {
             let ca = ClusterCa::generate()?;
             write_new(&dir, &[("ca.crt", &ca.cert_pem), ("ca.key", &ca.key_pem)])
         }
-        Command::Ca(CaCommand::Issue {
+        CaCommand::Issue {
             ca_dir,
             peer_id,
             tracker,
             names,
             days,
             out,
-        }) => {
+        } => {
             let ca = ClusterCa::load(&ca_dir.join("ca.crt"), &ca_dir.join("ca.key"))?;
             let (id, name) = match peer_id {
                 Some(peer) => (ca.issue_for_days(&peer, days)?, "agent"),
@@ -642,12 +664,18 @@ async fn run(command: Command) -> Result<()> {
                 ],
             )
         }
-        Command::Blob(BlobCommand::Import {
+    }
+}
+
+/// `dray blob`: one blob into, out of or through an agent's store.
+async fn blob(cmd: BlobCommand) -> Result<()> {
+    match cmd {
+        BlobCommand::Import {
             config,
             file,
             map_out,
             chunk_size,
-        }) => {
+        } => {
             let cfg = config.load()?;
             let store = ChunkStore::open(&cfg.state_dir)?;
             let map = store.import(&file, chunk_size)?;
@@ -656,7 +684,7 @@ async fn run(command: Command) -> Result<()> {
             println!("{}", map.digest());
             Ok(())
         }
-        Command::Blob(BlobCommand::Fetch { config, map, peers }) => {
+        BlobCommand::Fetch { config, map, peers } => {
             let raw = std::fs::read(&map).with_context(|| format!("reading {}", map.display()))?;
             let map = pb::ChunkMap::decode(raw.as_slice())
                 .map_err(anyhow::Error::from)
@@ -672,14 +700,14 @@ async fn run(command: Command) -> Result<()> {
             println!("{}", serde_json::to_string(&report)?);
             Ok(())
         }
-        Command::Blob(BlobCommand::Pull {
+        BlobCommand::Pull {
             config,
             registry,
             repo,
             digest,
             username,
             serve,
-        }) => {
+        } => {
             let digest: dray_protocol::BlobDigest = digest.parse()?;
             let credentials = match username {
                 Some(username) => Some(Credentials {
@@ -705,10 +733,6 @@ async fn run(command: Command) -> Result<()> {
             agent.node().closed(std::time::Duration::from_secs(1)).await;
             Ok(())
         }
-        Command::Snapshotter(args) => snapshotter(args).await,
-        Command::Sim(args) => sim(args),
-        Command::Bench(cmd) => bench::run(cmd).await,
-        Command::Demo(args) => demo::run(args).await,
     }
 }
 
