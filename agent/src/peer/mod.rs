@@ -14,6 +14,9 @@
 //! Chunk bytes travel raw after their header, not inside protobuf frames, so the
 //! receiver reads them straight into the buffer it hashes and writes.
 
+mod client;
+mod server;
+
 use crate::error::{Error, Result};
 use crate::identity::{Identity, connection_peer_id};
 use crate::metrics::AgentMetrics;
@@ -21,9 +24,9 @@ use crate::rate::ByteRate;
 use crate::store::ChunkStore;
 use bytes::Bytes;
 use dray_protocol::defaults::DEFAULTS;
-use dray_protocol::framing::{self, FrameError, MAX_BITFIELD_WAIT_MS, MAX_PEER_FRAME, PeerRequest};
+use dray_protocol::framing::{self, FrameError, MAX_PEER_FRAME, PeerRequest};
 use dray_protocol::pb::{self, peer_message::Body, reject::Reason};
-use dray_protocol::{Bitfield, BlobDigest, ChunkMap, PROTOCOL_VERSION};
+use dray_protocol::{BlobDigest, PROTOCOL_VERSION};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -345,7 +348,7 @@ impl PeerNode {
             metrics,
             config,
         });
-        tokio::spawn(accept_loop(node.clone()));
+        tokio::spawn(server::accept_loop(node.clone()));
         Ok(node)
     }
 
@@ -400,226 +403,6 @@ impl PeerNode {
     /// peers' requests hanging until their timeouts instead.
     pub async fn closed(&self, limit: Duration) {
         let _ = tokio::time::timeout(limit, self.endpoint.wait_idle()).await;
-    }
-
-    /// Dials `peer_id` at `addr`, checks its certificate names that peer id, and
-    /// exchanges `Hello`s.
-    pub async fn connect(&self, peer_id: &str, addr: SocketAddr) -> Result<PeerLink> {
-        let failed = |detail: String| Error::Connect {
-            peer: peer_id.into(),
-            addr: addr.to_string(),
-            detail,
-        };
-        let conn = self
-            .endpoint
-            .connect(addr, peer_id)
-            .map_err(|e| failed(e.to_string()))?
-            .await
-            .map_err(|e| failed(e.to_string()))?;
-        // TLS 1.3 lets the client finish before the server has checked the
-        // client certificate: a refusal shows up as the connection closing,
-        // and a stream may fail a moment before the connection records why.
-        // So the hello exchange reports the connection's close reason (the
-        // peer's TLS alert) when it has one.
-        let exchange = async {
-            let (mut send, mut recv) = conn.open_bi().await.map_err(|e| failed(e.to_string()))?;
-            let hello = pb::PeerMessage {
-                body: Some(Body::Hello(pb::Hello {
-                    version: PROTOCOL_VERSION,
-                    peer_id: self.identity.peer_id.clone(),
-                })),
-            };
-            write_frame(&mut send, &hello)
-                .await
-                .map_err(|e| failed(e.to_string()))?;
-            read_frame::<pb::PeerMessage>(&mut recv, peer_id).await
-        };
-        let reply = match exchange.await {
-            Ok(r) => r,
-            Err(e) => {
-                let reason = tokio::time::timeout(Duration::from_secs(1), conn.closed()).await;
-                return Err(reason.map_or(e, |reason| failed(reason.to_string())));
-            }
-        };
-        match reply.body {
-            Some(Body::Hello(h)) if h.version == PROTOCOL_VERSION && h.peer_id == peer_id => {
-                Ok(PeerLink {
-                    peer_id: peer_id.into(),
-                    conn,
-                })
-            }
-            Some(Body::Hello(h)) => Err(failed(format!(
-                "answered as {:?} speaking version {}, expected {peer_id:?} speaking {PROTOCOL_VERSION}",
-                h.peer_id, h.version
-            ))),
-            Some(Body::Reject(r)) => Err(Error::Rejected {
-                peer: peer_id.into(),
-                reason: reject_text(&r),
-            }),
-            _ => Err(failed("did not answer hello".into())),
-        }
-    }
-
-    /// Asks a peer which chunks of a blob it holds; it answers at once.
-    pub async fn bitfield(&self, link: &PeerLink, map: &ChunkMap) -> Result<Bitfield> {
-        self.bitfield_after(link, map, 0, Duration::ZERO).await
-    }
-
-    /// Asks a peer which chunks of a blob it holds, letting it hold the answer
-    /// while it holds no more than `above` chunks, for up to `wait` (capped at
-    /// [`MAX_BITFIELD_WAIT_MS`]): the answer comes when the peer stores a
-    /// chunk, completes or fails the blob, or the wait ends. A peer that
-    /// predates long polls answers at once.
-    pub async fn bitfield_after(
-        &self,
-        link: &PeerLink,
-        map: &ChunkMap,
-        above: u32,
-        wait: Duration,
-    ) -> Result<Bitfield> {
-        let peer = &link.peer_id;
-        let wait_ms = u32::try_from(wait.as_millis())
-            .unwrap_or(u32::MAX)
-            .min(MAX_BITFIELD_WAIT_MS);
-        let request = async {
-            let (mut send, mut recv) = link.open().await?;
-            let req = PeerRequest::Bitfield {
-                digest: map.digest(),
-                wait_above: above,
-                wait_ms,
-            }
-            .to_pb();
-            write_frame(&mut send, &req)
-                .await
-                .map_err(|e| peer_err(peer, e))?;
-            read_frame::<pb::PeerMessage>(&mut recv, peer).await
-        };
-        let limit = Duration::from_millis(wait_ms.into()) + self.config.request_timeout;
-        let reply = tokio::time::timeout(limit, request)
-            .await
-            .unwrap_or_else(|_| {
-                Err(peer_err(
-                    peer,
-                    format!("bitfield of {}: no answer within {limit:?}", map.digest()),
-                ))
-            })?;
-        match reply.body {
-            Some(Body::Bitfield(b)) => {
-                Bitfield::from_bytes(map.chunk_count(), &b.bits).map_err(|e| Error::Frame {
-                    peer: peer.clone(),
-                    source: FrameError::Violation(e.to_string()),
-                })
-            }
-            Some(Body::Reject(r)) if r.reason() == Reason::NotHeld => {
-                Ok(Bitfield::new(map.chunk_count()))
-            }
-            Some(Body::Reject(r)) => Err(Error::Rejected {
-                peer: peer.clone(),
-                reason: reject_text(&r),
-            }),
-            _ => Err(peer_violation(
-                peer,
-                "answered a bitfield request with something else",
-            )),
-        }
-    }
-
-    /// Fetches chunk `index` of `map`'s blob from a peer, unverified: the caller
-    /// checks it against the chunk map before trusting it.
-    pub async fn fetch_chunk(
-        &self,
-        link: &PeerLink,
-        map: &ChunkMap,
-        index: u32,
-    ) -> Result<Vec<u8>> {
-        let peer = &link.peer_id;
-        let idle = self.config.request_timeout;
-        let want = map.chunk_len(index);
-        let request = async {
-            let (mut send, mut recv) = link.open().await?;
-            let req = PeerRequest::Chunks {
-                digest: map.digest(),
-                first: index,
-                count: 1,
-            }
-            .to_pb();
-            write_frame(&mut send, &req)
-                .await
-                .map_err(|e| peer_err(peer, e))?;
-            let header: pb::PeerMessage = read_frame(&mut recv, peer).await?;
-            match header.body {
-                Some(Body::Piece(p)) if p.index == index && p.length as usize == want => Ok(recv),
-                Some(Body::Piece(p)) => Err(peer_violation(
-                    peer,
-                    &format!(
-                        "sent piece {} of {} bytes for chunk {index} of {want} bytes",
-                        p.index, p.length
-                    ),
-                )),
-                Some(Body::Reject(r)) => Err(Error::Rejected {
-                    peer: peer.clone(),
-                    reason: reject_text(&r),
-                }),
-                _ => Err(peer_violation(
-                    peer,
-                    "answered a chunk request with something else",
-                )),
-            }
-        };
-        let mut recv = tokio::time::timeout(idle, request)
-            .await
-            .unwrap_or_else(|_| {
-                Err(peer_err(
-                    peer,
-                    format!("chunk {index}: no answer within {idle:?}"),
-                ))
-            })?;
-        self.download.take(want).await;
-        // On a slow or shared link a chunk may take long; only a transfer that
-        // stops moving is abandoned. Quinn's own buffers are copied in once,
-        // into memory nothing zeroes first.
-        let mut buf = Vec::with_capacity(want);
-        while buf.len() < want {
-            let got = buf.len();
-            match tokio::time::timeout(idle, recv.read_chunk(want - got, true)).await {
-                Err(_) => {
-                    return Err(peer_err(
-                        peer,
-                        format!(
-                            "chunk {index} stalled: no bytes for {idle:?} after {got} of {want}"
-                        ),
-                    ));
-                }
-                Ok(Err(e)) => return Err(peer_err(peer, e)),
-                Ok(Ok(None)) => {
-                    return Err(peer_err(
-                        peer,
-                        format!("chunk {index} ended after {got} of {want} bytes"),
-                    ));
-                }
-                Ok(Ok(Some(piece))) => buf.extend_from_slice(&piece.bytes),
-            }
-        }
-        Ok(buf)
-    }
-}
-
-impl PeerLink {
-    async fn open(&self) -> Result<(quinn::SendStream, quinn::RecvStream)> {
-        self.conn
-            .open_bi()
-            .await
-            .map_err(|e| peer_err(&self.peer_id, e))
-    }
-
-    /// The UDP payload size the path reached through MTU discovery.
-    pub fn path_mtu(&self) -> u16 {
-        self.conn.stats().path.current_mtu
-    }
-
-    /// Whether the connection has ended.
-    pub fn is_closed(&self) -> bool {
-        self.conn.close_reason().is_some()
     }
 }
 
@@ -700,284 +483,13 @@ async fn read_frame<M: prost::Message + Default>(
     })
 }
 
-fn reject(reason: Reason, detail: impl Into<String>) -> pb::PeerMessage {
-    pb::PeerMessage {
-        body: Some(Body::Reject(pb::Reject {
-            reason: reason as i32,
-            detail: detail.into(),
-        })),
-    }
-}
-
-async fn accept_loop(node: Arc<PeerNode>) {
-    while let Some(incoming) = node.endpoint.accept().await {
-        if node.endpoint.open_connections() >= node.config.max_connections {
-            tracing::warn!(remote = %incoming.remote_address(), max = node.config.max_connections, "refused a peer connection: this node has as many connections open as it allows");
-            incoming.refuse();
-            continue;
-        }
-        let node = node.clone();
-        tokio::spawn(async move {
-            let remote = incoming.remote_address();
-            match incoming.await {
-                Ok(conn) => {
-                    if let Err(e) = serve_connection(node, conn).await {
-                        tracing::info!(%remote, error = %e, "peer connection ended");
-                    }
-                }
-                Err(e) => tracing::warn!(%remote, error = %e, "refused peer connection"),
-            }
-        });
-    }
-}
-
-async fn serve_connection(node: Arc<PeerNode>, conn: quinn::Connection) -> Result<()> {
-    let peer = connection_peer_id(&conn)?;
-    let Some(_slot) = node.connection_slot(&peer) else {
-        let cap = node.config.max_connections_per_peer;
-        let why = format!(
-            "{cap} connections from peer {peer} already, the most this node accepts from one peer"
-        );
-        conn.close(quinn::VarInt::from_u32(2), why.as_bytes());
-        return Err(peer_err(&peer, format!("refused: {why}")));
-    };
-    let (mut send, mut recv) = conn.accept_bi().await.map_err(|e| peer_err(&peer, e))?;
-    let hello: pb::PeerMessage = read_frame(&mut recv, &peer).await?;
-    let refusal = match hello.body {
-        Some(Body::Hello(h)) if h.version != PROTOCOL_VERSION => Some((
-            Reason::Version,
-            format!(
-                "speaks protocol version {}, not {}",
-                h.version, PROTOCOL_VERSION
-            ),
-        )),
-        Some(Body::Hello(h)) if h.peer_id != peer => Some((
-            Reason::Identity,
-            format!(
-                "hello names {:?} but the certificate names {peer:?}",
-                h.peer_id
-            ),
-        )),
-        Some(Body::Hello(_)) => None,
-        _ => Some((
-            Reason::BadRequest,
-            "first message must be hello".to_string(),
-        )),
-    };
-    if let Some((reason, detail)) = refusal {
-        let _ = write_frame(&mut send, &reject(reason, detail.clone())).await;
-        let _ = send.finish();
-        // Let the refusal reach the peer before the connection goes.
-        let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
-        conn.close(quinn::VarInt::from_u32(1), b"hello refused");
-        return Err(peer_violation(&peer, &detail));
-    }
-    let ours = pb::PeerMessage {
-        body: Some(Body::Hello(pb::Hello {
-            version: PROTOCOL_VERSION,
-            peer_id: node.identity.peer_id.clone(),
-        })),
-    };
-    write_frame(&mut send, &ours)
-        .await
-        .map_err(|e| peer_err(&peer, e))?;
-    loop {
-        let (send, recv) = conn.accept_bi().await.map_err(|e| peer_err(&peer, e))?;
-        let node = node.clone();
-        let peer = peer.clone();
-        tokio::spawn(async move {
-            if let Err(e) = serve_request(&node, send, recv, &peer).await {
-                tracing::debug!(%peer, error = %e, "request failed");
-            }
-        });
-    }
-}
-
-async fn serve_request(
-    node: &PeerNode,
-    mut send: quinn::SendStream,
-    mut recv: quinn::RecvStream,
-    peer: &str,
-) -> Result<()> {
-    // A stream that never sends its request costs a task and a stream of the
-    // connection's 256 until this ends it.
-    let wait = node.config.request_timeout;
-    let msg: pb::PeerMessage = tokio::time::timeout(wait, read_frame(&mut recv, peer))
-        .await
-        .map_err(|_| peer_err(peer, format!("sent no request within {wait:?}")))??;
-    let req = match PeerRequest::from_pb(msg) {
-        Ok(r) => r,
-        Err(e) => {
-            let _ = write_frame(&mut send, &reject(Reason::BadRequest, e.to_string())).await;
-            return Err(Error::Frame {
-                peer: peer.into(),
-                source: e,
-            });
-        }
-    };
-    let io = |e: std::io::Error| peer_err(peer, e);
-    match req {
-        PeerRequest::Bitfield {
-            digest,
-            wait_above,
-            wait_ms,
-        } => {
-            // A long poll holds a place among the blob's watchers while it waits.
-            let slot = (wait_ms > 0).then(|| node.watch_slot(digest));
-            let reply = match (lookup(node, digest).await?, slot) {
-                (None, _) => reject(Reason::NotHeld, format!("{digest} is not here")),
-                (Some(_), Some(None)) => reject(
-                    Reason::Busy,
-                    format!(
-                        "{} watchers of {digest} already, the most this node serves",
-                        node.config.max_watchers_per_blob
-                    ),
-                ),
-                (Some(blob), slot) => {
-                    if slot.is_some() {
-                        // A long poll: answer as soon as there is news, or when the asked wait ends.
-                        let mut progress = blob.subscribe();
-                        let news =
-                            progress.wait_for(|p| p.held > wait_above || p.complete || p.failed);
-                        let _ =
-                            tokio::time::timeout(Duration::from_millis(wait_ms.into()), news).await;
-                    }
-                    let held = blob.held();
-                    pb::PeerMessage {
-                        body: Some(Body::Bitfield(pb::Bitfield {
-                            digest: digest.to_string(),
-                            chunk_count: held.len(),
-                            bits: Bytes::copy_from_slice(held.as_bytes()),
-                        })),
-                    }
-                }
-            };
-            write_frame(&mut send, &reply).await.map_err(io)?;
-        }
-        PeerRequest::Chunks {
-            digest,
-            first,
-            count,
-        } => {
-            let _slot = match node.upload_slots.try_acquire() {
-                Ok(slot) => slot,
-                Err(e) => {
-                    node.metrics.upload_refused();
-                    let why = match e {
-                        TryAcquireError::Closed => "this node is shutting down",
-                        TryAcquireError::NoPermits => "all upload slots in use",
-                    };
-                    write_frame(&mut send, &reject(Reason::Busy, why))
-                        .await
-                        .map_err(io)?;
-                    return Ok(());
-                }
-            };
-            let Some(blob) = lookup(node, digest).await? else {
-                write_frame(
-                    &mut send,
-                    &reject(Reason::NotHeld, format!("{digest} is not here")),
-                )
-                .await
-                .map_err(io)?;
-                return Ok(());
-            };
-            // The slot is held until the requester has read the answer, but
-            // not past a deadline: one that reads slowly or not at all (its
-            // flow-control window full) is cut off and the slot freed.
-            let map = blob.map();
-            let bytes: u64 = (first..first + count)
-                .filter(|&i| i < map.chunk_count())
-                .map(|i| map.chunk_len(i) as u64)
-                .sum();
-            let deadline = node.upload_deadline(bytes);
-            let answer = async {
-                send_chunks(node, &mut send, &blob, first, count, peer).await?;
-                let _ = send.finish();
-                // Wait until the peer has read everything (or gone) so the stream is not cut short.
-                let _ = send.stopped().await;
-                Ok(())
-            };
-            return match tokio::time::timeout(deadline, answer).await {
-                Ok(done) => done,
-                Err(_) => {
-                    let _ = send.reset(quinn::VarInt::from_u32(1));
-                    tracing::info!(%peer, %digest, first, count, ?deadline, "released an upload slot: the peer did not take the chunk within its deadline");
-                    Err(peer_err(
-                        peer,
-                        format!(
-                            "did not read {bytes} bytes of {digest} within {deadline:?}; upload cut off"
-                        ),
-                    ))
-                }
-            };
-        }
-    }
-    let _ = send.finish();
-    // Wait until the peer has read everything (or gone) so the stream is not cut short.
-    let _ = send.stopped().await;
-    Ok(())
-}
-
-/// Sends chunks `first..first + count` of `blob`, each a header and its raw
-/// bytes, paced by the upload budget; a chunk not held ends the answer with
-/// a reject.
-async fn send_chunks(
-    node: &PeerNode,
-    send: &mut quinn::SendStream,
-    blob: &Arc<crate::store::Blob>,
-    first: u32,
-    count: u32,
-    peer: &str,
-) -> Result<()> {
-    let io = |e: std::io::Error| peer_err(peer, e);
-    let digest = blob.digest();
-    for index in first..first + count {
-        let b = blob.clone();
-        let chunk = tokio::task::spawn_blocking(move || b.read_chunk(index))
-            .await
-            .map_err(|e| peer_err(peer, e))??;
-        let Some(chunk) = chunk else {
-            let r = reject(
-                Reason::NotHeld,
-                format!("chunk {index} of {digest} is not held"),
-            );
-            write_frame(send, &r).await.map_err(io)?;
-            break;
-        };
-        let header = pb::PeerMessage {
-            body: Some(Body::Piece(pb::PieceHeader {
-                index,
-                length: chunk.len() as u32,
-            })),
-        };
-        write_frame(send, &header).await.map_err(io)?;
-        let len = chunk.len() as u64;
-        // Paced slice by slice, so the chunk streams at the upload cap
-        // instead of waiting out its whole budget before the first byte.
-        let chunk = Bytes::from(chunk);
-        for start in (0..chunk.len()).step_by(PACE_SLICE) {
-            let slice = chunk.slice(start..chunk.len().min(start + PACE_SLICE));
-            node.upload.take(slice.len()).await;
-            send.write_chunk(slice)
-                .await
-                .map_err(|e| peer_err(peer, e))?;
-        }
-        node.metrics.uploaded(len);
-    }
-    Ok(())
-}
-
-async fn lookup(node: &PeerNode, digest: BlobDigest) -> Result<Option<Arc<crate::store::Blob>>> {
-    let store = node.store.clone();
-    tokio::task::spawn_blocking(move || store.get(&digest)).await?
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::identity::ClusterCa;
+    use dray_protocol::ChunkMap;
     use dray_protocol::chunkmap::MIN_CHUNK_SIZE;
+    use dray_protocol::framing::MAX_BITFIELD_WAIT_MS;
 
     async fn pair() -> (tempfile::TempDir, Arc<PeerNode>, Arc<PeerNode>, ChunkMap) {
         pair_with(PeerConfig::default()).await
@@ -1145,6 +657,20 @@ mod tests {
     }
 
     /// Sends raw bytes on a fresh request stream; returns what the server answered.
+    /// Sends a `Hello` naming `peer_id` on a new stream of `conn` (dialled
+    /// to node "a"); its answer.
+    async fn say_hello(conn: &quinn::Connection, peer_id: &str) -> pb::PeerMessage {
+        let (mut send, mut recv) = conn.open_bi().await.unwrap();
+        let hello = pb::PeerMessage {
+            body: Some(Body::Hello(pb::Hello {
+                version: PROTOCOL_VERSION,
+                peer_id: peer_id.into(),
+            })),
+        };
+        write_frame(&mut send, &hello).await.unwrap();
+        read_frame(&mut recv, "a").await.unwrap()
+    }
+
     async fn raw_request(link: &PeerLink, bytes: &[u8]) -> Vec<u8> {
         let (mut send, mut recv) = link.open().await.unwrap();
         send.write_all(bytes).await.unwrap();
@@ -1233,15 +759,7 @@ mod tests {
             .unwrap()
             .await
             .unwrap();
-        let (mut send, mut recv) = conn.open_bi().await.unwrap();
-        let hello = pb::PeerMessage {
-            body: Some(Body::Hello(pb::Hello {
-                version: PROTOCOL_VERSION,
-                peer_id: "a".into(),
-            })),
-        };
-        write_frame(&mut send, &hello).await.unwrap();
-        let _: pb::PeerMessage = read_frame(&mut recv, "a").await.unwrap();
+        say_hello(&conn, "a").await;
         let (mut send, _recv) = conn.open_bi().await.unwrap();
         let req = PeerRequest::Chunks {
             digest: map.digest(),
@@ -1355,15 +873,7 @@ mod tests {
             .unwrap()
             .await
             .unwrap();
-        let (mut send, mut recv) = conn.open_bi().await.unwrap();
-        let hello = pb::PeerMessage {
-            body: Some(Body::Hello(pb::Hello {
-                version: PROTOCOL_VERSION,
-                peer_id: "someone-else".into(),
-            })),
-        };
-        write_frame(&mut send, &hello).await.unwrap();
-        let reply: pb::PeerMessage = read_frame(&mut recv, "a").await.unwrap();
+        let reply = say_hello(&conn, "someone-else").await;
         match reply.body {
             Some(Body::Reject(r)) => {
                 assert_eq!(r.reason(), Reason::Identity);
