@@ -137,7 +137,7 @@ pub(crate) struct SwarmRun {
 async fn run_swarm(
     root: &std::path::Path,
     nodes: usize,
-    registry: &crate::testbed::Registry,
+    registry: &dray_testkit::testbed::Registry,
     client: &Arc<dray_agent::registry::RegistryClient>,
     digest: dray_protocol::BlobDigest,
     gc: &dray_agent::gc::GcConfig,
@@ -159,7 +159,7 @@ async fn run_swarm(
 /// Every agent of `cluster` pulls the blob at once.
 pub(crate) async fn pull_all(
     cluster: &crate::cluster::LocalCluster,
-    registry: &crate::testbed::Registry,
+    registry: &dray_testkit::testbed::Registry,
     client: &Arc<dray_agent::registry::RegistryClient>,
     digest: dray_protocol::BlobDigest,
 ) -> Result<SwarmRun> {
@@ -266,7 +266,7 @@ async fn mirror(b: MirrorBench) -> Result<()> {
         bail!("--size must be at least 4 bytes and --rounds positive");
     }
     let dir = tempfile::tempdir().context("creating a temporary directory")?;
-    let registry = crate::testbed::Registry::start(None).await;
+    let registry = dray_testkit::testbed::Registry::start(None).await;
     let mut digests = Vec::new();
     for i in 0..4 {
         let src = dir.path().join(format!("layer-{i}"));
@@ -403,7 +403,7 @@ async fn swarm(b: SwarmBench) -> Result<()> {
         bail!("--nodes and --size must be positive");
     }
     let dir = tempfile::tempdir().context("creating a temporary directory")?;
-    let registry = crate::testbed::Registry::start(None).await;
+    let registry = dray_testkit::testbed::Registry::start(None).await;
     let src = dir.path().join("blob");
     write_random(&src, b.size)?;
     let digest: dray_protocol::BlobDigest = registry.push("bench/blob", &src).parse()?;

@@ -4,10 +4,10 @@
 //! real registry straight into the unpacker.
 
 use crate::bench::emit;
-use crate::oci_image::{Containerd, LayerBlob, write_oci_archive};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use dray_agent::unpack::{Compression, unpack_layer};
+use dray_testkit::oci_image::{Containerd, LayerBlob, write_oci_archive};
 use serde::Serialize;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -86,13 +86,13 @@ pub async fn run(b: UnpackBench) -> Result<()> {
     .await??;
     let mut diff_ids = Vec::new();
     for t in &tars {
-        diff_ids.push(crate::oci_image::sha256_file(t)?);
+        diff_ids.push(dray_testkit::oci_image::sha256_file(t)?);
     }
     let uncompressed: u64 = tars
         .iter()
         .map(|t| std::fs::metadata(t).map_or(0, |m| m.len()))
         .sum();
-    let registry = crate::testbed::Registry::start(None).await;
+    let registry = dray_testkit::testbed::Registry::start(None).await;
     let mut results = Vec::new();
     for compression in [Compression::Gzip, Compression::Zstd] {
         let blobs = tokio::task::spawn_blocking({
@@ -161,7 +161,7 @@ pub async fn run(b: UnpackBench) -> Result<()> {
 
 async fn measure(
     w: &Path,
-    registry: &crate::testbed::Registry,
+    registry: &dray_testkit::testbed::Registry,
     blobs: &[PathBuf],
     diff_ids: &[String],
     compression: Compression,
@@ -445,7 +445,7 @@ fn containerd_unpack(
         let t = Instant::now();
         ctrd.ctr_ok(&["images", "import", a])?;
         let with = t.elapsed().as_secs_f64();
-        let top = crate::oci_image::chain_ids(diff_ids)
+        let top = dray_testkit::oci_image::chain_ids(diff_ids)
             .pop()
             .context("no layers")?;
         ctrd.snapshot_dir(&top)

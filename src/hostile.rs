@@ -99,7 +99,7 @@ pub async fn storm(
     nodes: usize,
     count: usize,
     attacks: &[Attack],
-    registry: &crate::testbed::Registry,
+    registry: &dray_testkit::testbed::Registry,
     client: &Arc<RegistryClient>,
     digest: BlobDigest,
     clean: &SwarmRun,
@@ -179,8 +179,8 @@ pub async fn storm(
     let mut complete = run.failures.is_empty();
     for swarm in &cluster.agents {
         let held = swarm.node().store().get(&digest)?;
-        complete &=
-            held.is_some_and(|b| crate::testbed::file_digest(b.path()) == digest.to_string());
+        complete &= held
+            .is_some_and(|b| dray_testkit::testbed::file_digest(b.path()) == digest.to_string());
     }
     let forged_hashes = cluster.tracker.map(&digest).map_or(0, |m| {
         m.hashes()

@@ -8,10 +8,8 @@ mod cluster;
 mod demo;
 #[cfg(feature = "hostile")]
 mod hostile;
-mod oci_image;
 mod service;
 mod storm;
-mod testbed;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};

@@ -220,7 +220,7 @@ async fn storm(
     wait_listening(REGISTRY_ADDR, "docker-registry").await?;
     let blob = dir.join("blob");
     write_random(&blob, b.size).context("writing the random blob")?;
-    let digest = crate::testbed::file_digest(&blob);
+    let digest = dray_testkit::testbed::file_digest(&blob);
     push(&blob, &digest).await?;
     std::fs::remove_file(&blob)?;
 
@@ -809,7 +809,7 @@ async fn push(blob: &Path, digest: &str) -> Result<()> {
         &format!("{base}/v2/{REPO}/blobs/uploads/"),
     ]);
     let headers = run_ip(&start.iter().map(String::as_str).collect::<Vec<_>>()).await?;
-    let put_url = crate::testbed::upload_url(&base, &headers, digest)
+    let put_url = dray_testkit::testbed::upload_url(&base, &headers, digest)
         .context("the registry's upload answer has no Location header")?;
     let put = in_registry(&[
         "-sfS",

@@ -37,14 +37,6 @@ impl Drop for TrackerProcess {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// The costliest announce within one frame: as many of the largest blobs
 /// allowed (262144 chunks each, a full 32 KiB bitfield) as fit in 4 MiB,
 /// each a new digest.

@@ -3,11 +3,8 @@
 
 #![allow(dead_code, unused_imports)] // each test binary uses a different part of the harness
 
-#[path = "../../src/oci_image.rs"]
-pub mod oci_image;
-#[path = "../../src/testbed.rs"]
-mod testbed;
-pub use testbed::{Registry, file_digest};
+pub use dray_testkit::oci_image;
+pub use dray_testkit::testbed::{Registry, file_digest, free_port};
 
 use dray_agent::identity::ClusterCa;
 use dray_agent::peer::{PeerConfig, PeerNode};
@@ -182,7 +179,7 @@ pub fn registry_client(url: &str, creds: Option<(&str, &str)>) -> Arc<RegistryCl
 }
 
 /// A containerd 1.6 daemon with its own root, state and sockets in a
-/// temporary directory (see `src/oci_image.rs`).
+/// temporary directory (see `dray_testkit::oci_image`).
 pub struct Containerd {
     daemon: oci_image::Containerd,
     pub dir: tempfile::TempDir,

@@ -1,10 +1,7 @@
 //! A registry testbed on loopback: the real distribution registry from Debian
 //! (`docker-registry`) behind a relay that counts, and can pace, the bytes it
 //! sends. Registry egress is measured here, on the registry's side, never from
-//! the agents' own claims. Used by `dray bench` and by the tests (which include
-//! this file as a module).
-
-#![allow(dead_code)] // shared with the tests (tests/common), which use more of it
+//! the agents' own claims. Used by `dray bench` and by the tests.
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -15,11 +12,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// sha256 of a file, computed here rather than trusted from a store.
 pub fn file_digest(path: &Path) -> String {
-    super::oci_image::sha256_file(path)
+    crate::oci_image::sha256_file(path)
         .unwrap_or_else(|e| panic!("hashing {}: {e}", path.display()))
 }
 
-fn free_port() -> u16 {
+/// A TCP port on 127.0.0.1 free a moment ago.
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()

@@ -1,6 +1,6 @@
 //! Layer blobs as an image containerd can import, and a private containerd
 //! 1.6 to import it into: the reference unpacker that `dray bench unpack` and
-//! `tests/unpack.rs` (which include this file as a module) compare dray's
+//! `tests/unpack.rs` compare dray's
 //! unpacker against. Import goes through `ctr images import` of an OCI
 //! archive, so neither needs a registry. The tests' other containerd
 //! daemons (`tests/common`) are started by the same code.
