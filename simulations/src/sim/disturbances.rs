@@ -1,0 +1,114 @@
+//! Disturbances a scenario injects: nodes leaving, the tracker going down
+//! and restarting.
+
+use super::*;
+
+impl World<'_> {
+    pub(super) fn leave(&mut self, n: u32) {
+        let nu = n as usize;
+        if !self.nodes[nu].alive {
+            return;
+        }
+        self.nodes[nu].alive = false;
+        // Its uploads end below; a zero count lets askers see it is gone.
+        self.uploads[nu] = 0;
+        if self.nodes[nu].done_at.is_none() {
+            self.pending -= 1;
+        }
+        if self.strategy == Strategy::Dray && self.tracker_up {
+            self.sched.leave(&self.names[nu]);
+        }
+        for id in std::mem::take(&mut self.nodes[nu].in_flows) {
+            let (p, _) = self.net.remove(id);
+            if let Source::Peer(s) = p.from {
+                let sender = &mut self.nodes[s as usize];
+                remove_item(&mut sender.out_flows, id);
+                self.uploads[s as usize] = self.uploads[s as usize].saturating_sub(1);
+            }
+        }
+        self.nodes[nu].runs.clear();
+        self.nodes[nu].fallback_flows.clear();
+        let mut receivers = Vec::new();
+        for id in std::mem::take(&mut self.nodes[nu].out_flows) {
+            let (p, left) = self.net.remove(id);
+            let r = p.to;
+            remove_item(&mut self.nodes[r as usize].in_flows, id);
+            match p.purpose {
+                Purpose::PeerChunk => {
+                    let rn = &mut self.nodes[r as usize];
+                    rn.downloads = rn.downloads.saturating_sub(1);
+                    if let Some(picker) = rn.blobs[p.blob as usize].picker.as_mut() {
+                        picker.failed(p.chunk);
+                        picker.remove_peer(&n);
+                    }
+                    receivers.push(r);
+                }
+                // A whole-blob download resumes elsewhere for the bytes it lacks.
+                _ => self.fetch_whole(r, p.blob, left),
+            }
+        }
+        for r in receivers {
+            self.try_fill(r);
+        }
+    }
+
+    pub(super) fn churn(&mut self) {
+        let Some(c) = &self.sc.churn else {
+            return;
+        };
+        let mut order: Vec<u32> = (0..self.pullers).collect();
+        self.rng.shuffle(&mut order);
+        let count = (c.fraction * f64::from(self.pullers)).round() as usize;
+        for n in order.into_iter().take(count) {
+            self.leave(n);
+        }
+    }
+
+    pub(super) fn sample(&mut self) {
+        let bytes = self.net.registry_bytes_now();
+        let dt = self.samples.push(self.net.now(), bytes);
+        self.net.after(dt, Ev::Sample);
+    }
+
+    pub(super) fn handle(&mut self, ev: Ev) {
+        match ev {
+            Ev::Flow(id, v) => {
+                if self.net.finishes(id, v) {
+                    self.flow_done(id);
+                }
+            }
+            Ev::Begin(id, v) => self.net.begin(id, v),
+            Ev::Start(n) => self.start_node(n),
+            Ev::Announce(n, generation) => {
+                if self.nodes[n as usize].announce_gen == generation {
+                    self.announce(n);
+                }
+            }
+            Ev::Poll(n) => {
+                if self.nodes[n as usize].poll_at == Some(self.net.now_ns()) {
+                    self.poll(n);
+                }
+            }
+            Ev::Answer(n, full) => self.answered(n, full),
+            Ev::Tick => {
+                if self.tracker_up {
+                    let now = self.instant();
+                    self.sched.tick(now);
+                }
+                self.net.after(tick_s(), Ev::Tick);
+            }
+            Ev::Sample => self.sample(),
+            Ev::Churn => self.churn(),
+            Ev::OutageStart => self.tracker_up = false,
+            Ev::OutageEnd => {
+                // Modelled as a restart: the tracker comes back empty and
+                // rebuilds from the full announces its resend_full asks for.
+                self.tracker_up = true;
+                self.sched.restart();
+                for published in &mut self.published {
+                    *published = Bitfield::new(published.len());
+                }
+            }
+        }
+    }
+}

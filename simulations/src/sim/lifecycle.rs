@@ -1,0 +1,187 @@
+//! A node's life in the simulation: it starts, receives chunks and finishes.
+
+use super::*;
+
+impl World<'_> {
+    pub(super) fn start_node(&mut self, n: u32) {
+        let (sc, instant) = (self.sc, self.instant());
+        let node = &mut self.nodes[n as usize];
+        if node.started || !node.alive {
+            return;
+        }
+        node.started = true;
+        node.fallback = fallback_rule(sc, instant);
+        match self.strategy {
+            Strategy::Dray => {
+                self.nodes[n as usize].need_full = true;
+                self.announce(n);
+            }
+            Strategy::KrakenLike => self.try_fill(n),
+            Strategy::Direct | Strategy::SpegelLike => {
+                for b in 0..self.blobs.len() as u16 {
+                    let bytes = self.blobs[b as usize].bytes as f64;
+                    self.fetch_whole(n, b, bytes);
+                }
+            }
+        }
+    }
+
+    /// Direct and spegel-like: the whole blob from a complete holder if
+    /// spegel-like and one exists, else from the registry.
+    pub(super) fn fetch_whole(&mut self, n: u32, blob: u16, bytes: f64) {
+        let mut from = Source::Registry;
+        if self.strategy == Strategy::SpegelLike {
+            let seeds = &mut self.seeds[blob as usize];
+            while !seeds.is_empty() {
+                let k = self.rng.below(seeds.len());
+                let s = seeds[k];
+                if self.nodes[s as usize].alive {
+                    from = Source::Peer(s);
+                    break;
+                }
+                seeds.swap_remove(k);
+            }
+        }
+        if let Source::Peer(s) = from {
+            self.uploads[s as usize] += 1;
+        }
+        let payload = Payload {
+            to: n,
+            from,
+            blob,
+            chunk: 0,
+            purpose: Purpose::Whole,
+        };
+        self.start_flow(payload, bytes);
+    }
+
+    /// A chunk (or, for whole-blob strategies, a blob) arrived at `n`.
+    pub(super) fn receive(&mut self, n: u32, blob: u16, chunk: Option<u32>) {
+        let now = self.net.now();
+        let at = self.instant();
+        let node = &mut self.nodes[n as usize];
+        node.fallback.arrived(at);
+        let nb = &mut node.blobs[blob as usize];
+        match chunk {
+            Some(c) => {
+                if !nb.held.set(c) {
+                    return;
+                }
+                nb.known.set(c);
+                if let Some(p) = nb.picker.as_mut() {
+                    p.completed(c);
+                }
+                nb.added.push(c);
+                self.tell_watchers(n, blob, c);
+            }
+            None => {
+                fill(&mut nb.held);
+                for c in 0..nb.held.len() {
+                    self.tell_watchers(n, blob, c);
+                }
+            }
+        }
+        let nb = &mut self.nodes[n as usize].blobs[blob as usize];
+        if !nb.held.is_full() || nb.complete {
+            return;
+        }
+        nb.complete = true;
+        nb.picker = None;
+        nb.peers = Vec::new();
+        if self.strategy == Strategy::SpegelLike {
+            self.seeds[blob as usize].push(n);
+        }
+        let node = &mut self.nodes[n as usize];
+        if node.done_at.is_none() && node.blobs.iter().all(|b| b.complete) && n < self.pullers {
+            node.done_at = Some(now);
+            self.pending -= 1;
+            if self.strategy == Strategy::Dray {
+                // Publish the whole map, and tell the tracker at once: the node
+                // now seeds instead of wanting.
+                for b in 0..self.blobs.len() {
+                    if !self.published[b].is_full() {
+                        for c in 0..self.published[b].len() {
+                            self.publish(b, c);
+                        }
+                    }
+                    fill(&mut self.nodes[n as usize].blobs[b].known);
+                }
+                self.schedule_announce(n, 0.0);
+            }
+        }
+    }
+
+    /// `n` gained chunk `c` of `blob`: each watcher that can verify it adds
+    /// it to its view of `n`, and an idle one that lacks it looks for work
+    /// after half a round trip.
+    pub(super) fn tell_watchers(&mut self, n: u32, blob: u16, c: u32) {
+        let max_down = self.sc.max_downloads;
+        let b = blob as usize;
+        for k in 0..self.nodes[n as usize].blobs[b].watchers.len() {
+            let w = self.nodes[n as usize].blobs[b].watchers[k];
+            let node = &mut self.nodes[w as usize];
+            if !node.alive {
+                continue;
+            }
+            let idle = node.done_at.is_none() && node.downloads < max_down;
+            let nb = &mut node.blobs[b];
+            if !nb.known.get(c) || nb.held.get(c) {
+                continue;
+            }
+            let Some(picker) = nb.picker.as_mut() else {
+                continue;
+            };
+            picker.peer_has(&n, c);
+            // A chunk already on its way from elsewhere gives no new work.
+            if idle && picker.is_unclaimed(c) {
+                self.schedule_poll(w, self.sc.rtt_s / 2.0);
+            }
+        }
+    }
+
+    pub(super) fn flow_done(&mut self, id: FlowId) {
+        let (p, _) = self.net.remove(id);
+        let to = p.to;
+        let node = &mut self.nodes[to as usize];
+        remove_item(&mut node.in_flows, id);
+        if let Source::Peer(s) = p.from {
+            let sender = &mut self.nodes[s as usize];
+            remove_item(&mut sender.out_flows, id);
+            self.uploads[s as usize] = self.uploads[s as usize].saturating_sub(1);
+        }
+        match p.purpose {
+            Purpose::Whole => self.receive(to, p.blob, None),
+            Purpose::PeerChunk => {
+                self.nodes[to as usize].downloads -= 1;
+                self.receive(to, p.blob, Some(p.chunk));
+            }
+            Purpose::RunChunk => {
+                // The fetcher publishes the chunk's hash to the tracker.
+                self.publish(p.blob as usize, p.chunk);
+                self.receive(to, p.blob, Some(p.chunk));
+                if let Some(k) = self.nodes[to as usize]
+                    .runs
+                    .iter()
+                    .position(|r| r.flow == Some(id))
+                {
+                    let run = &mut self.nodes[to as usize].runs[k];
+                    run.flow = None;
+                    run.next += 1;
+                    self.advance_run(to, k);
+                }
+            }
+            Purpose::FallbackChunk => {
+                remove_item(&mut self.nodes[to as usize].fallback_flows, id);
+                // Published as a run's chunk is, if the tracker is there to hear it.
+                if self.tracker_up {
+                    self.publish(p.blob as usize, p.chunk);
+                }
+                self.receive(to, p.blob, Some(p.chunk));
+                self.continue_fallback(to);
+            }
+        }
+        if matches!(self.strategy, Strategy::Dray | Strategy::KrakenLike) {
+            self.try_fill(to);
+        }
+    }
+}
