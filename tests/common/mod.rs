@@ -345,9 +345,7 @@ impl SnapshotterProc {
 
     /// SIGTERM, as a graceful stop; returns whether it exited successfully.
     pub fn stop(&mut self) -> bool {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        self.child.wait().unwrap().success()
+        terminate(&mut self.child)
     }
 
     /// Stops it (SIGTERM, or SIGKILL as a crash) and starts it again on the
@@ -504,6 +502,12 @@ impl DrayProc {
     /// The process id (for reading its /proc entries).
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// SIGTERM, the graceful stop of a restart; returns whether it exited
+    /// successfully. (Dropping it is a crash: SIGKILL.)
+    pub fn terminate(&mut self) -> bool {
+        terminate(&mut self.child)
     }
 
     /// The text after `marker` in the banner, up to the next space or `)`.
@@ -732,4 +736,11 @@ impl Drop for LocalApiProc {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// Sends `child` SIGTERM and waits for it; whether it exited successfully.
+fn terminate(child: &mut std::process::Child) -> bool {
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    child.wait().unwrap().success()
 }
