@@ -975,7 +975,7 @@ mod tests {
     fn the_simulated_storm_runs_the_agents_defaults() {
         let agent = dray_agent::config::AgentConfig::default();
         let sim = dray_simulations::Scenario::emulated(&Default::default());
-        let secs = |ms: u64| ms as f64 / 1e3;
+        use dray_protocol::defaults::secs;
         assert_eq!(sim.announce_interval_s, secs(agent.swarm.pull_announce_ms));
         assert_eq!(sim.stall_s, secs(agent.swarm.stall_ms));
         assert_eq!(sim.tracker_grace_s, secs(agent.swarm.tracker_grace_ms));

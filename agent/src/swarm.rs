@@ -939,7 +939,17 @@ async fn fetch_run(
             }
             continue;
         }
-        if !fetch_chunk(&swarm, &t, &registry, &repo, index, recheck, &cancel).await? {
+        if !fetch_chunk(
+            &swarm,
+            &t,
+            (&registry, &repo),
+            &map,
+            index,
+            recheck,
+            &cancel,
+        )
+        .await?
+        {
             return Ok(());
         }
     }
@@ -947,7 +957,7 @@ async fn fetch_run(
         let Some(true) = cancel.run_until_cancelled(t.claim_when_free(index)).await else {
             continue;
         };
-        if !fetch_chunk(&swarm, &t, &registry, &repo, index, false, &cancel).await? {
+        if !fetch_chunk(&swarm, &t, (&registry, &repo), &map, index, false, &cancel).await? {
             return Ok(());
         }
     }
@@ -959,13 +969,12 @@ async fn fetch_run(
 async fn fetch_chunk(
     swarm: &Arc<Swarm>,
     t: &Arc<Transfer>,
-    registry: &RegistryClient,
-    repo: &str,
+    (registry, repo): (&RegistryClient, &str),
+    map: &ChunkMap,
     index: u32,
     recheck: bool,
     cancel: &CancellationToken,
 ) -> Result<bool> {
-    let map = t.blob().map();
     let settle = |stored| {
         if !recheck {
             t.settle(index, stored);
