@@ -26,10 +26,10 @@
 //! [`crate::store::ChunkStore::evict`]): the record goes first, the file
 //! last, and a store that opens sweeps files without a record.
 
-use crate::config::millis;
 use crate::error::{Error, Result};
 use crate::store::ChunkStore;
 use dray_protocol::BlobDigest;
+use crate::config::millis;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -637,6 +637,10 @@ pub fn collect(store: &ChunkStore, dry: bool) -> Result<Collection> {
     Ok(done)
 }
 
+/// Plans made by [`make_room`] for one blob at most: each round evicts what
+/// did not come into use since it was planned.
+const MAKE_ROOM_ROUNDS: usize = 3;
+
 /// Makes room for a new blob of `size` bytes before its file is reserved:
 /// evicts what must go, or refuses with the limit it would break. (A blob
 /// larger than the whole budget was refused by `ChunkStore::check_size`.)
@@ -665,43 +669,55 @@ pub fn make_room(store: &ChunkStore, digest: &BlobDigest, size: u64) -> Result<(
         }
         (need, limit)
     };
-    let usage = store.usage()?;
-    let (need, _) = room(&usage);
-    // Past the high watermark with the new blob: down to the low one now,
-    // as the collector would at its next pass (pulls fill a store faster
-    // than one gc.period), but refused only past the budget or critical.
-    let with_blob = Usage {
-        store_bytes: usage.store_bytes + size,
-        fs_free: usage.fs_free.saturating_sub(size),
-        ..usage
-    };
-    let after = pressure(&cfg, &with_blob);
-    let need = need.max(after.need);
-    if need == 0 {
-        return Ok(());
-    }
-    let cands = store.candidates(&store.gc().pins());
-    // A blob that would take the disk past the critical watermark may
-    // cost the cluster's last copies, as the collector's pass would: the
-    // alternative is a refused pull (and the registry again) for sure.
-    let p = Pressure {
-        need,
-        critical: after.critical,
-    };
-    for e in plan(
-        &cands,
-        p,
-        &cfg,
-        store.gc().cluster_aware.load(Ordering::Relaxed),
-    ) {
-        let d: BlobDigest = e.digest.parse().expect("planned from a digest");
-        if store.evict(&d)?.is_some() {
-            if e.reason == Reason::Critical {
-                tracing::warn!(digest = %d, bytes = e.bytes, "a new blob would take the disk past the critical watermark: evicting a blob the cluster has too few copies of");
-            } else {
-                tracing::info!(digest = %d, bytes = e.bytes, reason = e.reason.as_str(), "evicted to make room");
+    // Planned on what the store holds now; a blob that came into use (or
+    // went) since is skipped, so the plan is made again while evictions
+    // still free something.
+    for _ in 0..MAKE_ROOM_ROUNDS {
+        let usage = store.usage()?;
+        store.gc().count_usage(&usage);
+        let (need, _) = room(&usage);
+        // Past the high watermark with the new blob: down to the low one
+        // now, as the collector would at its next pass (pulls fill a store
+        // faster than one gc.period), but refused only past the budget or
+        // critical.
+        let with_blob = Usage {
+            store_bytes: usage.store_bytes + size,
+            fs_free: usage.fs_free.saturating_sub(size),
+            ..usage
+        };
+        let after = pressure(&cfg, &with_blob);
+        let need = need.max(after.need);
+        if need == 0 {
+            return Ok(());
+        }
+        let cands = store.candidates(&store.gc().pins());
+        // A blob that would take the disk past the critical watermark may
+        // cost the cluster's last copies, as the collector's pass would: the
+        // alternative is a refused pull (and the registry again) for sure.
+        let p = Pressure {
+            need,
+            critical: after.critical,
+        };
+        let mut freed = false;
+        for e in plan(
+            &cands,
+            p,
+            &cfg,
+            store.gc().cluster_aware.load(Ordering::Relaxed),
+        ) {
+            let d: BlobDigest = e.digest.parse().expect("planned from a digest");
+            if store.evict(&d)?.is_some() {
+                freed = true;
+                if e.reason == Reason::Critical {
+                    tracing::warn!(digest = %d, bytes = e.bytes, "a new blob would take the disk past the critical watermark: evicting a blob the cluster has too few copies of");
+                } else {
+                    tracing::info!(digest = %d, bytes = e.bytes, reason = e.reason.as_str(), "evicted to make room");
+                }
+                store.gc().count_eviction(&e);
             }
-            store.gc().count_eviction(&e);
+        }
+        if !freed {
+            break;
         }
     }
     let usage = store.usage()?;
@@ -710,6 +726,7 @@ pub fn make_room(store: &ChunkStore, digest: &BlobDigest, size: u64) -> Result<(
         (0, _) => Ok(()),
         (_, limit) => {
             store.gc().count_refusal();
+            let cands = store.candidates(&store.gc().pins());
             let held = |f: fn(&Candidate) -> bool| -> u64 {
                 cands.iter().filter(|c| f(c)).map(|c| c.bytes).sum()
             };

@@ -555,6 +555,9 @@ pub struct ChunkStore {
     /// Every blob with a record, open or not: what the store accounts for
     /// and announces. Locked after `blobs` when both are.
     entries: Mutex<HashMap<BlobDigest, Entry>>,
+    /// Held while a new blob makes room and reserves its file (see
+    /// [`ChunkStore::blob`]); taken before `blobs`.
+    room: Mutex<()>,
     gc: crate::gc::GcState,
 }
 
@@ -675,6 +678,7 @@ impl ChunkStore {
                 vouched: BoundedMap::new(MAX_VOUCHED),
             }),
             entries: Mutex::new(HashMap::new()),
+            room: Mutex::new(()),
             gc: crate::gc::GcState::default(),
         };
         // Nothing is opened here: every blob is announced from its record,
@@ -1030,12 +1034,22 @@ impl ChunkStore {
         // The lock is held while opening: two openers of one blob would
         // otherwise each reset its file and keep separate state.
         let digest = map.digest();
-        if !self.blobs().contains_key(&digest) && !self.entries().contains_key(&digest) {
-            // A new blob: checked, and room made for it, before anything is
-            // reserved on disk (outside the lock: eviction takes it).
-            self.check_size(&digest, map.size())?;
-            crate::gc::make_room(self, &digest, map.size())?;
-        }
+        let is_new =
+            || !self.blobs().contains_key(&digest) && !self.entries().contains_key(&digest);
+        // A new blob: checked, and room made for it, before anything is
+        // reserved on disk (outside the blobs lock: eviction takes it). One
+        // new blob at a time, to its reservation: two at once would each
+        // count the same free space and plan to evict the same blobs.
+        let _room = if is_new() {
+            let room = self.room.lock().unwrap_or_else(|p| p.into_inner());
+            if is_new() {
+                self.check_size(&digest, map.size())?;
+                crate::gc::make_room(self, &digest, map.size())?;
+            }
+            Some(room)
+        } else {
+            None
+        };
         let mut blobs = self.blobs();
         self.touch(&digest);
         if let Some(b) = blobs.get(&map.digest()).cloned() {
@@ -1767,6 +1781,59 @@ mod tests {
             "{e}"
         );
         assert!(!store.blob_path(&map.digest()).exists());
+    }
+
+    #[test]
+    fn new_blobs_opened_at_once_each_make_room_and_the_budget_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(ChunkStore::open(&dir.path().join("s")).unwrap());
+        // Ten idle blobs of 128 KiB fill the budget; eight threads then open
+        // a new blob of that size each, at once. Each must make room for
+        // itself: two counting the same free space, or both planning to
+        // evict the same blob, would refuse one or overrun the budget.
+        let budget = 10 * 2 * 65536;
+        let old = import_many(&store, dir.path(), 10);
+        store.gc().configure(
+            crate::gc::GcConfig {
+                budget: Some(budget),
+                high_watermark: 1.0,
+                low_watermark: 1.0,
+                ..Default::default()
+            },
+            false,
+        );
+        for round in 0..4u8 {
+            let start = Arc::new(std::sync::Barrier::new(8));
+            let threads: Vec<_> = (0..8u8)
+                .map(|i| {
+                    let (store, start) = (store.clone(), start.clone());
+                    std::thread::spawn(move || {
+                        let map = ChunkMap::of_bytes(
+                            &data(2 * 65536, 200 - round * 8 - i),
+                            MIN_CHUNK_SIZE,
+                        )
+                        .unwrap();
+                        start.wait();
+                        store.blob(&map).map(|b| b.digest())
+                    })
+                })
+                .collect();
+            for t in threads {
+                if let Err(e) = t.join().unwrap() {
+                    panic!("round {round}: a new blob was refused: {e}");
+                }
+            }
+            let used = store.usage().unwrap().store_bytes;
+            assert!(
+                used <= budget,
+                "round {round}: {used} bytes held, budget {budget}"
+            );
+        }
+        assert!(
+            old.iter()
+                .any(|(_, m)| !store.blob_path(&m.digest()).exists()),
+            "the idle blobs made the room"
+        );
     }
 
     #[test]
