@@ -975,10 +975,12 @@ mod tests {
     fn the_simulated_storm_runs_the_agents_defaults() {
         let agent = dray_agent::config::AgentConfig::default();
         let sim = dray_simulations::Scenario::emulated(&Default::default());
-        use dray_protocol::defaults::secs;
-        assert_eq!(sim.announce_interval_s, secs(agent.swarm.pull_announce_ms));
-        assert_eq!(sim.stall_s, secs(agent.swarm.stall_ms));
-        assert_eq!(sim.tracker_grace_s, secs(agent.swarm.tracker_grace_ms));
+        assert_eq!(
+            sim.announce_interval_s,
+            agent.swarm.pull_announce.as_secs_f64()
+        );
+        assert_eq!(sim.stall_s, agent.swarm.stall.as_secs_f64());
+        assert_eq!(sim.tracker_grace_s, agent.swarm.tracker_grace.as_secs_f64());
         assert_eq!(sim.registry_parallel, agent.swarm.registry_parallel);
         assert_eq!(sim.max_uploads as usize, agent.peer.max_uploads);
         assert_eq!(sim.max_downloads as usize, agent.peer.max_downloads);

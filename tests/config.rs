@@ -81,7 +81,7 @@ fn a_bad_duration_is_refused_with_how_to_write_one() {
         "tracker",
         "tracker.toml",
         "announce_interval_ms = -5\n",
-        "key `announce_interval_ms`: invalid value: integer `-5`, expected u64",
+        "key `announce_interval_ms`: expected a duration: milliseconds, or a string such as \"20s\"",
     );
 }
 

@@ -148,7 +148,7 @@ async fn an_agent_unpack_past_the_shims_deadline_falls_back_to_containerds_own_p
     let shim = SnapshotterProc::start_configured(
         work,
         &api.socket,
-        "unpack_deadline_floor_s = 1\nunpack_min_bytes_per_s = 1000000000\n",
+        "unpack_deadline_floor = \"1s\"\nunpack_min_bytes_per_s = 1000000000\n",
     );
     // containerd's own pulls go straight to the registry, unthrottled.
     let side_door = registry.side_door().await;
@@ -168,7 +168,7 @@ async fn an_agent_unpack_past_the_shims_deadline_falls_back_to_containerds_own_p
     pulled.unwrap_or_else(|e| panic!("PullImage {image}: {e}\nshim log:\n{}", shim.log_text()));
     let log = shim.log_text();
     assert!(
-        log.contains("within 1.0 s (unpack_deadline_floor_s"),
+        log.contains("within 1.0 s (unpack_deadline_floor"),
         "the shim gave up on an agent unpack at its deadline:\n{log}"
     );
     // containerd fetched the layers the agent was too slow for itself.

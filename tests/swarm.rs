@@ -220,7 +220,7 @@ async fn a_node_killed_while_holding_registry_assignments_loses_them_and_the_oth
     let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
     let ca = cluster_ca();
     let mut cfg = quick_swarm(vec![tracker.url()]);
-    cfg.stall_ms = 30_000; // prove reassignment, not the stall fallback
+    cfg.stall = Duration::from_secs(30); // prove reassignment, not the stall fallback
     let victim = Agent::start(
         &ca,
         "victim",

@@ -58,7 +58,7 @@ pub struct AgentConfig {
     /// uploads may run on before the agent exits anyway. Default 20 s, below
     /// Kubernetes' 30 s `terminationGracePeriodSeconds`, so that the agent
     /// flushes its store and exits 0 before the kubelet kills it.
-    #[serde(with = "millis")]
+    #[serde(with = "dray_protocol::settings::duration")]
     pub shutdown_grace: std::time::Duration,
 }
 
@@ -99,37 +99,6 @@ impl AgentConfig {
     }
 }
 
-/// Serde for durations: whole milliseconds (`20000`) or a string with units
-/// (`"20s"`, `"1m 30s"`, `"500ms"`); written back as milliseconds.
-pub mod millis {
-    use serde::{Deserialize, Deserializer, Serializer, de::Error};
-    use std::time::Duration;
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(d.as_millis() as u64)
-    }
-
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Written {
-        Millis(u64),
-        Text(String),
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        match Written::deserialize(d).map_err(|_| {
-            D::Error::custom("expected a duration: milliseconds, or a string such as \"20s\"")
-        })? {
-            Written::Millis(ms) => Ok(Duration::from_millis(ms)),
-            Written::Text(t) => humantime::parse_duration(&t).map_err(|_| {
-                D::Error::custom(format!(
-                    "{t:?} is not a duration; write milliseconds, or a string such as \"20s\" or \"500ms\""
-                ))
-            }),
-        }
-    }
-}
-
 /// Parses a socket address as `addr:port`, where an IPv6 address may also
 /// come without brackets (`fd00::1:7881`, as `$(NODE_IP):7881` in a pod
 /// spec expands on an IPv6 node): a socket address always ends in a port,
@@ -164,8 +133,11 @@ mod tests {
 
     #[test]
     fn a_mistake_is_one_line_naming_the_file_position_key_and_problem() {
-        let e = error_of("state_dir = \"/x\"\n[swarm]\nstall_ms = \"soon\"\n");
-        assert!(e.contains("line 3, column 12: key `swarm.stall_ms`: invalid type: string \"soon\", expected u64"), "{e}");
+        let e = error_of("state_dir = \"/x\"\n[swarm]\nstall = \"soon\"\n");
+        assert!(
+            e.contains("line 3, column 9: key `swarm.stall`: \"soon\" is not a duration"),
+            "{e}"
+        );
         let e = error_of("[peer]\nrequest_timeout = \"twenty seconds\"\n");
         assert!(
             e.contains("key `peer.request_timeout`: \"twenty seconds\" is not a duration"),

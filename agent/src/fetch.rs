@@ -9,9 +9,7 @@
 //! its bitfield with long polls ([`PeerNode::bitfield_after`]): the peer
 //! answers when it stores a chunk we have not seen, so news of a chunk reaches
 //! us when it lands rather than at our next look, at every hop it travels
-//! (in `simulations`, this with the tracker's mesh of members and rotated
-//! peers takes `kraken-2600` from 1.38x the bound with 100 ms polls to
-//! 1.26x). Idle lanes sleep until a watcher, a released chunk or newly
+//! (figures: `docs/results.md`). Idle lanes sleep until a watcher, a released chunk or newly
 //! learned hashes wake them; they send nothing.
 //!
 //! A swarm transfer keeps at most `peer.max_peers_per_blob` peers: the
@@ -20,13 +18,12 @@
 //! past the cap retires the oldest one, cooperatively: the picker forgets it
 //! at once, so no new chunk is picked from it; its lanes finish (or fail),
 //! store and settle the chunk they are fetching, then stop; its watcher drops
-//! its open poll. Until its lanes end it still counts in `Shared::peers`, so
-//! the tracker naming it again meanwhile is ignored; named later, it comes
-//! back as a new peer. Rotating peers this way is nearly as good as keeping
-//! them all (`simulations`, `kraken-2600` with 4 downloads and 4 uploads per
-//! node: 1.21x the bound with 16 peers against 1.17x unbounded), where
-//! keeping the first 16 is not (2.59x). A
-//! fixed list of peers ([`fetch_from_peers`]) is not capped: retiring one
+//! its open poll. Until its lanes end it still counts in the transfer's
+//! [`Roster`], so the tracker naming it again meanwhile is ignored; named
+//! later, it comes back as a new peer. The rotation rule is
+//! `dray_protocol::peers`, which the simulator runs too. Rotating peers this way is nearly as good
+//! as keeping them all, where keeping the first 16 is not (figures:
+//! `docs/results.md`). A fixed list of peers ([`fetch_from_peers`]) is not capped: retiring one
 //! there could leave chunks that only it holds with nobody to fetch them from.
 //!
 //! Every chunk request has a deadline: its length at the median rate of the
@@ -55,6 +52,7 @@ use crate::metrics::Source;
 use crate::peer::{MIN_CHUNK_DEADLINE, PeerLink, PeerNode};
 use crate::store::{Blob, PutOutcome};
 use dray_protocol::defaults::DEFAULTS;
+use dray_protocol::peers::{Admit, Roster};
 use dray_protocol::picker::{ChunkPicker, DEFAULT_WINDOW};
 use dray_protocol::{Bitfield, ChunkMap, VerifyError};
 use serde::Serialize;
@@ -128,10 +126,8 @@ struct Shared {
     report: FetchReport,
     error: Option<Error>,
     /// Peers with lanes running (or starting), retired ones included until
-    /// their lanes end.
-    peers: HashMap<String, PeerRun>,
-    /// Peers added so far: the next [`PeerRun::added`].
-    added: u64,
+    /// their lanes end; each with the token that retires it.
+    roster: Roster<String, CancellationToken>,
     /// Each peer's last bitfield, whatever our known hashes: the picker's view
     /// of the peer is recomputed from it when hashes are learned.
     raw: HashMap<String, Bitfield>,
@@ -161,35 +157,10 @@ enum Ended {
     Failed,
 }
 
-/// One peer's part in a transfer.
-struct PeerRun {
-    /// Its rank in the order peers were added: the lowest is the oldest.
-    added: u64,
-    /// Cancelled when the peer is retired.
-    retired: CancellationToken,
-}
-
 impl Shared {
     /// Whether chunks may still be picked from `peer`.
     fn is_live(&self, peer: &str) -> bool {
-        self.peers
-            .get(peer)
-            .is_some_and(|run| !run.retired.is_cancelled())
-    }
-
-    /// The oldest live peer, if `cap` or more are live.
-    fn oldest_past(&self, cap: usize) -> Option<String> {
-        let live = || {
-            self.peers
-                .iter()
-                .filter(|(_, run)| !run.retired.is_cancelled())
-        };
-        if live().count() < cap {
-            return None;
-        }
-        live()
-            .min_by_key(|(_, run)| run.added)
-            .map(|(p, _)| p.clone())
+        self.roster.is_live(&peer.to_string())
     }
 
     /// The median of the recent peer chunk rates, bytes per second.
@@ -244,11 +215,13 @@ impl Shared {
     /// stop after the chunk in flight, its watcher at once. The caller wakes
     /// idle lanes.
     fn retire(&mut self, peer: &str) {
-        if let Some(run) = self.peers.get(peer) {
-            run.retired.cancel();
+        let key = peer.to_string();
+        self.roster.retire(&key);
+        if let Some(retired) = self.roster.get(&key) {
+            retired.cancel();
         }
         self.raw.remove(peer);
-        self.picker.remove_peer(&peer.to_string());
+        self.picker.remove_peer(&key);
     }
 }
 
@@ -294,8 +267,9 @@ impl Transfer {
                 },
                 picker: ChunkPicker::new(held, DEFAULT_WINDOW),
                 error: None,
-                peers: HashMap::new(),
-                added: 0,
+                // A fixed list of peers is kept whole: each may be the only
+                // one holding some chunks.
+                roster: Roster::new(swarm.then_some(node.config.max_peers_per_blob)),
                 raw: HashMap::new(),
                 requests: HashMap::new(),
                 rates: VecDeque::with_capacity(RATE_SAMPLES),
@@ -336,32 +310,18 @@ impl Transfer {
         let retired = CancellationToken::new();
         let evicted = {
             let mut sh = self.lock();
-            if sh.stopped
-                || sh.picker.is_banned(&peer.peer_id)
-                || sh.peers.contains_key(&peer.peer_id)
-            {
+            if sh.stopped || sh.picker.is_banned(&peer.peer_id) {
                 return;
             }
-            let cap = self.node.config.max_peers_per_blob.max(1);
-            let oldest = if self.swarm {
-                sh.oldest_past(cap)
-            } else {
-                None
-            };
-            if let Some(old) = &oldest {
-                tracing::debug!(peer = %old, new = %peer.peer_id, cap, "retiring the oldest peer of a full transfer");
-                sh.retire(old);
+            match sh.roster.admit(peer.peer_id.clone(), retired.clone()) {
+                Admit::Known => return,
+                Admit::Added { retired: None } => false,
+                Admit::Added { retired: Some(old) } => {
+                    tracing::debug!(peer = %old, new = %peer.peer_id, "retiring the oldest peer of a full transfer");
+                    sh.retire(&old);
+                    true
+                }
             }
-            let added = sh.added;
-            sh.added += 1;
-            sh.peers.insert(
-                peer.peer_id.clone(),
-                PeerRun {
-                    added,
-                    retired: retired.clone(),
-                },
-            );
-            oldest.is_some()
         };
         if evicted {
             self.released.notify_waiters();
@@ -715,7 +675,7 @@ async fn run_peer(t: Arc<Transfer>, p: PeerAddr, retired: CancellationToken) {
     let forget = |t: &Transfer| {
         let mut sh = t.lock();
         sh.retire(&p.peer_id);
-        sh.peers.remove(&p.peer_id);
+        sh.roster.leave(&p.peer_id);
     };
     let start = async {
         let link = t.node.connect(&p.peer_id, p.addr).await?;
@@ -843,7 +803,8 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
                     return;
                 }
                 if matches!(e, Error::Rejected { .. }) {
-                    // BUSY or not held: give the peer (and the others) a moment.
+                    // BUSY or not held: give the peer (and the others) a
+                    // moment; the peer's other lanes carry on.
                     tokio::time::sleep(Duration::from_millis(DEFAULTS.busy_backoff_ms)).await;
                 }
                 continue;
@@ -912,15 +873,11 @@ mod tests {
     /// A transfer's live and retiring peers, each sorted.
     fn peers(t: &Transfer) -> (Vec<String>, Vec<String>) {
         let sh = t.lock();
-        let (mut live, mut retiring): (Vec<_>, Vec<_>) = sh
-            .peers
-            .iter()
-            .map(|(p, run)| (p.clone(), run.retired.is_cancelled()))
-            .partition(|(_, retired)| !retired);
+        let mut live: Vec<String> = sh.roster.live().iter().map(|m| m.key.clone()).collect();
+        let mut retiring: Vec<String> = sh.roster.retiring().cloned().collect();
         live.sort();
         retiring.sort();
-        let ids = |v: Vec<(String, bool)>| v.into_iter().map(|(p, _)| p).collect();
-        (ids(live), ids(retiring))
+        (live, retiring)
     }
 
     fn ids(v: &[&str]) -> Vec<String> {

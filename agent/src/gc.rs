@@ -29,7 +29,7 @@
 use crate::error::{Error, Result};
 use crate::store::ChunkStore;
 use dray_protocol::BlobDigest;
-use crate::config::millis;
+use dray_protocol::settings::duration;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -58,13 +58,13 @@ pub struct GcConfig {
     /// copies of are evicted too, and new blobs are refused.
     pub critical_watermark: f64,
     /// Complete blobs unused this long go first, pressure or not.
-    #[serde(with = "millis")]
+    #[serde(with = "duration")]
     pub ttl: Duration,
     /// Partial blobs untouched this long are reclaimed.
-    #[serde(with = "millis")]
+    #[serde(with = "duration")]
     pub partial_ttl: Duration,
     /// How often the collector looks.
-    #[serde(with = "millis")]
+    #[serde(with = "duration")]
     pub period: Duration,
     /// Complete copies the cluster keeps of a blob: a node ranked among
     /// the first this many holders keeps it below the critical watermark.

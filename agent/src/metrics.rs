@@ -52,9 +52,9 @@ label_values! {
 label_values! {
     /// Why a pull turned to the registry for chunks the swarm did not deliver.
     FallbackReason {
-        /// The tracker did not answer within `swarm.tracker_grace_ms`.
+        /// The tracker did not answer within `swarm.tracker_grace`.
         TrackerSilent => "tracker_silent",
-        /// Nothing arrived or was in flight for `swarm.stall_ms`.
+        /// Nothing arrived or was in flight for `swarm.stall`.
         Stall => "stall",
         /// The blob failed its digest twice in one pull, or its recheck found
         /// nothing wrong: pulled again from the registry alone.

@@ -40,10 +40,11 @@ use crate::peer::PeerNode;
 use crate::registry::RegistryClient;
 use crate::store::{Blob, Holding, PutOutcome};
 use crate::tracker_client::TrackerClient;
-use dray_protocol::defaults::DEFAULTS;
+use dray_protocol::defaults::{DEFAULTS, announce_spread};
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::pull::{Fallback, FallbackRule};
 use dray_protocol::scheduler::SchedulerConfig;
+use dray_protocol::settings::duration;
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap, DEFAULT_CHUNK_SIZE, VerifyError};
 use prost::Message;
 use serde::{Deserialize, Serialize};
@@ -65,17 +66,21 @@ pub struct SwarmConfig {
     pub advertise: Option<SocketAddr>,
     /// Topology labels (zone, rack) sent with announces.
     pub labels: BTreeMap<String, String>,
-    /// Announce period while a pull is running, ms.
-    pub pull_announce_ms: u64,
-    /// Announce period otherwise, ms (the tracker's interval caps it).
-    pub idle_announce_ms: u64,
-    /// Tracker silent this long during a pull: carry on with known peers and the registry, ms.
-    pub tracker_grace_ms: u64,
+    /// Announce period while a pull is running (`pull_announce_ms` before).
+    #[serde(with = "duration", alias = "pull_announce_ms")]
+    pub pull_announce: Duration,
+    /// Announce period otherwise (the tracker's interval caps it).
+    #[serde(with = "duration", alias = "idle_announce_ms")]
+    pub idle_announce: Duration,
+    /// Tracker silent this long during a pull: carry on with known peers and the registry.
+    #[serde(with = "duration", alias = "tracker_grace_ms")]
+    pub tracker_grace: Duration,
     /// Nothing arrived and nothing was in flight for this long, and the
     /// tracker reported no registry fetch of the blob under way (or nothing
     /// arrived for `fetching_patience` (in [`DEFAULTS`]) times this long, whatever it
-    /// reported): fetch unclaimed chunks from the registry, ms.
-    pub stall_ms: u64,
+    /// reported): fetch unclaimed chunks from the registry.
+    #[serde(with = "duration", alias = "stall_ms")]
+    pub stall: Duration,
     /// Registry runs in flight at once when falling back to the registry.
     pub registry_parallel: usize,
     /// Chunks per registry run when falling back.
@@ -102,10 +107,10 @@ impl Default for SwarmConfig {
             trackers: Vec::new(),
             advertise: None,
             labels: BTreeMap::new(),
-            pull_announce_ms: DEFAULTS.pull_announce_ms,
-            idle_announce_ms: DEFAULTS.idle_announce_ms,
-            tracker_grace_ms: DEFAULTS.tracker_grace_ms,
-            stall_ms: DEFAULTS.stall_ms,
+            pull_announce: Duration::from_millis(DEFAULTS.pull_announce_ms),
+            idle_announce: Duration::from_millis(DEFAULTS.idle_announce_ms),
+            tracker_grace: Duration::from_millis(DEFAULTS.tracker_grace_ms),
+            stall: Duration::from_millis(DEFAULTS.stall_ms),
             registry_parallel: DEFAULTS.registry_parallel,
             run_chunks: DEFAULTS.run_chunks,
             chunk_size: DEFAULT_CHUNK_SIZE,
@@ -275,17 +280,12 @@ impl Swarm {
                 swarm.announce_once().await;
                 let busy = !lock(&swarm.wanted).is_empty();
                 let wait = if busy {
-                    swarm.config.pull_announce_ms
+                    swarm.config.pull_announce
                 } else {
-                    swarm.config.idle_announce_ms
+                    swarm.config.idle_announce
                 };
-                // ±10%: agents started together (a rollout, a scale-out)
-                // would otherwise announce in lockstep, reaching the tracker
-                // in bursts and learning its news (hashes, holders) all at
-                // the same instants.
-                let wait = (wait as f64 * (0.9 + 0.2 * fastrand::f64())) as u64;
-                let _ =
-                    tokio::time::timeout(Duration::from_millis(wait), swarm.poke.notified()).await;
+                let wait = announce_spread(wait, fastrand::f64());
+                let _ = tokio::time::timeout(wait, swarm.poke.notified()).await;
             }
         })
     }
@@ -697,8 +697,8 @@ impl Swarm {
         let mut fallback = FallbackRule::new(
             Instant::now(),
             alone,
-            Duration::from_millis(self.config.tracker_grace_ms),
-            Duration::from_millis(self.config.stall_ms),
+            self.config.tracker_grace,
+            self.config.stall,
             DEFAULTS.fetching_patience,
         );
         let mut held = t.blob().held().count();
@@ -718,7 +718,7 @@ impl Swarm {
                 cancel,
             )
         };
-        let stall = Duration::from_millis(self.config.stall_ms);
+        let stall = self.config.stall;
         loop {
             if let Some(e) = t.take_error() {
                 return Err(e);
@@ -797,7 +797,7 @@ impl Swarm {
                     in_flight = t.in_flight(),
                     tracker_fetching = fallback.tracker_fetching(),
                     fallback = ?fallback.mode(),
-                    "no chunk arrived for stall_ms; waiting on the requests in flight and the registry fetches the tracker reports"
+                    "no chunk arrived for swarm.stall; waiting on the requests in flight and the registry fetches the tracker reports"
                 );
             }
             if let Some(mode) = fallback.escalate(now) {

@@ -2,23 +2,26 @@
 //! configuration defaults, the tracker's ticker and the simulator's model
 //! all read them, so a simulated storm describes the agent as shipped and a
 //! tuning change is made once (a test in the `dray` crate fails if the
-//! simulator's scenario and the agent's defaults part).
+//! simulator's scenario and the agent's defaults part). What decided each
+//! value, with its figures, is in `docs/results.md`.
+
+use std::time::Duration;
 
 /// Every default of how a node pulls and serves that the simulator models.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SwarmDefaults {
-    /// Announce period while a pull runs (the agent's `swarm.pull_announce_ms`).
+    /// Announce period while a pull runs (the agent's `swarm.pull_announce`).
     pub pull_announce_ms: u64,
-    /// Announce period otherwise (`swarm.idle_announce_ms`).
+    /// Announce period otherwise (`swarm.idle_announce`).
     pub idle_announce_ms: u64,
     /// Tracker silent this long during a pull: chunks no known peer holds
-    /// come from the registry until it answers (`swarm.tracker_grace_ms`).
+    /// come from the registry until it answers (`swarm.tracker_grace`).
     pub tracker_grace_ms: u64,
     /// Nothing arrived and nothing in flight this long: every unclaimed chunk
-    /// comes from the registry (`swarm.stall_ms`). 30 s: at 5 s registry-bound
-    /// storms fell back en masse (see the `dray-simulations` crate docs).
+    /// comes from the registry (`swarm.stall`). 30 s: at 5 s registry-bound
+    /// storms fell back en masse (`docs/results.md`).
     pub stall_ms: u64,
-    /// How many `stall_ms` without a chunk a pull waits on registry fetches
+    /// How many `swarm.stall` periods without a chunk a pull waits on registry fetches
     /// the tracker reports under way before the stall rule applies anyway:
     /// in the soak of `tests/soak.rs` a node evicted a blob's last copy under
     /// critical disk pressure, and the tracker reported a fetch of it under
@@ -61,6 +64,14 @@ pub const DEFAULTS: SwarmDefaults = SwarmDefaults {
     busy_backoff_ms: 200,
     tracker_tick_ms: 500,
 };
+
+/// The wait before a node's next announce: `period` spread ±10% by `unit`
+/// (uniform in [0, 1)). Agents started together (a rollout, a scale-out)
+/// would otherwise announce in lockstep, reaching the tracker in bursts and
+/// learning its news (hashes, holders) all at the same instants.
+pub fn announce_spread(period: Duration, unit: f64) -> Duration {
+    period.mul_f64(0.9 + 0.2 * unit)
+}
 
 /// Milliseconds as seconds, the simulator's unit.
 pub fn secs(ms: u64) -> f64 {

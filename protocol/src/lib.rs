@@ -8,8 +8,9 @@
 //! TOML settings into typed structs with one-line errors; [`local_api`] holds
 //! the local API messages that the agent and the snapshotter shim share;
 //! [`defaults`] the swarm's timings and limits, which the agent, the tracker
-//! and the simulator all read; [`pull`] the fallback rules of a pull, which
-//! the agent and the simulator both run.
+//! and the simulator all read; [`pull`] the fallback rules of a pull and
+//! [`peers`] its peer rotation and the watcher cap, which the agent and the
+//! simulator both run.
 
 pub mod bitfield;
 pub mod chunkmap;
@@ -18,6 +19,7 @@ pub mod digest;
 pub mod framing;
 pub mod identity;
 pub mod local_api;
+pub mod peers;
 pub mod picker;
 pub mod pull;
 pub mod scheduler;

@@ -47,9 +47,7 @@ pub struct SchedulerConfig {
     /// registry fetches finish (and can be forwarded) soon; many share the
     /// registry and all finish late. The budget is the registry's, not a
     /// blob's: an image of ten layers pulled at once must not bring ten times
-    /// the fetches. In `simulations` 24 beat 16 per blob both for one blob
-    /// (`kraken-2600` p99 1.22x -> 1.18x the bound) and for four
-    /// (`storm-10k` 1.25x -> 1.23x). A sharded tracker budgets per shard.
+    /// the fetches (24: `docs/results.md`). A sharded tracker budgets per shard.
     pub max_runs_per_origin: usize,
     /// The slowest registry fetch rate (bytes/s) tolerated before a run is taken back.
     pub min_fetch_rate: u64,
@@ -492,8 +490,8 @@ struct Swarm {
     /// from a registry too slow for the runs sharing it: taking those back
     /// has another node fetch the same chunks while the first still does,
     /// which slows the registry further, until every chunk is fetched many
-    /// times over (a stampede, seen in `simulations` at 50 Mbit/s and 16 nodes:
-    /// 18x the blob). Only a run slower than its peers is taken back.
+    /// times over (a stampede: `docs/results.md`). Only a run slower than its
+    /// peers is taken back.
     run_pace: Option<f64>,
 }
 

@@ -5,6 +5,11 @@
 //! dotted key it concerns (`peer.request_timeout`), not as toml's multi-line
 //! snippet, so that it survives log collectors and reads in `kubectl logs`.
 //! This module parses text only; the callers read the file and name it.
+//!
+//! Every duration in every component's settings is written one way (see
+//! [`duration`]): whole milliseconds, or a string with units. Keys carry no
+//! unit suffix; the older `_ms` keys are read as aliases, and the few older
+//! `_s` keys (whole seconds) as deprecated keys, each named in a warning.
 
 use serde::de::DeserializeOwned;
 
@@ -55,6 +60,59 @@ pub fn from_toml<T: DeserializeOwned>(text: &str) -> Result<T, SettingsError> {
     })
 }
 
+/// Serde for durations: whole milliseconds (`20000`) or a string with units
+/// (`"20s"`, `"1m 30s"`, `"500ms"`); written back as milliseconds. Use with
+/// `#[serde(with = "dray_protocol::settings::duration")]`.
+pub mod duration {
+    use serde::{Deserialize, Deserializer, Serializer, de::Error};
+    use std::time::Duration;
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_millis() as u64)
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Written {
+        Millis(u64),
+        Text(String),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        match Written::deserialize(d).map_err(|_| {
+            D::Error::custom("expected a duration: milliseconds, or a string such as \"20s\"")
+        })? {
+            Written::Millis(ms) => Ok(Duration::from_millis(ms)),
+            Written::Text(t) => humantime::parse_duration(&t).map_err(|_| {
+                D::Error::custom(format!(
+                    "{t:?} is not a duration; write milliseconds, or a string such as \"20s\" or \"500ms\""
+                ))
+            }),
+        }
+    }
+}
+
+/// A deprecated key in whole seconds (`ban_s = 600`) that a duration key
+/// (`ban = "10m"`) replaced: its value, if written, wins, and the warning
+/// to log says what to write instead.
+pub fn deprecated_seconds(
+    old: &str,
+    new: &str,
+    written: Option<u64>,
+    current: std::time::Duration,
+) -> (std::time::Duration, Option<String>) {
+    match written {
+        None => (current, None),
+        Some(s) => (
+            std::time::Duration::from_secs(s),
+            Some(format!(
+                "`{old}` is deprecated: write `{new} = \"{s}s\"` (or milliseconds, `{new} = {}`)",
+                s.saturating_mul(1000)
+            )),
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -96,6 +154,44 @@ mod tests {
         assert_eq!(e.key, None);
         assert_eq!(e.line_column.map(|(l, _)| l), Some(2));
         assert!(!e.to_string().contains('\n'), "{e}");
+    }
+
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(default, deny_unknown_fields)]
+    struct Timed {
+        #[serde(with = "duration", alias = "wait_ms")]
+        wait: std::time::Duration,
+    }
+
+    #[test]
+    fn durations_take_milliseconds_or_units_and_the_ms_alias() {
+        for (written, want) in [
+            ("wait = 1500", 1500),
+            ("wait = \"1s 500ms\"", 1500),
+            ("wait = \"2m\"", 120_000),
+            ("wait_ms = 250", 250),
+        ] {
+            let t = from_toml::<Timed>(written).unwrap();
+            assert_eq!(t.wait, std::time::Duration::from_millis(want), "{written}");
+        }
+        let e = from_toml::<Timed>("wait = \"soon\"")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("key `wait`: \"soon\" is not a duration"), "{e}");
+        let e = from_toml::<Timed>("wait_ms = -5").unwrap_err().to_string();
+        assert!(e.contains("key `wait_ms`: expected a duration"), "{e}");
+    }
+
+    #[test]
+    fn a_deprecated_seconds_key_wins_and_says_what_to_write() {
+        let now = std::time::Duration::from_secs(600);
+        assert_eq!(deprecated_seconds("ban_s", "ban", None, now), (now, None));
+        let (d, warning) = deprecated_seconds("ban_s", "ban", Some(30), now);
+        assert_eq!(d, std::time::Duration::from_secs(30));
+        assert_eq!(
+            warning.unwrap(),
+            "`ban_s` is deprecated: write `ban = \"30s\"` (or milliseconds, `ban = 30000`)"
+        );
     }
 
     #[test]

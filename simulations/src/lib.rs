@@ -37,118 +37,12 @@
 //! can fetch it from any peer that holds it. A node that completes a blob
 //! publishes the whole map.
 //!
-//! # A finding: news, not bandwidth, bounds a storm's first seconds
+//! # Findings
 //!
-//! When the registry and every node move data at the same rate (as in
-//! `kraken-2600`), each second a node waits at the start is a second added at
-//! the end. Tracing the first chunk's spread showed it reaching all 2,600
-//! nodes only after 2.6 s, while a transfer hop takes 30 ms: nodes learned of
-//! new holders at announces (0.5 s) and of their peers' new chunks at 100 ms
-//! bitfield polls. Three changes, made in the agent and the tracker and
-//! modelled here, took `kraken-2600` from 1.38x (the agent's 8/8 slots, 4 MiB
-//! chunks) to 1.25-1.26x the bound (1.20x with the jitter below): the tracker also names members that hold
-//! nothing yet (they are the mesh the first chunks travel along), peers
-//! answer a long-polled bitfield request as soon as they gain a chunk, and
-//! each transfer keeps its 16 newest peers. With 4 downloads and 4 uploads
-//! per node the simulator gets 1.21x (1.33x before; a chunk crosses a hop at
-//! a quarter of a link instead of an eighth), but the emulated cluster was
-//! slower with 4/4 (1.53-1.62x against 1.46-1.49x at 4 nodes), so the agent
-//! keeps 8/8.
-//!
-//! # A finding: nodes started together announce in lockstep
-//!
-//! Every node starts at 0 and announced every 0.5 s, so all 2,600 learned
-//! the tracker's news (a new chunk's hash, its holders) at the same few
-//! instants: tracing one chunk showed its fetcher holding it alone for over
-//! a second while 105 nodes watching it waited for their next announce or a
-//! free upload slot. The agent now spreads each announce period by ±10%
-//! (as BitTorrent clients do, which also smooths the tracker's load), and so
-//! does the simulator: `kraken-2600` went from 1.25x to 1.20x the bound (the
-//! same for seeds 1-4), `storm-10k` from 1.30x to 1.25x, `churn-10k` from
-//! 1.33x to 1.28x, `rack-oversub` from 4.07x to 3.86x.
-//!
-//! # A finding: an announce's answer is news a round trip late
-//!
-//! The simulator answered announces at once. It now hands each call to the
-//! real scheduler running on a thread of its own (`tracker`) and applies the
-//! answer a round trip (`rtt_s`) after the announce, as the agent receives
-//! it; that lets the scheduler's work overlap the rest of the simulation on
-//! the second core (`storm-10k` 78-93 s -> 62-65 s of wall time, `storm-100k`
-//! 599 -> 509 s, each run alone; with mimalloc as `dray`'s allocator since,
-//! 52-57 s and 362 s; with the run budget and watcher cap below, 46-47 s and
-//! 277 s). The late news costs what news
-//! costs at a storm's start: `kraken-2600` p99 went from 1.20x to 1.22x the
-//! bound, `small` from 1.26x to 1.29x; `storm-10k` stays at 1.25x, and the
-//! emulated 4-node cluster's prediction moved from 7.25 s p50 / 7.55 s last
-//! to 7.31 s / 7.57 s (the emulation measured 7.18-7.85 s). The old numbers
-//! came from a model kinder than the agent's network.
-//!
-//! # A finding: the registry's fetch budget is the registry's, not a blob's
-//!
-//! The tracker let 16 registry runs live per blob. In `kraken-2600` (one
-//! blob, the registry as fast as a node) the registry then sent at 96-100%
-//! of its rate and finished the image's first copy at 10.25 s, and every
-//! node finished between 12.0 and 12.25 s, waiting on the last chunks; 24
-//! runs kept it busier (1.22x -> 1.18x) while 32 did not (1.21x). In
-//! `storm-10k` (four blobs, so 64 runs) fewer were better: 6 per blob (24 in
-//! all) or 10 gave 1.23x, 16 gave 1.25x, 24 gave 1.29x. What fits both is a
-//! budget of about 24 runs for the registry, whatever the number of blobs,
-//! and a real image has many layers pulled at once. Agents now name each
-//! wanted blob's origin (its registry's base URL) and the tracker budgets
-//! runs per origin (`max_runs_per_origin`, 24): `kraken-2600` p99 1.18x
-//! (seeds 2-4: 1.19x, 1.18x, 1.17x; at `flow_weight_sigma` 0.5 1.25x, was
-//! 1.28x), `storm-10k` 1.24x, `churn-10k` 1.26x (1.27x), `rack-oversub`
-//! 3.80x (3.87x), `outage-1k` 1.76x (1.77x), `small` unchanged at 1.29x.
-//!
-//! # A finding: taking back late runs stampedes a slow registry
-//!
-//! The tracker took a registry run back once past its deadline (the chunk's
-//! size at 1 MiB/s, at least 5 s) and handed the chunk to another node; the
-//! first kept fetching. With 16 runs sharing a 50 Mbit/s registry every run
-//! took 11 s, all were taken back, twice as many fetches shared the
-//! registry, and so on: 16 nodes pulling 256 MiB took 808 s and 17.7x the
-//! image from the registry (64 nodes: 3,026 s, 66.6x, worse than direct
-//! pulls); at 100 Mbit/s 64 nodes took 4.9x. Found once links shared
-//! unevenly (`flow_weight_sigma`), which made the default 16-node cluster
-//! fetch 1.08x. A late run is now taken back only once it is also 3x slower
-//! than the blob's finished runs (before any finishes, 3x its deadline per
-//! live run): the same storms take 52 s, 56 s and 40 s at 1.00x. The
-//! emulation agreed (16 nodes, 64 MiB, 50 Mbit/s registry: 2.22 copies of the
-//! blob, 25.4 s; now 0.99, 20.0 s). At 10 Mbit/s and 64 nodes a first chunk
-//! took 54 s, past the agents' 30 s stall rule, and the stalled nodes' own
-//! registry fetches sent 25x the image (5,708 s for 256 MiB). The tracker now
-//! tells pullers when registry runs of their blob are live, and the agent
-//! does not count that wait as a stall: 231 s, 1.03x the bound, 1.00x.
-//!
-//! # A finding: a 5 s stall rule collapses registry-bound storms
-//!
-//! In a storm the registry needs F/u_s (10 s for `kraken-2600`) to emit the
-//! image once, and the first chunks take seconds to appear anywhere. With a
-//! 5 s stall rule (the agent's default before this finding; it is now 30 s),
-//! about 10% of the nodes in `kraken-2600` have
-//! received nothing after 5 s and start registry fallbacks; their fetches
-//! share the registry with the assigned runs, slow them, make more nodes
-//! stall, and the storm degrades towards every node pulling from the
-//! registry (measured: nobody done after 1,600 simulated s, registry egress
-//! 159x the image). The named storms therefore use `stall_s` = 30 s (with it
-//! egress is 1.0x), as does the agent now. The tracker-silence
-//! fallback (3 s) is modelled as the agent has it.
-//!
-//! The same collapse followed a tracker outage in a storm (`outage-1k`:
-//! 1,000 nodes, tracker down from 4 s to 14 s): 3 s into the silence every
-//! node fell back, 1,000 registry fetches shared the registry (a 4 MiB chunk
-//! then took 34 s), and the restarted tracker learned holders from the full
-//! announces but hashes only from complete nodes, so chunks that partial
-//! holders had could be verified by nobody else; nothing arrived for 30 s,
-//! the stall rule fired everywhere, and the run ended at the simulator's
-//! limit with nobody done and 135x the image sent. Modelled on the agent as
-//! it now is (a full announce republishes the hashes of the chunks a node
-//! holds; the tracker-silence fallback fetches only what no known peer holds
-//! and ends, dropping its fetches, when the tracker answers; fetched chunks
-//! are published), `outage-1k` finishes at p99 30.5 s (1.78x the bound, 10 s
-//! of it the outage) with 1.46x the image from the registry. A fallback
-//! budget across the cluster (as `max_runs_per_origin` is for runs) would cut
-//! the duplicate fetches of the outage itself; not built.
+//! What the storms found and how the agent and the tracker changed for it
+//! (news bounds a storm's first seconds; lockstep announces; late answers;
+//! the registry's fetch budget; stampedes on a slow registry; the stall
+//! rule's collapse), with the figures, are in `docs/results.md`.
 //!
 //! # What it is not
 //!
@@ -172,17 +66,22 @@
 //! than the agent's 4 MiB chunks would make them. The baselines (`direct`, `kraken-like`,
 //! `spegel-like`) are simplified models of those systems, not their code.
 //!
-//! The agent's timings and limits (announce period, stall and tracker-grace
-//! rules, peers and watchers per blob, registry fetches in fallback, BUSY
-//! back-off, the tracker's tick) come from `dray_protocol::defaults`, which
-//! the agent's configuration reads too; a test in `dray`'s `storm` module
-//! fails if the two part. The fallback rules (stall, tracker silence, the
-//! tracker's "registry fetch under way" exception) are
-//! `dray_protocol::pull::FallbackRule`, which the agent's swarm engine runs
-//! too. Still modelled here: a node keeps one fallback state for all its
-//! layers (the agent one per blob), a fallback fetches single chunks rather
-//! than runs of `run_chunks`, and an idle node checks its rules every
-//! `poll_s` (0.5 s; the agent every 50 ms).
+//! The agent's timings and limits (announce period and its spread, stall and
+//! tracker-grace rules, peers and watchers per blob, registry fetches in
+//! fallback, BUSY back-off, the tracker's tick) come from
+//! `dray_protocol::defaults`, which the agent's configuration reads too; a
+//! test in `dray`'s `storm` module fails if the two part. The fallback rules
+//! (stall, tracker silence, the tracker's "registry fetch under way"
+//! exception) are `dray_protocol::pull::FallbackRule`, and peer rotation
+//! and the watcher cap `dray_protocol::peers`, which the agent's transfers
+//! and swarm engine run too. Still modelled here, not
+//! shared: a node keeps one fallback state for all its layers (the agent one
+//! per blob), a fallback fetches single chunks rather than runs of
+//! `run_chunks`, an idle node checks its rules every `poll_s` (0.5 s; the
+//! agent every 50 ms), a retired peer leaves at once (the agent's lanes
+//! finish the chunk in flight first), and a node with no lanes retries its
+//! fills the BUSY back-off after a refusal (the agent's refused lane sleeps
+//! it, the peer's other lanes carry on).
 
 mod net;
 mod queue;

@@ -16,8 +16,7 @@ const TEN_GBIT: f64 = 1.25e9;
 /// on Ethernet frames of `mtu` bytes: each frame carries 52 bytes of IP and
 /// TCP headers (with timestamps; QUIC's IP, UDP, short header and AEAD tag
 /// come to about the same) and a 14-byte Ethernet header, which tbf counts.
-/// `dray bench storm` measured 1.045x the blob at 1500 (this gives 1.0456x)
-/// and 1.007x at 9000 (1.0074x), registry egress over copies sent.
+/// It matches what `dray bench storm` measured (`docs/results.md`, "The wire").
 pub fn wire_efficiency(mtu: u16) -> f64 {
     (f64::from(mtu) - 52.0) / (f64::from(mtu) + 14.0)
 }

@@ -52,7 +52,7 @@ pub enum AgentError {
     #[error("agent answer is not the expected JSON: {0}")]
     BadAnswer(#[from] serde_json::Error),
     #[error(
-        "agent did not {what} layer {layer} within {:.1} s (unpack_deadline_floor_s, plus the layer's size at unpack_min_bytes_per_s); giving up on it",
+        "agent did not {what} layer {layer} within {:.1} s (unpack_deadline_floor, plus the layer's size at unpack_min_bytes_per_s); giving up on it",
         deadline.as_secs_f64()
     )]
     Deadline {
@@ -331,7 +331,7 @@ mod tests {
         );
         assert_eq!(
             e.to_string(),
-            "agent did not unpack layer sha256:l within 1.2 s (unpack_deadline_floor_s, plus the layer's size at unpack_min_bytes_per_s); giving up on it"
+            "agent did not unpack layer sha256:l within 1.2 s (unpack_deadline_floor, plus the layer's size at unpack_min_bytes_per_s); giving up on it"
         );
         assert!(
             (1200..2500).contains(&took.as_millis()),

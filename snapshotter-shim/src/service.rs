@@ -202,7 +202,7 @@ pub async fn serve<A: LayerSource>(
         &config.root,
         agent,
         config.prefetch_limit,
-        Duration::from_secs(config.staged_ttl_s),
+        config.staged_ttl,
     )?;
     let socket_error = |source| ServeError::Socket {
         path: config.socket.clone(),
@@ -218,7 +218,11 @@ pub async fn serve<A: LayerSource>(
     let listener = tokio::net::UnixListener::bind(&config.socket).map_err(socket_error)?;
     std::fs::set_permissions(&config.socket, std::fs::Permissions::from_mode(0o660))
         .map_err(socket_error)?;
-    let sweeper = snapshotter.spawn_sweeper(Duration::from_secs(config.staged_ttl_s.clamp(1, 60)));
+    let sweeper = snapshotter.spawn_sweeper(
+        config
+            .staged_ttl
+            .clamp(Duration::from_secs(1), Duration::from_secs(60)),
+    );
     let served = tonic::transport::Server::builder()
         .add_service(SnapshotsServer::new(SnapshotService::new(snapshotter)))
         .serve_with_incoming_shutdown(

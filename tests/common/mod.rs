@@ -16,6 +16,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Logs to the test's stderr, filtered by `DRAY_LOG` (e.g. `dray_agent=debug`).
 pub fn init_logs() {
@@ -95,8 +96,8 @@ impl Drop for TrackerProc {
 /// Tracker settings that react within a test's patience.
 pub fn quick_tracker() -> TrackerConfig {
     TrackerConfig {
-        announce_interval_ms: 500,
-        min_fetch_timeout_ms: 1_000,
+        announce_interval: Duration::from_millis(500),
+        min_fetch_timeout: Duration::from_secs(1),
         ..TrackerConfig::default()
     }
 }
@@ -105,10 +106,10 @@ pub fn quick_tracker() -> TrackerConfig {
 pub fn quick_swarm(trackers: Vec<String>) -> SwarmConfig {
     SwarmConfig {
         trackers,
-        pull_announce_ms: 150,
-        idle_announce_ms: 300,
-        tracker_grace_ms: 1_500,
-        stall_ms: 4_000,
+        pull_announce: Duration::from_millis(150),
+        idle_announce: Duration::from_millis(300),
+        tracker_grace: Duration::from_millis(1_500),
+        stall: Duration::from_secs(4),
         ..SwarmConfig::default()
     }
 }

@@ -34,6 +34,7 @@ use dray_protocol::defaults::DEFAULTS;
 use dray_protocol::framing::MAX_TRACKER_FRAME;
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::scheduler::{self, Scheduler, SchedulerConfig};
+use dray_protocol::settings::{deprecated_seconds, duration};
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap};
 use metrics::{AnnounceKind, OPENMETRICS_CONTENT_TYPE, TrackerMetrics};
 use prost::Message;
@@ -93,11 +94,16 @@ pub struct TrackerConfig {
     /// not the chunk's registry fetcher, waiting for a second one to
     /// agree); each holds at most 8 candidate hashes.
     pub max_unconfirmed_hashes: usize,
-    /// A first ban's length, s; each repeat lasts twice the one before.
-    pub ban_s: u64,
-    /// Longest gap between an agent's announces, ms. Agents pulling a blob
+    /// A first ban's length; each repeat lasts twice the one before.
+    #[serde(with = "duration")]
+    pub ban: Duration,
+    /// Deprecated: `ban` in whole seconds; written, it wins (with a warning).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ban_s: Option<u64>,
+    /// Longest gap between an agent's announces. Agents pulling a blob
     /// announce sooner, on progress.
-    pub announce_interval_ms: u64,
+    #[serde(with = "duration", alias = "announce_interval_ms")]
+    pub announce_interval: Duration,
     /// Peers handed out per wanted blob.
     pub peers_per_blob: usize,
     /// Chunks per registry-fetch assignment.
@@ -110,8 +116,9 @@ pub struct TrackerConfig {
     pub max_runs_per_origin: usize,
     /// Slowest registry fetch tolerated before an assignment is taken back, bytes/s.
     pub min_fetch_bytes_per_s: u64,
-    /// Floor on an assignment's deadline, ms.
-    pub min_fetch_timeout_ms: u64,
+    /// Floor on an assignment's deadline.
+    #[serde(with = "duration", alias = "min_fetch_timeout_ms")]
+    pub min_fetch_timeout: Duration,
 }
 
 impl Default for TrackerConfig {
@@ -131,14 +138,15 @@ impl Default for TrackerConfig {
             max_total_chunks: s.max_total_chunks,
             max_chunk_map_bytes: 64 << 20,
             max_unconfirmed_hashes: 1 << 16,
-            ban_s: s.ban.as_secs(),
-            announce_interval_ms: s.announce_interval.as_millis() as u64,
+            ban: s.ban,
+            ban_s: None,
+            announce_interval: s.announce_interval,
             peers_per_blob: s.peers_per_blob,
             stripe_chunks: s.stripe_chunks,
             max_outstanding: s.max_outstanding,
             max_runs_per_origin: s.max_runs_per_origin,
             min_fetch_bytes_per_s: s.min_fetch_rate,
-            min_fetch_timeout_ms: s.min_fetch_timeout.as_millis() as u64,
+            min_fetch_timeout: s.min_fetch_timeout,
         }
     }
 }
@@ -149,19 +157,25 @@ impl TrackerConfig {
     pub fn load(path: &Path) -> Result<Self, TrackerError> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| TrackerError::Config(format!("cannot read {}: {e}", path.display())))?;
-        dray_protocol::settings::from_toml(&text)
-            .map_err(|e| TrackerError::Config(format!("{}: {e}", path.display())))
+        let mut cfg: Self = dray_protocol::settings::from_toml(&text)
+            .map_err(|e| TrackerError::Config(format!("{}: {e}", path.display())))?;
+        let (ban, warning) = deprecated_seconds("ban_s", "ban", cfg.ban_s.take(), cfg.ban);
+        cfg.ban = ban;
+        if let Some(w) = warning {
+            tracing::warn!(file = %path.display(), "{w}");
+        }
+        Ok(cfg)
     }
 
     fn scheduler(&self) -> SchedulerConfig {
         SchedulerConfig {
-            announce_interval: Duration::from_millis(self.announce_interval_ms),
+            announce_interval: self.announce_interval,
             peers_per_blob: self.peers_per_blob,
             stripe_chunks: self.stripe_chunks,
             max_outstanding: self.max_outstanding,
             max_runs_per_origin: self.max_runs_per_origin,
             min_fetch_rate: self.min_fetch_bytes_per_s,
-            min_fetch_timeout: Duration::from_millis(self.min_fetch_timeout_ms),
+            min_fetch_timeout: self.min_fetch_timeout,
             max_chunks: self.max_chunks_per_blob,
             max_blobs: self.max_blobs,
             max_total_chunks: self.max_total_chunks,
@@ -169,7 +183,7 @@ impl TrackerConfig {
             max_chunks_per_peer: u64::from(self.max_chunks_per_blob)
                 .saturating_mul(4)
                 .max(1 << 20),
-            ban: Duration::from_secs(self.ban_s),
+            ban: self.ban,
             ..SchedulerConfig::default()
         }
     }

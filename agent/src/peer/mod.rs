@@ -104,8 +104,7 @@ pub struct PeerConfig {
     pub download_bytes_per_s: Option<u64>,
     /// Chunk requests served at once; more are answered `BUSY`. Few uploads
     /// at full speed beat many sharing a link until each one times out, and
-    /// finish (so can be forwarded) sooner: in `simulations`, 8 instead of 16
-    /// takes 16 nodes from 1.37x to 1.19x the lower bound, 32 from 1.67x to 1.41x.
+    /// finish (so can be forwarded) sooner (figures: `docs/results.md`).
     pub max_uploads: usize,
     /// Chunk requests in flight at once per blob transfer, over all peers.
     pub max_downloads: usize,
@@ -113,24 +112,19 @@ pub struct PeerConfig {
     /// its request lanes and a long-polled bitfield that the peer must answer
     /// at every chunk it gains; the tracker names new peers at every announce.
     /// When it names one past this many, the oldest is retired (after the
-    /// chunks it is sending). In `simulations` (4 downloads and 4 uploads per
-    /// node), 16 peers rotated this way take `kraken-2600` to 1.21x the bound,
-    /// against 2.59x keeping the first 16 and 1.17x with no cap. Fetches from
-    /// a fixed list of peers are not capped.
+    /// chunks it is sending; `dray_protocol::peers`): nearly as good as no
+    /// cap, where keeping the first ones is not (figures: `docs/results.md`).
+    /// Fetches from a fixed list of peers are not capped.
     pub max_peers_per_blob: usize,
     /// Long-polled bitfield requests (watchers) held open at once per blob;
     /// more are answered `BUSY` and the asker retires this peer, to hear of
     /// others at its next announce. A swarm's first holders are named to
-    /// almost everyone: in `simulations` one node of `storm-10k` had 8,192
-    /// watchers of a blob (each a stream to answer at every chunk it gains),
-    /// `kraken-2600` 512. Capped at 256, `kraken-2600` went from 1.18x to
-    /// 1.17x the bound, `storm-10k` from 1.24x to 1.23x, `storm-100k` stayed
-    /// at 1.74x; a cap of 64 took `storm-100k` to 1.91x (asked nodes kept
-    /// fewer peers until their next announce).
+    /// almost everyone, and each watcher is a stream to answer at every
+    /// chunk the node gains (figures: `docs/results.md`).
     pub max_watchers_per_blob: usize,
     /// A request unanswered, or a chunk transfer that moves no byte, for this
     /// long is abandoned.
-    #[serde(with = "crate::config::millis")]
+    #[serde(with = "dray_protocol::settings::duration")]
     pub request_timeout: Duration,
     /// The slowest rate, bytes per second, a chunk is waited for, both ways.
     /// Downloading, until a transfer has seen how fast its peers send (see
@@ -196,7 +190,7 @@ impl PeerNode {
     fn watch_slot(&self, digest: BlobDigest) -> Option<WatchSlot<'_>> {
         let mut watchers = self.watchers.lock().unwrap_or_else(|e| e.into_inner());
         let n = watchers.entry(digest).or_insert(0);
-        if *n >= self.config.max_watchers_per_blob {
+        if !dray_protocol::peers::may_watch(*n, self.config.max_watchers_per_blob) {
             return None;
         }
         *n += 1;

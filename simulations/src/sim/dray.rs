@@ -15,9 +15,7 @@ impl World<'_> {
         } else {
             self.sched_config.announce_interval.as_secs_f64()
         };
-        // The agent spreads its announces (±10%), so that nodes started
-        // together do not all reach the tracker, or learn its news, at once.
-        let every = every * (0.9 + 0.2 * self.rng.unit());
+        let every = announce_spread(Duration::from_secs_f64(every), self.rng.unit()).as_secs_f64();
         self.schedule_announce(n, every);
         if !self.tracker_up {
             return;
@@ -184,35 +182,35 @@ impl World<'_> {
 
     pub(super) fn learn_peer(&mut self, n: u32, b: usize, p: u32) {
         let nb = &self.nodes[n as usize].blobs[b];
-        if nb.picker.is_none() || nb.peers.iter().any(|q| q.node == p) {
+        if nb.picker.is_none() || nb.peers.contains(&p) {
             return;
         }
-        // A peer watched by as many as it serves answers BUSY, and is dropped.
-        if self.nodes[p as usize].blobs[b].watchers.len() >= self.sc.max_watchers_per_blob {
+        // A peer watched by as many as it serves answers BUSY, and is
+        // retired as soon as it is named (a simulated peer's lanes have
+        // nothing in flight yet).
+        if !may_watch(
+            self.nodes[p as usize].blobs[b].watchers.len(),
+            self.sc.max_watchers_per_blob,
+        ) {
             return;
-        }
-        let nb = &self.nodes[n as usize].blobs[b];
-        if nb.peers.len() >= self.sc.max_peers_per_blob {
-            // The oldest peer goes; what it offered, others now offer too.
-            let nb = &mut self.nodes[n as usize].blobs[b];
-            let old = nb.peers.remove(0);
-            if let Some(picker) = nb.picker.as_mut() {
-                picker.remove_peer(&old.node);
-            }
-            self.unwatch(n, b, old.node);
         }
         self.add_peer(n, b, p);
     }
 
-    /// `n` knows `p` as a peer of blob `b`, and watches it.
+    /// `n` knows `p` as a peer of blob `b`, and watches it; past dray's
+    /// cap, the oldest peer goes at once (a simulated peer's requests end
+    /// with its flows), and what it offered, others now offer too.
     pub(super) fn add_peer(&mut self, n: u32, b: usize, p: u32) {
         self.nodes[p as usize].blobs[b].watchers.push(n);
         let nb = &mut self.nodes[n as usize].blobs[b];
-        nb.peers.push(KnownPeer {
-            node: p,
-            looked: false,
-        });
-        nb.unlooked = true;
+        if let Admit::Added { retired: Some(old) } = nb.peers.admit(p, false) {
+            nb.peers.leave(&old);
+            if let Some(picker) = nb.picker.as_mut() {
+                picker.remove_peer(&old);
+            }
+            self.unwatch(n, b, old);
+        }
+        self.nodes[n as usize].blobs[b].unlooked = true;
     }
 
     /// `n` no longer watches `p` (a peer it has just forgotten) for blob `b`.
@@ -328,8 +326,8 @@ impl World<'_> {
         if !std::mem::take(&mut self.nodes[nu].blobs[b].unlooked) {
             return;
         }
-        for slot in 0..self.nodes[nu].blobs[b].peers.len() {
-            let p = self.nodes[nu].blobs[b].peers[slot].node;
+        for slot in 0..self.nodes[nu].blobs[b].peers.live().len() {
+            let p = self.nodes[nu].blobs[b].peers.live()[slot].key;
             if self.nodes[p as usize].alive {
                 self.look(n, b, slot);
             }

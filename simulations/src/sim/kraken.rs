@@ -13,12 +13,7 @@ pub(super) fn build_kraken_graph(w: &mut World, origins: u32) {
             for i in 0..n {
                 for _ in 0..half {
                     let j = w.rng.below(n);
-                    if j == i
-                        || w.nodes[i].blobs[b]
-                            .peers
-                            .iter()
-                            .any(|q| q.node as usize == j)
-                    {
+                    if j == i || w.nodes[i].blobs[b].peers.contains(&(j as u32)) {
                         continue;
                     }
                     w.add_peer(i as u32, b, j as u32);
@@ -30,7 +25,7 @@ pub(super) fn build_kraken_graph(w: &mut World, origins: u32) {
             let origin = w.pullers + b as u32;
             for _ in 0..w.sc.kraken_degree {
                 let j = w.rng.below(n);
-                if !w.nodes[j].blobs[b].peers.iter().any(|q| q.node == origin) {
+                if !w.nodes[j].blobs[b].peers.contains(&origin) {
                     w.add_peer(j as u32, b, origin);
                 }
             }

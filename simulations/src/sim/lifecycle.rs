@@ -87,7 +87,7 @@ impl World<'_> {
         }
         nb.complete = true;
         nb.picker = None;
-        nb.peers = Vec::new();
+        nb.peers.clear();
         if self.strategy == Strategy::SpegelLike {
             self.seeds[blob as usize].push(n);
         }

@@ -29,7 +29,8 @@ use crate::net::{Ev, FlowId, LinkId, Net, Payload, Purpose, Rng, Source, to_ns};
 use crate::report::{Outcome, Samples, SimReport};
 use crate::scenario::Scenario;
 use crate::tracker::Tracker;
-use dray_protocol::defaults::{DEFAULTS, secs};
+use dray_protocol::defaults::{DEFAULTS, announce_spread, secs};
+use dray_protocol::peers::{Admit, Member, Roster, may_watch};
 use dray_protocol::picker::{ChunkPicker, DEFAULT_WINDOW};
 use dray_protocol::pull::{Fallback, FallbackRule};
 use dray_protocol::scheduler::{Announce, AnnounceDecision, BlobAnnounce, Held, SchedulerConfig};
@@ -72,24 +73,18 @@ fn tick_s() -> f64 {
 /// The origin every announce names: a scenario has one registry.
 const REGISTRY_ORIGIN: &str = "registry";
 
-/// A peer a node knows for a blob.
-#[derive(Clone, Copy)]
-struct KnownPeer {
-    node: u32,
-    /// Whether the picker has a view of it yet (taken at the first look,
-    /// then kept current by [`World::tell_watchers`] and
-    /// [`World::learn_hashes`], as the agent's long-polled bitfields do).
-    looked: bool,
-}
-
 struct NodeBlob {
     held: Bitfield,
     /// Chunks whose hashes this node has (its own, and what the tracker's map
     /// held at its last announce): it can verify, so fetch, only these from peers.
     known: Bitfield,
     picker: Option<ChunkPicker<u32>>,
-    /// Known peers, oldest first.
-    peers: Vec<KnownPeer>,
+    /// Known peers, oldest first, each with whether the picker has a view
+    /// of it yet (taken at the first look, then kept current by
+    /// [`World::tell_watchers`] and [`World::learn_hashes`], as the agent's
+    /// long-polled bitfields do). Rotated past `max_peers_per_blob` for dray
+    /// as the agent's transfers do; the baselines keep every peer.
+    peers: Roster<u32, bool>,
     /// Some peer in `peers` has not been looked at yet.
     unlooked: bool,
     /// Nodes that have this node as a known peer of the blob, and hear at
@@ -225,13 +220,17 @@ impl World<'_> {
 
     /// Gives `n`'s picker its first view of peer `p` (in `slot`).
     fn look(&mut self, n: u32, b: usize, slot: usize) {
-        let KnownPeer { node: p, looked } = self.nodes[n as usize].blobs[b].peers[slot];
+        let Member {
+            key: p,
+            value: looked,
+            ..
+        } = self.nodes[n as usize].blobs[b].peers.live()[slot];
         if looked {
             return;
         }
         let bits = self.usable(n, b, p);
         let nb = &mut self.nodes[n as usize].blobs[b];
-        nb.peers[slot].looked = true;
+        nb.peers.live_mut()[slot].value = true;
         if let Some(picker) = nb.picker.as_mut() {
             picker.set_peer(p, bits);
         }
@@ -241,8 +240,12 @@ impl World<'_> {
     /// them becomes fetchable.
     fn learn_hashes(&mut self, n: u32, b: usize, chunks: &[u32]) {
         let nu = n as usize;
-        for slot in 0..self.nodes[nu].blobs[b].peers.len() {
-            let KnownPeer { node: p, looked } = self.nodes[nu].blobs[b].peers[slot];
+        for slot in 0..self.nodes[nu].blobs[b].peers.live().len() {
+            let Member {
+                key: p,
+                value: looked,
+                ..
+            } = self.nodes[nu].blobs[b].peers.live()[slot];
             if !looked {
                 continue;
             }
@@ -393,7 +396,9 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
                         known
                     },
                     picker: uses_pickers.then(|| ChunkPicker::new(Bitfield::new(chunks), window)),
-                    peers: Vec::new(),
+                    peers: Roster::new(
+                        (strategy == Strategy::Dray).then_some(sc.max_peers_per_blob),
+                    ),
                     unlooked: false,
                     watchers: Vec::new(),
                     added: Vec::new(),

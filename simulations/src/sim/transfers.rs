@@ -31,14 +31,14 @@ impl World<'_> {
             {
                 continue;
             }
-            let npeers = self.nodes[nu].blobs[b].peers.len();
+            let npeers = self.nodes[nu].blobs[b].peers.live().len();
             let mut gone = Vec::new();
             for step in 0..npeers {
                 if self.nodes[nu].downloads >= max_down {
                     break 'blobs;
                 }
                 let slot = (rotor + step) % npeers;
-                let p = self.nodes[nu].blobs[b].peers[slot].node;
+                let p = self.nodes[nu].blobs[b].peers.live()[slot].key;
                 let pu = p as usize;
                 // Upload counts sit in one dense array: most peers of a busy
                 // swarm are busy, and this is the hot check.
@@ -91,10 +91,9 @@ impl World<'_> {
     /// replacement, as Kraken's tracker would hand out.
     pub(super) fn drop_peer(&mut self, n: u32, b: usize, p: u32) {
         let nb = &mut self.nodes[n as usize].blobs[b];
-        let Some(slot) = nb.peers.iter().position(|q| q.node == p) else {
+        if nb.peers.leave(&p).is_none() {
             return;
-        };
-        nb.peers.remove(slot);
+        }
         if let Some(picker) = nb.picker.as_mut() {
             picker.remove_peer(&p);
         }
@@ -102,10 +101,7 @@ impl World<'_> {
         if self.strategy == Strategy::KrakenLike {
             for _ in 0..8 {
                 let q = self.rng.below(self.pullers as usize) as u32;
-                let known = self.nodes[n as usize].blobs[b]
-                    .peers
-                    .iter()
-                    .any(|x| x.node == q);
+                let known = self.nodes[n as usize].blobs[b].peers.contains(&q);
                 if q != n && self.nodes[q as usize].alive && !known {
                     self.add_peer(n, b, q);
                     break;
