@@ -93,12 +93,17 @@ fn twelve_honest_nodes_beside_four_liars_complete_intact_and_the_registry_sends_
     );
     let egress = h["egress_ratio"].as_f64().unwrap();
     assert!(egress <= 1.2, "registry served {egress:.2}x the blob: {h}");
-    // The bound. Measured 0.99-1.29x on the 2-core machine with
-    // nothing else running (12 agents, 4 liars, tracker and registry on it
-    // at once), 1.22-1.34x beside a clippy build.
+    // The bound was 1.5x, measured 0.99-1.29x when it landed (12
+    // agents, 4 liars, tracker and registry on the 2-core machine at once).
+    // Later the clean storm on the same machine came out bimodal, 3.8-7.5 s
+    // from run to run, while the storm beside the liars kept to 6.5-7.7 s:
+    // the ratio then spread over 0.91-1.95x, the same before and after the
+    // change that found it (bb6f036: 1.06, 1.95, 1.57, 1.59; 7431a60 and
+    // after: 1.85, 1.79, 0.91, 1.85, 1.44). 2x holds for both; a liar that
+    // cost more than a second clean storm fails here.
     let ratio = h["last_ratio"].as_f64().unwrap();
     assert!(
-        ratio <= 1.5,
+        ratio <= 2.0,
         "the last honest node took {ratio:.2}x the clean storm's time: {h}"
     );
 }
