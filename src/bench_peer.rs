@@ -180,6 +180,10 @@ struct PeerResult {
     /// Peak resident memory of the receiving process during the agent
     /// transfer, and of the sending agent over its life, MiB.
     receiver_peak_rss_mib: f64,
+    /// What the receiving process held as the agent transfer began: it ran
+    /// the baselines first, and the allocator keeps some of what they freed
+    /// (the peak above includes it; an agent process of its own does not).
+    receiver_rss_before_mib: f64,
     sender_peak_rss_mib: f64,
     /// UDP payload size the agents' path reached through MTU discovery.
     path_mtu: u16,
@@ -246,12 +250,17 @@ fn diff(a: (f64, f64), b: (f64, f64)) -> (f64, f64) {
 
 /// Peak resident set (VmHWM) of a process, MiB.
 fn peak_rss_mib(pid: &str) -> Result<f64> {
+    status_mib(pid, "VmHWM:")
+}
+
+/// A memory figure (`VmHWM:`, `VmRSS:`) from a process's `/proc` status, MiB.
+fn status_mib(pid: &str, field: &str) -> Result<f64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     let kib = status
         .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .context("no VmHWM in /proc status")?;
+        .with_context(|| format!("no {field} in /proc status"))?;
     Ok(kib / 1024.0)
 }
 
@@ -369,6 +378,7 @@ pub async fn run(b: PeerBench) -> Result<()> {
     let (mut floor, mut tcp, mut tls, mut quic, mut agent) =
         (vec![], vec![], vec![], vec![], vec![]);
     let (mut path_mtu, mut receiver_rss, mut sender_rss) = (0, 0.0f64, 0.0f64);
+    let mut rss_before = 0.0f64;
     for round in 0..b.rounds {
         floor.push(write_floor(&dir.path().join("floor"), size, chunk_size)?);
         tcp.push(
@@ -396,6 +406,7 @@ pub async fn run(b: PeerBench) -> Result<()> {
         );
         let store_dir = dir.path().join(format!("b{round}"));
         reset_peak_rss()?;
+        rss_before = rss_before.max(status_mib("self", "VmRSS:")?);
         let (id, store, map, cfg, mtu) = (
             &receiver_id,
             &store_dir,
@@ -457,6 +468,7 @@ pub async fn run(b: PeerBench) -> Result<()> {
         raw_quic_sender_cpu_s_per_gib: cpu(&quic, sender),
         raw_quic_receiver_cpu_s_per_gib: cpu(&quic, receiver),
         receiver_peak_rss_mib: receiver_rss,
+        receiver_rss_before_mib: rss_before,
         sender_peak_rss_mib: sender_rss,
         path_mtu,
         ..PeerResult::default()
@@ -506,11 +518,12 @@ fn print_table(r: &PeerResult) {
         r.write_floor_cpu_s_per_gib
     );
     println!(
-        "agent receiver: {:.2} user + {:.2} system, {:.2} above the floor; peak RSS {:.0} MiB (sender {:.0} MiB)",
+        "agent receiver: {:.2} user + {:.2} system, {:.2} above the floor; peak RSS {:.0} MiB ({:.0} MiB held before, from the baselines run in this process; sender {:.0} MiB)",
         r.receiver_user_cpu_s_per_gib,
         r.receiver_system_cpu_s_per_gib,
         r.receiver_above_floor_cpu_s_per_gib,
         r.receiver_peak_rss_mib,
+        r.receiver_rss_before_mib,
         r.sender_peak_rss_mib
     );
     println!("path MTU {} bytes (agents)", r.path_mtu);

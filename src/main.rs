@@ -266,9 +266,11 @@ struct ConfigArgs {
     /// Overrides `admin_listen` (metrics and health checks).
     #[arg(long, env = "DRAY_ADMIN_LISTEN", value_parser = dray_agent::config::parse_socket_addr)]
     admin_listen: Option<std::net::SocketAddr>,
-    /// Overrides `swarm.advertise`: the peer address other agents dial.
-    #[arg(long, env = "DRAY_ADVERTISE", value_parser = dray_agent::config::parse_socket_addr)]
-    advertise: Option<std::net::SocketAddr>,
+    /// Overrides `swarm.advertise`: the peer addresses other agents dial,
+    /// comma-separated (one of each family on a dual-stack node); a bare IP
+    /// address takes the peer endpoint's port.
+    #[arg(long, env = "DRAY_ADVERTISE", value_delimiter = ',')]
+    advertise: Vec<dray_agent::advertise::Advertised>,
     /// Overrides `peer.download_bytes_per_s`.
     #[arg(long, env = "DRAY_DOWNLOAD_BYTES_PER_S")]
     download_bytes_per_s: Option<u64>,
@@ -306,8 +308,8 @@ impl ConfigArgs {
         if let Some(a) = self.admin_listen {
             cfg.admin_listen = a;
         }
-        if self.advertise.is_some() {
-            cfg.swarm.advertise = self.advertise;
+        if !self.advertise.is_empty() {
+            cfg.swarm.advertise = self.advertise.clone();
         }
         if self.download_bytes_per_s.is_some() {
             cfg.peer.download_bytes_per_s = self.download_bytes_per_s;

@@ -30,6 +30,11 @@ fn bench_peer_reports_each_sides_cpu_and_every_baseline_in_one_json_object() {
             .unwrap_or_else(|| panic!("{field} missing in {out}"));
         assert!(v > 0.0, "{field} is {v} in {out}");
     }
+    let (peak, before) = (
+        r["receiver_peak_rss_mib"].as_f64().unwrap(),
+        r["receiver_rss_before_mib"].as_f64().unwrap(),
+    );
+    assert!(before > 0.0 && before <= peak, "{out}");
     // Page-cache writes may cost less than a clock tick at this size.
     assert!(r["write_floor_cpu_s_per_gib"].as_f64().unwrap() >= 0.0);
     // The agents verified the blob over loopback, whose MTU is 64K.

@@ -454,3 +454,48 @@ async fn a_chunk_map_forged_by_a_node_that_fetched_none_of_it_never_reaches_hone
     assert!(reports.iter().all(|r| r.map_failures == 0), "{reports:?}");
     assert_no_forged_hash(&tracker.tracker, &real);
 }
+
+/// Issue 19, dual-stack: a node listening on both stacks (`[::]`) advertises
+/// an address of each family, comma-separated in its announce; a node whose
+/// endpoint is IPv4 dials the IPv4 one, a node on IPv6 the IPv6 one, and both
+/// take the blob from it rather than from the registry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dual_stack_node_is_reached_over_each_family_by_the_nodes_on_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Registry::start(None).await;
+    let size = 32u64 << 20;
+    let digest = push_random(&registry, dir.path(), "test/dual", size);
+    let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
+    let ca = cluster_ca();
+    let client = registry_client(&registry.url(), None);
+    let mut cfg = quick_swarm(vec![tracker.url()]);
+    cfg.advertise = dray_agent::advertise::parse_list("::1,127.0.0.1").unwrap();
+    let seed = Agent::start_on(
+        &ca,
+        "dual",
+        dir.path(),
+        "[::]:0".parse().unwrap(),
+        cfg,
+        PeerConfig::default(),
+    );
+    let first = pull_all(std::slice::from_ref(&seed), &client, "test/dual", &digest).await;
+    assert_eq!(first[0].bytes_from_registry, size);
+    for (id, listen) in [("v4", "127.0.0.1:0"), ("v6", "[::1]:0")] {
+        let node = Agent::start_on(
+            &ca,
+            id,
+            dir.path(),
+            listen.parse().unwrap(),
+            quick_swarm(vec![tracker.url()]),
+            PeerConfig::default(),
+        );
+        let report = pull_all(std::slice::from_ref(&node), &client, "test/dual", &digest).await;
+        assert_eq!(
+            (report[0].bytes_from_peers, report[0].bytes_from_registry),
+            (size, 0),
+            "the {id} node pulled from the registry, not the dual-stack node: {:?}",
+            report[0]
+        );
+        assert_identical(&[node], &digest);
+    }
+}

@@ -3,13 +3,15 @@
 //! It keeps a [`store::ChunkStore`] of verified chunks on disk, serves them to
 //! other agents and fetches from them over an authenticated QUIC
 //! [`peer::PeerNode`], drives transfers with [`fetch`], and joins the swarm
-//! through [`swarm`]: announces to the tracker ([`tracker_client`]), registry
+//! through [`swarm`]: announces to the tracker ([`tracker_client`]) the
+//! addresses peers dial ([`advertise`]), registry
 //! range fetches ([`registry`]) and the fallbacks that make a pull never worse
 //! than a direct one. [`mirror`] puts the OCI pull API on localhost for
 //! containerd. [`metrics`] counts what the agent does for Prometheus and
 //! serves it with the health checks on the admin listener. [`Agent`] puts
 //! these parts together, the one way every binary and test starts an agent.
 
+pub mod advertise;
 pub mod agent;
 pub mod bounded;
 pub mod config;

@@ -33,6 +33,7 @@
 //! swap at every answer (three full announces at start instead of one, 600
 //! blobs over a limit of 512).
 
+use crate::advertise::{self, Advertised};
 use crate::error::{Error, Result};
 use crate::fetch::{PeerAddr, Transfer};
 use crate::metrics::{FallbackReason, Source};
@@ -49,7 +50,6 @@ use dray_protocol::{Bitfield, BlobDigest, ChunkMap, DEFAULT_CHUNK_SIZE, VerifyEr
 use prost::Message;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, watch};
@@ -62,8 +62,11 @@ use tracing::Instrument;
 pub struct SwarmConfig {
     /// Tracker replica base URLs. None: every pull goes to the registry alone.
     pub trackers: Vec<String>,
-    /// Address peers should dial; defaults to the peer endpoint's address.
-    pub advertise: Option<SocketAddr>,
+    /// Addresses peers should dial (one of each family on a dual-stack
+    /// node; a bare IP takes the endpoint's port); defaults to the peer
+    /// endpoint's address. See [`crate::advertise`].
+    #[serde(with = "crate::advertise::serde_list")]
+    pub advertise: Vec<Advertised>,
     /// Topology labels (zone, rack) sent with announces.
     pub labels: BTreeMap<String, String>,
     /// Announce period while a pull is running (`pull_announce_ms` before).
@@ -105,7 +108,7 @@ impl Default for SwarmConfig {
     fn default() -> Self {
         Self {
             trackers: Vec::new(),
-            advertise: None,
+            advertise: Vec::new(),
             labels: BTreeMap::new(),
             pull_announce: Duration::from_millis(DEFAULTS.pull_announce_ms),
             idle_announce: Duration::from_millis(DEFAULTS.idle_announce_ms),
@@ -315,14 +318,10 @@ impl Swarm {
 
     /// An announce of `blobs` from this node.
     fn announce_of(&self, blobs: Vec<pb::BlobHolding>, full: bool) -> Result<pb::Announce> {
-        let address = self
-            .config
-            .advertise
-            .map(Ok)
-            .unwrap_or_else(|| self.node.local_addr())?;
+        let address = advertise::announced(&self.config.advertise, self.node.local_addr()?);
         Ok(pb::Announce {
             peer_id: self.node.peer_id().to_string(),
-            address: address.to_string(),
+            address,
             upload_bytes_per_s: self.node.config.upload_bytes_per_s.unwrap_or(0),
             active_uploads: self.node.active_uploads(),
             labels: self.config.labels.clone().into_iter().collect(),
@@ -513,6 +512,9 @@ impl Swarm {
 
     fn deliver(&self, digests: &[BlobDigest], resp: &pb::AnnounceResponse) {
         let me = self.node.peer_id();
+        let Ok(local) = self.node.local_addr() else {
+            return;
+        };
         for d in digests {
             let key = d.to_string();
             let peers = resp
@@ -525,7 +527,7 @@ impl Swarm {
                         .filter_map(|p| {
                             Some(PeerAddr {
                                 peer_id: p.peer_id.clone(),
-                                addr: p.address.parse().ok()?,
+                                addr: advertise::reachable(&p.address, local)?,
                             })
                         })
                         .collect()

@@ -29,7 +29,7 @@ VARIANTS = {
     "custom": {
         "tracker": {"replicas": 5, "listenAddress": "[::]"},
         "registries": [{"name": "registry.internal:5000", "server": "http://registry.internal:5000"}],
-        "agent": {"config": {"peer": {"upload_bytes_per_s": 125000000}}},
+        "agent": {"config": {"peer": {"upload_bytes_per_s": 125000000}}, "dualStack": True},
         "metrics": {"annotations": False},
     },
 }

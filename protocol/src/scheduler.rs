@@ -152,7 +152,8 @@ pub struct BlobAnnounce {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Announce {
     pub peer: String,
-    /// host:port of the peer's QUIC endpoint.
+    /// host:port of the peer's QUIC endpoint (several, comma-separated, on a
+    /// dual-stack node): handed out as it is.
     pub address: String,
     pub upload_bytes_per_s: u64,
     /// Uploads in progress right now.

@@ -129,10 +129,22 @@ impl Agent {
         config: SwarmConfig,
         peer: PeerConfig,
     ) -> Agent {
+        Agent::start_on(ca, id, root, "127.0.0.1:0".parse().unwrap(), config, peer)
+    }
+
+    /// An agent whose peer endpoint is bound to `listen`.
+    pub fn start_on(
+        ca: &ClusterCa,
+        id: &str,
+        root: &Path,
+        listen: SocketAddr,
+        config: SwarmConfig,
+        peer: PeerConfig,
+    ) -> Agent {
         let dir = root.join(id);
         let config = dray_agent::config::AgentConfig {
             state_dir: dir.clone(),
-            peer_listen: "127.0.0.1:0".parse().unwrap(),
+            peer_listen: listen,
             peer,
             swarm: config,
             ..Default::default()
