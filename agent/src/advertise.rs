@@ -14,6 +14,7 @@
 //! dual-stack node) as it is. An IPv6 address with a port is written in
 //! brackets (`[fd00::1]:7881`); unbracketed, `fd00::1:7881` is one address.
 
+use dray_protocol::scheduler::MAX_ADDRESS_BYTES;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::net::{IpAddr, SocketAddr};
 use std::str::FromStr;
@@ -113,6 +114,20 @@ pub fn announced(advertise: &[Advertised], endpoint: SocketAddr) -> String {
         .join(",")
 }
 
+/// Refuses advertised addresses whose announce field (see [`announced`])
+/// would be longer than the tracker takes: every announce would be refused.
+pub fn check(advertise: &[Advertised], endpoint: SocketAddr) -> crate::Result<()> {
+    let field = announced(advertise, endpoint);
+    if field.len() > MAX_ADDRESS_BYTES {
+        return Err(crate::Error::Config(format!(
+            "swarm.advertise: {} addresses take {} bytes in an announce, more than the {MAX_ADDRESS_BYTES} a tracker takes",
+            advertise.len(),
+            field.len()
+        )));
+    }
+    Ok(())
+}
+
 /// The first of a peer's announced addresses that an endpoint bound to
 /// `local` can reach, if any.
 pub fn reachable(announced: &str, local: SocketAddr) -> Option<SocketAddr> {
@@ -164,6 +179,40 @@ mod tests {
         assert!(
             e.contains("key `advertise`: \"node-a:7881\" is not an address"),
             "{e}"
+        );
+    }
+
+    #[tokio::test]
+    async fn more_addresses_than_an_announce_carries_are_refused_at_start() {
+        let ca = crate::identity::ClusterCa::generate().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let many: Vec<String> = (1..=12)
+            .map(|i| format!("[fd00:1234:5678::{i}:1:2:3]:7881"))
+            .collect();
+        let cfg = crate::config::AgentConfig {
+            state_dir: dir.path().to_path_buf(),
+            peer_listen: addr("127.0.0.1:0"),
+            swarm: crate::swarm::SwarmConfig {
+                advertise: parse_list(&many.join(",")).unwrap(),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let e = crate::Agent::open(&cfg, ca.issue("a").unwrap(), Default::default())
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            e.contains("swarm.advertise: 12 addresses take") && e.contains("more than the 256"),
+            "{e}"
+        );
+        // Two of each family fit.
+        assert!(
+            check(
+                &parse_list("10.0.0.1,10.0.0.2,fd00::1,fd00::2").unwrap(),
+                addr("[::]:7881")
+            )
+            .is_ok()
         );
     }
 

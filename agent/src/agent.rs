@@ -44,6 +44,7 @@ impl Agent {
             cfg.peer.clone(),
             metrics.clone(),
         )?;
+        crate::advertise::check(&cfg.swarm.advertise, node.local_addr()?)?;
         let swarm = Swarm::new(node, cfg.swarm.clone());
         Ok(Self {
             pulls: Pulls::new(swarm.clone()),

@@ -160,7 +160,7 @@ enum Ended {
 impl Shared {
     /// Whether chunks may still be picked from `peer`.
     fn is_live(&self, peer: &str) -> bool {
-        self.roster.is_live(&peer.to_string())
+        self.roster.is_live(peer)
     }
 
     /// The median of the recent peer chunk rates, bytes per second.
@@ -215,13 +215,12 @@ impl Shared {
     /// stop after the chunk in flight, its watcher at once. The caller wakes
     /// idle lanes.
     fn retire(&mut self, peer: &str) {
-        let key = peer.to_string();
-        self.roster.retire(&key);
-        if let Some(retired) = self.roster.get(&key) {
+        self.roster.retire(peer);
+        if let Some(retired) = self.roster.get(peer) {
             retired.cancel();
         }
         self.raw.remove(peer);
-        self.picker.remove_peer(&key);
+        self.picker.remove_peer(&peer.to_string());
     }
 }
 

@@ -720,7 +720,6 @@ impl Swarm {
                 cancel,
             )
         };
-        let stall = self.config.stall;
         loop {
             if let Some(e) = t.take_error() {
                 return Err(e);
@@ -792,7 +791,9 @@ impl Swarm {
             if t.in_flight() > 0 {
                 fallback.busy(now);
             }
-            if fallback.quiet_for(now) > stall && !std::mem::replace(&mut quiet_logged, true) {
+            if fallback.quiet_for(now) > self.config.stall
+                && !std::mem::replace(&mut quiet_logged, true)
+            {
                 tracing::info!(
                     held,
                     chunks = t.blob().map().chunk_count(),

@@ -19,6 +19,8 @@
 //!   bitfield watchers per blob; one more is refused BUSY at once, and the
 //!   asker retires that peer (it hears of the blob's chunks from others).
 
+use std::borrow::Borrow;
+
 /// What [`Roster::admit`] did.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Admit<K> {
@@ -59,7 +61,7 @@ impl<K: PartialEq + Clone, V> Roster<K, V> {
     /// A peer named for the blob. Past the cap, the oldest live peer is
     /// retired (see [`Roster::retire`]) and named in the answer.
     pub fn admit(&mut self, key: K, value: V) -> Admit<K> {
-        if self.contains(&key) {
+        if self.contains::<K>(&key) {
             return Admit::Known;
         }
         let retired = match self.cap {
@@ -78,8 +80,12 @@ impl<K: PartialEq + Clone, V> Roster<K, V> {
     /// No new request goes to `key` (too slow, gone, refused its watcher, or
     /// rotated out); it stays known until it [leaves](Roster::leave). Its
     /// value if it was live.
-    pub fn retire(&mut self, key: &K) -> Option<&V> {
-        let at = self.live.iter().position(|m| &m.key == key)?;
+    pub fn retire<Q>(&mut self, key: &Q) -> Option<&V>
+    where
+        K: Borrow<Q>,
+        Q: PartialEq + ?Sized,
+    {
+        let at = self.live.iter().position(|m| m.key.borrow() == key)?;
         let m = self.live.remove(at);
         self.retiring.push((m.key, m.value));
         self.retiring.last().map(|(_, v)| v)
@@ -87,30 +93,51 @@ impl<K: PartialEq + Clone, V> Roster<K, V> {
 
     /// Forgets `key`, live or retired (its requests have ended, or it left
     /// the swarm): it may be named again. Its value, if it was known.
-    pub fn leave(&mut self, key: &K) -> Option<V> {
-        if let Some(at) = self.live.iter().position(|m| &m.key == key) {
+    pub fn leave<Q>(&mut self, key: &Q) -> Option<V>
+    where
+        K: Borrow<Q>,
+        Q: PartialEq + ?Sized,
+    {
+        if let Some(at) = self.live.iter().position(|m| m.key.borrow() == key) {
             return Some(self.live.remove(at).value);
         }
-        let at = self.retiring.iter().position(|(k, _)| k == key)?;
+        let at = self.retiring.iter().position(|(k, _)| k.borrow() == key)?;
         Some(self.retiring.remove(at).1)
     }
 
-    pub fn is_live(&self, key: &K) -> bool {
-        self.live.iter().any(|m| &m.key == key)
+    pub fn is_live<Q>(&self, key: &Q) -> bool
+    where
+        K: Borrow<Q>,
+        Q: PartialEq + ?Sized,
+    {
+        self.live.iter().any(|m| m.key.borrow() == key)
     }
 
     /// Whether `key` is known, live or retiring.
-    pub fn contains(&self, key: &K) -> bool {
-        self.is_live(key) || self.retiring.iter().any(|(k, _)| k == key)
+    pub fn contains<Q>(&self, key: &Q) -> bool
+    where
+        K: Borrow<Q>,
+        Q: PartialEq + ?Sized,
+    {
+        self.is_live(key) || self.retiring.iter().any(|(k, _)| k.borrow() == key)
     }
 
     /// The value kept with `key`, live or retiring.
-    pub fn get(&self, key: &K) -> Option<&V> {
+    pub fn get<Q>(&self, key: &Q) -> Option<&V>
+    where
+        K: Borrow<Q>,
+        Q: PartialEq + ?Sized,
+    {
         self.live
             .iter()
-            .find(|m| &m.key == key)
+            .find(|m| m.key.borrow() == key)
             .map(|m| &m.value)
-            .or_else(|| self.retiring.iter().find(|(k, _)| k == key).map(|(_, v)| v))
+            .or_else(|| {
+                self.retiring
+                    .iter()
+                    .find(|(k, _)| k.borrow() == key)
+                    .map(|(_, v)| v)
+            })
     }
 
     /// The retired peers whose requests are still ending.

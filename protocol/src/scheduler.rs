@@ -148,6 +148,10 @@ pub struct BlobAnnounce {
     pub origin: String,
 }
 
+/// The longest peer address an announce may carry (the tracker refuses a
+/// longer one): a few addresses of a dual-stack node fit.
+pub const MAX_ADDRESS_BYTES: usize = 256;
+
 /// A peer's periodic report, as in the `Announce` message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Announce {

@@ -33,7 +33,7 @@ use dray_protocol::chunkmap::ChunkHash;
 use dray_protocol::defaults::DEFAULTS;
 use dray_protocol::framing::MAX_TRACKER_FRAME;
 use dray_protocol::pb::{self, tracker_request::Body};
-use dray_protocol::scheduler::{self, Scheduler, SchedulerConfig};
+use dray_protocol::scheduler::{self, MAX_ADDRESS_BYTES, Scheduler, SchedulerConfig};
 use dray_protocol::settings::{deprecated_seconds, duration};
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap};
 use metrics::{AnnounceKind, OPENMETRICS_CONTENT_TYPE, TrackerMetrics};
@@ -50,9 +50,9 @@ use tls::{Caller, TlsListener};
 pub const TRACKER_PATH: &str = "/v1/tracker";
 /// Longest origin (a registry's base URL) an announce may name.
 const MAX_ORIGIN_BYTES: usize = 1024;
-/// Longest peer id (a DNS name) and peer address an announce may carry.
+/// Longest peer id (a DNS name) an announce may carry (its address:
+/// [`MAX_ADDRESS_BYTES`]).
 const MAX_ID_BYTES: usize = 253;
-const MAX_ADDRESS_BYTES: usize = 256;
 /// Topology labels per announce, and the longest key or value.
 const MAX_LABELS: usize = 16;
 const MAX_LABEL_BYTES: usize = 253;
