@@ -8,6 +8,7 @@ mod cluster;
 mod demo;
 #[cfg(feature = "hostile")]
 mod hostile;
+mod preheat;
 mod service;
 mod storm;
 
@@ -135,6 +136,9 @@ enum Command {
         #[command(flatten)]
         socket: SocketArg,
     },
+    /// Have the tracker pull an image into chosen nodes' stores ahead of a
+    /// rollout (spread over zones and racks), and follow it per node.
+    Preheat(preheat::PreheatArgs),
     /// Measure dray against baselines in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -532,6 +536,7 @@ async fn run(command: Command) -> Result<()> {
         Command::Snapshotter(args) => snapshotter(args).await,
         Command::Sim(args) => sim(args),
         Command::Bench(cmd) => bench::run(cmd).await,
+        Command::Preheat(args) => preheat::run(args).await,
         Command::Demo(args) => demo::run(args).await,
         Command::Tracker(args) => tracker(args).await,
         Command::Ca(cmd) => ca(cmd),

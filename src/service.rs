@@ -81,6 +81,10 @@ pub async fn run_agent(cfg: AgentConfig) -> Result<()> {
         &cfg.local_api,
         cfg.unpack.clone(),
     );
+    // Preheat jobs the tracker hands this node run through the local API's pulls.
+    let (preheats, preheat_tasks) = tokio::sync::mpsc::unbounded_channel();
+    swarm.preheats().set_runner(preheats);
+    let preheat_task = tokio::spawn(api.clone().run_preheats(preheat_tasks));
     let mirror = Mirror::new(agent.pulls().clone(), cfg.mirror.clone());
     // Set at the stop: no new requests; those under way run to their end.
     let (draining, drained) = watch::channel(false);
@@ -125,6 +129,8 @@ pub async fn run_agent(cfg: AgentConfig) -> Result<()> {
     // A second signal cuts the wait short (the store is still flushed).
     let again = shutdown_signal()?;
     let _ = draining.send(true);
+    // No new preheat job starts; the pulls of those under way end with the process.
+    preheat_task.abort();
     agent.stop_loops();
     let _ = tokio::time::timeout_at(deadline, swarm.leave()).await;
     node.drain();

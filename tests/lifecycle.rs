@@ -13,16 +13,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// The value of the sample `series` in the exposition at `base` (0 if
-/// absent); `dir` holds the test's CA.
-fn metric(dir: &Path, base: &str, series: &str) -> f64 {
-    let (status, body) = curl_get(dir, &format!("{base}/metrics"));
-    assert_eq!(status, 200, "{base}/metrics: {body}");
-    body.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
-}
-
 /// Polls `done` every 50 ms for at most `limit`; returns how long it took.
 fn within(limit: Duration, mut done: impl FnMut() -> bool) -> Option<Duration> {
     let started = Instant::now();

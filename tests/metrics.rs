@@ -8,7 +8,6 @@ mod common;
 
 use common::*;
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 /// Samples of an OpenMetrics text exposition, by series (`name{labels}`).
@@ -109,26 +108,6 @@ fn scrape_until(
     }
 }
 
-fn agent_config(dir: &Path, id: &str, tracker: &str, registry: &Registry) -> String {
-    let d = |p: &str| dir.join(id).join(p).display().to_string();
-    format!(
-        "state_dir = {:?}\npeer_listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-         cert = {:?}\nkey = {:?}\nca = {:?}\n\
-         [peer]\nrequest_timeout = \"10s\"\n\
-         [swarm]\ntrackers = [{tracker:?}]\npull_announce_ms = 150\nidle_announce_ms = 300\n\
-         tracker_grace_ms = 5000\nstall_ms = 10000\n\
-         [local_api]\nsocket = {:?}\n\
-         [mirror]\nlisten = \"127.0.0.1:0\"\nupstreams = {{ {:?} = {:?} }}\n",
-        d("state"),
-        d("agent.crt"),
-        d("agent.key"),
-        d("ca.crt"),
-        d("agent.sock"),
-        registry.host(),
-        registry.url(),
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_agents_metrics_account_for_every_byte_and_the_tracker_counts_announces() {
     let dir = tempfile::tempdir().unwrap();
@@ -155,11 +134,12 @@ async fn two_agents_metrics_account_for_every_byte_and_the_tracker_counts_announ
         .iter()
         .map(|id| {
             let cfg = dir.path().join(format!("{id}.toml"));
-            let text = agent_config(
+            let text = agent_toml(
                 dir.path(),
                 id,
                 &format!("https://{tracker_addr}"),
                 &registry,
+                "",
             );
             std::fs::write(&cfg, text).unwrap();
             DrayProc::start(

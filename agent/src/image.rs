@@ -90,6 +90,8 @@ pub struct Image {
     pub manifest_digest: BlobDigest,
     #[serde(serialize_with = "display")]
     pub config: BlobDigest,
+    /// The config's bytes (its body was read and checked).
+    pub config_size: u64,
     pub layers: Vec<Layer>,
 }
 
@@ -257,6 +259,7 @@ pub async fn resolve(
     Ok(Image {
         manifest_digest: digest,
         config,
+        config_size: config_body.len() as u64,
         layers,
     })
 }

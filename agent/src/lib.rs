@@ -6,7 +6,8 @@
 //! through [`swarm`]: announces to the tracker ([`tracker_client`]) the
 //! addresses peers dial ([`advertise`]), registry
 //! range fetches ([`registry`]) and the fallbacks that make a pull never worse
-//! than a direct one. [`mirror`] puts the OCI pull API on localhost for
+//! than a direct one; [`preheat`] keeps the preheat jobs the tracker hands
+//! the node. [`mirror`] puts the OCI pull API on localhost for
 //! containerd. [`metrics`] counts what the agent does for Prometheus and
 //! serves it with the health checks on the admin listener. [`Agent`] puts
 //! these parts together, the one way every binary and test starts an agent.
@@ -25,6 +26,7 @@ pub mod local_api;
 pub mod metrics;
 pub mod mirror;
 pub mod peer;
+pub mod preheat;
 pub mod pulls;
 pub mod rate;
 pub mod registry;

@@ -11,6 +11,10 @@
 //!   image's manifest (the shim sets its deadline for the unpack by the size).
 //! - `POST /v1/images/pull`: pulls every layer of an image into the store,
 //!   answering with one JSON progress line per tick (`dray pull`).
+//!
+//! The same pulls run the preheat jobs the tracker hands the node
+//! ([`LocalApi::run_preheats`]), for images of the registries the mirror
+//! serves only.
 //! - `GET /v1/status`: what the node holds and where it listens (`dray status`).
 //! - `POST /v1/gc`: one garbage collection now, or a dry run (`dray gc`).
 //! - `GET`, `POST`, `DELETE /v1/pins`: the images pinned at run time, whose
@@ -577,61 +581,139 @@ async fn unpin(
     }
 }
 
+/// The swarm pulls of an image's blobs, started or joined, with their sizes.
+type BlobPulls = Vec<(BlobDigest, u64, tokio::sync::watch::Receiver<PullState>)>;
+
+impl LocalApi {
+    /// Starts (or joins) the swarm pulls of `blobs` from `repo` at `client`.
+    fn start_pulls(
+        &self,
+        client: &Arc<RegistryClient>,
+        repo: &str,
+        blobs: impl IntoIterator<Item = (BlobDigest, u64)>,
+    ) -> BlobPulls {
+        blobs
+            .into_iter()
+            .map(|(digest, size)| {
+                let rx = self.pulls.ensure(client.clone(), repo, digest, size);
+                (digest, size, rx)
+            })
+            .collect()
+    }
+
+    /// Runs the preheat jobs the tracker hands this node until `tasks`
+    /// closes: each resolves its image (from a registry the mirror serves
+    /// only) and pulls the config and layers into the store, through the
+    /// swarm, without unpacking them.
+    pub async fn run_preheats(
+        self: Arc<Self>,
+        mut tasks: tokio::sync::mpsc::UnboundedReceiver<crate::preheat::Task>,
+    ) {
+        while let Some(task) = tasks.recv().await {
+            let api = self.clone();
+            tokio::spawn(async move {
+                let result = api.preheat(&task).await;
+                let swarm = api.pulls.swarm();
+                match &result {
+                    Ok(()) => {
+                        tracing::info!(id = %task.id, image = %task.image, "preheat job done")
+                    }
+                    Err(e) => {
+                        tracing::warn!(id = %task.id, image = %task.image, error = %e, "preheat job failed")
+                    }
+                }
+                swarm.preheats().finish(&task.id, result);
+                swarm.announce_soon();
+            });
+        }
+    }
+
+    async fn preheat(&self, task: &crate::preheat::Task) -> Result<(), String> {
+        let image: ImageRef = task.image.parse().map_err(|e: ImageError| e.to_string())?;
+        if !self.mirror.serves(&image.registry) {
+            return Err(format!(
+                "registry {} is not one this node's mirror serves (mirror.registries, mirror.upstreams)",
+                image.registry
+            ));
+        }
+        let (image, client, resolved) = self.resolve(&task.image, None).await.map_err(|e| e.1)?;
+        let blobs = std::iter::once((resolved.config, resolved.config_size))
+            .chain(resolved.layers.iter().map(|l| (l.digest, l.size)));
+        let pulls = self.start_pulls(&client, &image.repo, blobs);
+        let store = self.pulls.swarm().node().store().clone();
+        let board = self.pulls.swarm().preheats();
+        loop {
+            tokio::time::sleep(TICK).await;
+            let (line, ended) = progress(&task.image, &pulls, &store);
+            let have = line.layers.iter().map(|l| l.have).sum();
+            let size = line.layers.iter().map(|l| l.size).sum();
+            board.progress(&task.id, have, size);
+            if ended {
+                return line.error.map_or(Ok(()), Err);
+            }
+        }
+    }
+}
+
+/// Where the pulls of `blobs` are, as a progress line; and whether every
+/// one has ended.
+fn progress(
+    name: &str,
+    blobs: &BlobPulls,
+    store: &crate::store::ChunkStore,
+) -> (PullProgress, bool) {
+    let mut line = PullProgress {
+        image: name.to_string(),
+        ..Default::default()
+    };
+    let mut ended = true;
+    for (digest, size, rx) in blobs {
+        let mut p = LayerProgress {
+            digest: digest.to_string(),
+            size: *size,
+            ..Default::default()
+        };
+        if let Ok(Some(blob)) = store.get(digest) {
+            p.have = blob.held_bytes();
+            p.complete = blob.is_complete();
+        }
+        match &*rx.borrow() {
+            PullState::Running => ended = false,
+            PullState::Done(r, _) => {
+                p.bytes_from_peers = r.bytes_from_peers;
+                p.bytes_from_registry = r.bytes_from_registry;
+                p.complete = true;
+                p.have = *size;
+            }
+            PullState::Failed(e) => {
+                line.error.get_or_insert_with(|| format!("{digest}: {e}"));
+            }
+        }
+        line.layers.push(p);
+    }
+    line.done = ended && line.error.is_none();
+    (line, ended)
+}
+
 async fn pull(
     State(api): State<Arc<LocalApi>>,
     Json(req): Json<PullRequest>,
 ) -> Result<Response, ApiError> {
     let (image, client, resolved) = api.resolve(&req.image, None).await?;
     let store = api.pulls.swarm().node().store().clone();
-    let layers: Vec<_> = resolved
-        .layers
-        .iter()
-        .map(|l| {
-            (
-                l.clone(),
-                api.pulls
-                    .ensure(client.clone(), &image.repo, l.digest, l.size),
-            )
-        })
-        .collect();
+    let blobs = api.start_pulls(
+        &client,
+        &image.repo,
+        resolved.layers.iter().map(|l| (l.digest, l.size)),
+    );
     let name = req.image.clone();
     // One line per tick until every pull has ended.
     let lines = futures_util::stream::unfold(Some(()), move |state| {
-        let (layers, store, name) = (layers.clone(), store.clone(), name.clone());
+        let (blobs, store, name) = (blobs.clone(), store.clone(), name.clone());
         async move {
             state?;
             tokio::time::sleep(TICK).await;
-            let mut line = PullProgress {
-                image: name,
-                ..Default::default()
-            };
-            let mut ended = true;
-            for (l, rx) in &layers {
-                let mut p = LayerProgress {
-                    digest: l.digest.to_string(),
-                    size: l.size,
-                    ..Default::default()
-                };
-                if let Ok(Some(blob)) = store.get(&l.digest) {
-                    p.have = blob.held_bytes();
-                    p.complete = blob.is_complete();
-                }
-                match &*rx.borrow() {
-                    PullState::Running => ended = false,
-                    PullState::Done(r, _) => {
-                        p.bytes_from_peers = r.bytes_from_peers;
-                        p.bytes_from_registry = r.bytes_from_registry;
-                        p.complete = true;
-                        p.have = l.size;
-                    }
-                    PullState::Failed(e) => {
-                        line.error
-                            .get_or_insert_with(|| format!("{}: {e}", l.digest));
-                    }
-                }
-                line.layers.push(p);
-            }
-            line.done = ended && line.error.is_none();
+            let (line, ended) = progress(&name, &blobs, &store);
             let mut text = serde_json::to_string(&line).expect("serializable");
             text.push('\n');
             Some((

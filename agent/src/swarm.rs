@@ -38,11 +38,13 @@ use crate::error::{Error, Result};
 use crate::fetch::{PeerAddr, Transfer};
 use crate::metrics::{FallbackReason, Source};
 use crate::peer::PeerNode;
+use crate::preheat::Preheats;
 use crate::registry::RegistryClient;
 use crate::store::{Blob, Holding, PutOutcome};
 use crate::tracker_client::TrackerClient;
 use dray_protocol::defaults::{DEFAULTS, announce_spread};
 use dray_protocol::pb::{self, tracker_request::Body};
+use dray_protocol::preheat;
 use dray_protocol::pull::{Fallback, FallbackRule};
 use dray_protocol::scheduler::SchedulerConfig;
 use dray_protocol::settings::duration;
@@ -180,6 +182,8 @@ pub struct Swarm {
     /// How many blobs the last announce to each replica left out.
     left_out: Mutex<HashMap<String, usize>>,
     poke: Notify,
+    /// The preheat jobs this node was handed.
+    preheats: Preheats,
 }
 
 /// One blob as an announce lists it, with all its bits: the most it can
@@ -261,6 +265,7 @@ impl Swarm {
             sent: Mutex::new(HashMap::new()),
             left_out: Mutex::new(HashMap::new()),
             poke: Notify::new(),
+            preheats: Preheats::default(),
         })
     }
 
@@ -270,6 +275,16 @@ impl Swarm {
 
     pub fn node(&self) -> &Arc<PeerNode> {
         &self.node
+    }
+
+    /// The preheat jobs this node was handed, and where new ones go.
+    pub fn preheats(&self) -> &Preheats {
+        &self.preheats
+    }
+
+    /// Announces now rather than at the next period (a preheat job ended).
+    pub fn announce_soon(&self) {
+        self.poke.notify_one();
     }
 
     /// Announces until the task is dropped: often while pulls run, seldom otherwise.
@@ -327,6 +342,7 @@ impl Swarm {
             labels: self.config.labels.clone().into_iter().collect(),
             blobs,
             full,
+            preheats: Vec::new(),
         })
     }
 
@@ -375,7 +391,10 @@ impl Swarm {
         tokio::task::spawn_blocking(move || store.remove(&digest)).await?
     }
 
-    /// One round of announces: every blob held or wanted, to its owner replica.
+    /// One round of announces: every blob held or wanted, to its owner
+    /// replica, and to the replica that coordinates preheats (see
+    /// [`dray_protocol::preheat`]) this node's preheat progress, even when
+    /// it owns none of the blobs: it must know every node to choose some.
     async fn announce_once(&self) {
         let wanted: HashMap<BlobDigest, String> = lock(&self.wanted)
             .iter()
@@ -387,6 +406,10 @@ impl Swarm {
             if let Some(owner) = self.tracker.owner(&h.digest) {
                 groups.entry(owner).or_default().push(h);
             }
+        }
+        let coordinator = self.tracker.owner(&preheat::coordinator_key());
+        if let Some(c) = &coordinator {
+            groups.entry(c.clone()).or_default();
         }
         for (replica, all) in groups {
             let held_here = all.len();
@@ -433,10 +456,13 @@ impl Swarm {
                     holding
                 })
                 .collect();
-            let announce = match self.announce_of(holdings, full) {
+            let mut announce = match self.announce_of(holdings, full) {
                 Ok(a) => a,
                 Err(e) => return tracing::error!(error = %e, "no address to advertise"),
             };
+            if coordinator.as_ref() == Some(&replica) {
+                announce.preheats = self.preheats.reports();
+            }
             tracing::debug!(%replica, full, blobs = announce.blobs.len(), "announcing");
             let answer = self.tracker.send(&replica, Body::Announce(announce)).await;
             let mine: Vec<BlobDigest> = blobs
@@ -457,6 +483,7 @@ impl Swarm {
                             Some((h.digest.parse().ok()?, holders))
                         }));
                     tracing::debug!(%replica, peers = resp.peers.len(), runs = resp.assignments.len(), maps = resp.chunk_maps.len(), resend_full = resp.resend_full, "tracker answered");
+                    self.preheats.offer(resp.preheat.clone());
                     if resp.resend_full {
                         lock(&self.sent).remove(&replica);
                         self.poke.notify_one();

@@ -13,6 +13,7 @@
 use crate::identity::Identity;
 use dray_protocol::BlobDigest;
 use dray_protocol::pb::{self, tracker_request::Body};
+use dray_protocol::preheat::{self, PREHEAT_PATH, PreheatJob, PreheatRequest};
 use prost::Message;
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -107,12 +108,32 @@ impl TrackerClient {
     ) -> Result<Option<pb::AnnounceResponse>, TrackerUnavailable> {
         let req = pb::TrackerRequest { body: Some(body) };
         let url = format!("{replica}{}", "/v1/tracker");
+        let post = self
+            .http
+            .post(&url)
+            .header(reqwest::header::CONTENT_TYPE, "application/x-protobuf")
+            .body(req.encode_to_vec());
+        let bytes = self.exchange(replica, &url, post).await?;
+        if bytes.is_empty() {
+            return Ok(None);
+        }
+        pb::AnnounceResponse::decode(bytes).map(Some).map_err(|e| {
+            self.mark_down(replica);
+            TrackerUnavailable(format!("{url}: bad answer: {e}"))
+        })
+    }
+
+    /// Sends `request` (to `url` at `replica`) and reads the answer's body.
+    /// A refusal (4xx) is the tracker's answer; anything else that fails
+    /// marks the replica down for a while.
+    async fn exchange(
+        &self,
+        replica: &str,
+        url: &str,
+        request: reqwest::RequestBuilder,
+    ) -> Result<bytes::Bytes, TrackerUnavailable> {
         let result = async {
-            let resp = self
-                .http
-                .post(&url)
-                .header(reqwest::header::CONTENT_TYPE, "application/x-protobuf")
-                .body(req.encode_to_vec())
+            let resp = request
                 .send()
                 .await
                 .map_err(|e| (false, format!("{url}: {}", with_causes(&e))))?;
@@ -122,21 +143,15 @@ impl TrackerClient {
                 .await
                 .map_err(|e| (false, format!("{url}: {}", with_causes(&e))))?;
             if !status.is_success() {
-                // A refusal (4xx) is the tracker's answer, not a sign it is down.
                 return Err((
                     status.is_client_error(),
                     format!(
                         "{url} answered {status}: {}",
-                        String::from_utf8_lossy(&bytes)
+                        String::from_utf8_lossy(&bytes).trim_end()
                     ),
                 ));
             }
-            if bytes.is_empty() {
-                return Ok(None);
-            }
-            pb::AnnounceResponse::decode(bytes)
-                .map(Some)
-                .map_err(|e| (false, format!("{url}: bad answer: {e}")))
+            Ok(bytes)
         }
         .await;
         result.map_err(|(refused, e)| {
@@ -145,6 +160,44 @@ impl TrackerClient {
             }
             TrackerUnavailable(e)
         })
+    }
+
+    /// Starts a preheat job at the replica that coordinates them (see
+    /// [`preheat`]), failing over along its order while replicas are
+    /// unreachable; answers the job and the replica that took it.
+    pub async fn start_preheat(
+        &self,
+        req: &PreheatRequest,
+    ) -> Result<(String, PreheatJob), TrackerUnavailable> {
+        let mut errors = Vec::new();
+        for replica in self.order(&preheat::coordinator_key()) {
+            let url = format!("{replica}{PREHEAT_PATH}");
+            let post = self.http.post(&url).json(req);
+            match self.exchange(replica, &url, post).await {
+                Ok(body) => return Ok((replica.to_string(), preheat_job(&url, &body)?)),
+                // Down: the next replica coordinates while it is.
+                Err(e) if self.is_down(replica) => errors.push(e.0),
+                Err(refused) => return Err(refused),
+            }
+        }
+        Err(TrackerUnavailable(if errors.is_empty() {
+            "no replicas configured".into()
+        } else {
+            errors.join("; ")
+        }))
+    }
+
+    /// Preheat job `id`'s progress at `replica`.
+    pub async fn preheat(&self, replica: &str, id: &str) -> Result<PreheatJob, TrackerUnavailable> {
+        let url = format!("{replica}{PREHEAT_PATH}/{id}");
+        let body = self.exchange(replica, &url, self.http.get(&url)).await?;
+        preheat_job(&url, &body)
+    }
+
+    fn is_down(&self, replica: &str) -> bool {
+        let down = self.down_until.lock().unwrap_or_else(|p| p.into_inner());
+        down.get(replica)
+            .is_some_and(|until| *until > Instant::now())
     }
 
     /// Sends a request about `digest` to its owner, failing over along its order.
@@ -166,6 +219,11 @@ impl TrackerClient {
             errors.join("; ")
         }))
     }
+}
+
+fn preheat_job(url: &str, body: &[u8]) -> Result<PreheatJob, TrackerUnavailable> {
+    serde_json::from_slice(body)
+        .map_err(|e| TrackerUnavailable(format!("{url}: not a preheat job: {e}")))
 }
 
 /// An error and its causes, one sentence: a refused TLS handshake says why

@@ -10,7 +10,7 @@
 //! [`defaults`] the swarm's timings and limits, which the agent, the tracker
 //! and the simulator all read; [`pull`] the fallback rules of a pull and
 //! [`peers`] its peer rotation and the watcher cap, which the agent and the
-//! simulator both run.
+//! simulator both run; [`preheat`] the tracker's preheat API.
 
 pub mod bitfield;
 pub mod chunkmap;
@@ -21,6 +21,7 @@ pub mod identity;
 pub mod local_api;
 pub mod peers;
 pub mod picker;
+pub mod preheat;
 pub mod pull;
 pub mod scheduler;
 pub mod settings;

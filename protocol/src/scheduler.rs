@@ -965,6 +965,15 @@ impl Scheduler {
             .collect()
     }
 
+    /// The peers known now and not banned, with their topology labels.
+    pub fn members(&self) -> impl Iterator<Item = (&str, &BTreeMap<String, String>)> {
+        self.slots
+            .iter()
+            .flatten()
+            .filter(|p| !p.banned)
+            .map(|p| (p.id.as_str(), &p.labels))
+    }
+
     /// Whether `peer` is known now (it announced and did not expire).
     pub fn knows(&self, peer: &str) -> bool {
         self.index.contains_key(peer)

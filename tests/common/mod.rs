@@ -757,3 +757,42 @@ fn terminate(child: &mut std::process::Child) -> bool {
     unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
     child.wait().unwrap().success()
 }
+
+/// The value of the sample `series` in the exposition at `base` (0 if
+/// absent); `dir` holds the test's CA.
+pub fn metric(dir: &Path, base: &str, series: &str) -> f64 {
+    let (status, body) = curl_get(dir, &format!("{base}/metrics"));
+    assert_eq!(status, 200, "{base}/metrics: {body}");
+    body.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// A `dray agent` config for node `id` (certificates from
+/// [`issue_certificates`] under `dir`), announcing to `tracker`, mirroring
+/// `registry`; `swarm_extra` is added to its `[swarm]` table.
+pub fn agent_toml(
+    dir: &Path,
+    id: &str,
+    tracker: &str,
+    registry: &Registry,
+    swarm_extra: &str,
+) -> String {
+    let d = |p: &str| dir.join(id).join(p).display().to_string();
+    format!(
+        "state_dir = {:?}\npeer_listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+         cert = {:?}\nkey = {:?}\nca = {:?}\n\
+         [peer]\nrequest_timeout = \"10s\"\n\
+         [swarm]\ntrackers = [{tracker:?}]\npull_announce_ms = 150\nidle_announce_ms = 300\n\
+         tracker_grace_ms = 5000\nstall_ms = 10000\n{swarm_extra}\n\
+         [local_api]\nsocket = {:?}\n\
+         [mirror]\nlisten = \"127.0.0.1:0\"\nupstreams = {{ {:?} = {:?} }}\n",
+        d("state"),
+        d("agent.crt"),
+        d("agent.key"),
+        d("ca.crt"),
+        d("agent.sock"),
+        registry.host(),
+        registry.url(),
+    )
+}

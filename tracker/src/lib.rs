@@ -10,7 +10,9 @@
 //! replica that owns a blob by rendezvous hashing of its digest.
 //!
 //! Next to `POST /v1/tracker` the same listener serves `/metrics` (see
-//! [`metrics`]), `/healthz` and `/readyz`.
+//! [`metrics`]), `/healthz`, `/readyz`, and the preheat API (`POST
+//! /v1/preheat`, `GET /v1/preheat/{id}`; see [`preheat`]) for the peer ids
+//! named in `preheaters`.
 //!
 //! The listener speaks TLS with a certificate from the cluster CA (see
 //! [`tls`]). The tracker API needs a client certificate from the same CA,
@@ -21,6 +23,7 @@
 //! behind `insecure_plain_http`.
 
 pub mod metrics;
+pub mod preheat;
 pub mod tls;
 
 use axum::Router;
@@ -33,6 +36,7 @@ use dray_protocol::chunkmap::ChunkHash;
 use dray_protocol::defaults::DEFAULTS;
 use dray_protocol::framing::MAX_TRACKER_FRAME;
 use dray_protocol::pb::{self, tracker_request::Body};
+use dray_protocol::preheat::{PREHEAT_PATH, PreheatJob, PreheatRequest};
 use dray_protocol::scheduler::{self, MAX_ADDRESS_BYTES, Scheduler, SchedulerConfig};
 use dray_protocol::settings::{deprecated_seconds, duration};
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap};
@@ -119,6 +123,10 @@ pub struct TrackerConfig {
     /// Floor on an assignment's deadline.
     #[serde(with = "duration", alias = "min_fetch_timeout_ms")]
     pub min_fetch_timeout: Duration,
+    /// Peer ids (of cluster certificates, e.g. one issued for CI) that may
+    /// start and read preheat jobs. A job makes nodes pull an image, so a
+    /// node's own certificate may not unless it is listed here.
+    pub preheaters: Vec<String>,
 }
 
 impl Default for TrackerConfig {
@@ -147,6 +155,7 @@ impl Default for TrackerConfig {
             max_runs_per_origin: s.max_runs_per_origin,
             min_fetch_bytes_per_s: s.min_fetch_rate,
             min_fetch_timeout: s.min_fetch_timeout,
+            preheaters: Vec::new(),
         }
     }
 }
@@ -281,6 +290,8 @@ pub struct Tracker {
     /// Tracker requests decoded and handled at once, off the async workers
     /// (which stay free for probes); bounds the memory of requests in hand.
     api_slots: tokio::sync::Semaphore,
+    /// Who may use the preheat API (`preheaters`).
+    preheaters: Vec<String>,
 }
 
 /// Tracker requests handled at once: about the cores a replica gets (the
@@ -306,6 +317,8 @@ struct TrackerState {
     /// fetchers from agreeing.
     unconfirmed: HashMap<(BlobDigest, u32), Vec<(ChunkHash, String)>>,
     limits: Limits,
+    /// The preheat jobs this replica coordinates.
+    preheats: preheat::Jobs,
 }
 
 /// The limits the tracker checks itself (the scheduler checks the rest).
@@ -356,9 +369,11 @@ impl Tracker {
                     max_chunk_map_bytes: config.max_chunk_map_bytes,
                     max_unconfirmed_hashes: config.max_unconfirmed_hashes,
                 },
+                preheats: preheat::Jobs::default(),
             }),
             metrics: TrackerMetrics::new(),
             api_slots: tokio::sync::Semaphore::new(API_SLOTS),
+            preheaters: config.preheaters.clone(),
         })
     }
 
@@ -417,13 +432,18 @@ impl Tracker {
                 } else {
                     AnnounceKind::Delta
                 };
+                let preheats = std::mem::take(&mut a.preheats);
+                preheat::check_reports(&preheats).map_err(TrackerError::BadRequest)?;
+                let peer = a.peer_id.clone();
                 // Checked and converted before the lock: the bitfields are
                 // allocated here, each within the chunk limit.
                 let (announce, wanted) = checked_announce(a, &limits)?;
                 let (resp, maps, new_runs) = {
                     let mut st = self.lock();
                     let runs_before = st.scheduler.runs_assigned();
-                    let (resp, maps) = st.announce(announce, &wanted, now)?;
+                    let (mut resp, maps) = st.announce(announce, &wanted, now)?;
+                    st.preheats.note(&peer, &preheats);
+                    resp.preheat = st.preheats.tasks_for(&peer);
                     (resp, maps, st.scheduler.runs_assigned() - runs_before)
                 };
                 let mut resp = resp;
@@ -510,6 +530,39 @@ impl Tracker {
         }
     }
 
+    /// Starts a preheat job for `caller` (see [`preheat`]).
+    pub fn start_preheat(
+        &self,
+        req: &PreheatRequest,
+        now: Instant,
+    ) -> Result<PreheatJob, preheat::PreheatError> {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let members: Vec<_> = st.scheduler.members().collect();
+        st.preheats.start(req, &members, now)
+    }
+
+    /// A preheat job's progress, if this replica has it.
+    pub fn preheat(&self, id: &str, now: Instant) -> Option<PreheatJob> {
+        self.lock().preheats.view(id, now)
+    }
+
+    /// Whether `caller` may use the preheat API: a certified peer id listed
+    /// in `preheaters`, or anyone on the insecure plain-HTTP listener.
+    fn may_preheat(&self, caller: &Caller) -> Result<(), (StatusCode, String)> {
+        match caller {
+            Caller::InsecurePlainHttp => Ok(()),
+            Caller::Certified(id) if self.preheaters.contains(id) => Ok(()),
+            Caller::Certified(id) => Err((
+                StatusCode::FORBIDDEN,
+                format!(
+                    "peer {id:?} may not use the preheat API: the tracker's `preheaters` does not list it\n"
+                ),
+            )),
+            Caller::Anonymous(why) => Err((StatusCode::UNAUTHORIZED, format!("{why}\n"))),
+        }
+    }
+
     /// Agents known now.
     pub fn peer_count(&self) -> usize {
         self.lock().scheduler.peer_count()
@@ -534,9 +587,11 @@ impl Tracker {
     /// drops the maps of blobs no agent holds or wants any more.
     pub fn tick(&self, now: Instant) {
         let report = {
-            let mut st = self.lock();
+            let mut guard = self.lock();
+            let st = &mut *guard;
             let report = st.scheduler.tick(now);
             st.forget_untracked();
+            st.preheats.forget_gone(|p| st.scheduler.knows(p));
             report
         };
         for peer in &report.unbanned {
@@ -715,6 +770,7 @@ impl TrackerState {
                     rank: h.rank,
                 })
                 .collect(),
+            preheat: Vec::new(),
         };
         Ok((resp, maps))
     }
@@ -917,6 +973,8 @@ pub async fn serve(
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(|| async { "ready\n" }))
         .route("/metrics", get(metrics_http))
+        .route(PREHEAT_PATH, post(preheat_start_http))
+        .route(&format!("{PREHEAT_PATH}/{{id}}"), get(preheat_http))
         .layer(DefaultBodyLimit::max(MAX_TRACKER_FRAME))
         .with_state(tracker)
         .into_make_service_with_connect_info::<Caller>();
@@ -937,6 +995,74 @@ async fn metrics_http(State(tracker): State<Arc<Tracker>>) -> Response {
         tracker.encode_metrics(),
     )
         .into_response()
+}
+
+/// Longest preheat request body.
+const MAX_PREHEAT_REQUEST: usize = 16 << 10;
+
+async fn preheat_start_http(
+    State(tracker): State<Arc<Tracker>>,
+    ConnectInfo(caller): ConnectInfo<Caller>,
+    body: Bytes,
+) -> Response {
+    if let Err(refused) = tracker.may_preheat(&caller) {
+        tracker.metrics.refused("preheat_refused");
+        return refused.into_response();
+    }
+    if body.len() > MAX_PREHEAT_REQUEST {
+        return (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "a preheat request of {} bytes, more than {MAX_PREHEAT_REQUEST}\n",
+                body.len()
+            ),
+        )
+            .into_response();
+    }
+    let req: PreheatRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                format!("body is not a preheat request: {e}\n"),
+            )
+                .into_response();
+        }
+    };
+    match tracker.start_preheat(&req, Instant::now()) {
+        Ok(job) => {
+            tracing::info!(?caller, id = %job.id, image = %job.image, nodes = job.nodes.len(), matched = job.matched, "preheat job started");
+            (StatusCode::CREATED, axum::Json(job)).into_response()
+        }
+        Err(e) => {
+            let status = match e {
+                preheat::PreheatError::Invalid(_) => StatusCode::BAD_REQUEST,
+                preheat::PreheatError::NoNodes(_) | preheat::PreheatError::TooMany => {
+                    StatusCode::SERVICE_UNAVAILABLE
+                }
+            };
+            (status, format!("{e}\n")).into_response()
+        }
+    }
+}
+
+async fn preheat_http(
+    State(tracker): State<Arc<Tracker>>,
+    ConnectInfo(caller): ConnectInfo<Caller>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    if let Err(refused) = tracker.may_preheat(&caller) {
+        tracker.metrics.refused("preheat_refused");
+        return refused.into_response();
+    }
+    match tracker.preheat(&id, Instant::now()) {
+        Some(job) => axum::Json(job).into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            format!("no preheat job {id:?} on this replica (jobs are soft state: a restarted replica has none)\n"),
+        )
+            .into_response(),
+    }
 }
 
 async fn handle_http(
