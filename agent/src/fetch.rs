@@ -58,6 +58,7 @@ use dray_protocol::{Bitfield, ChunkMap, VerifyError};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::Notify;
@@ -248,6 +249,20 @@ pub struct Transfer {
     downloads: tokio::sync::Semaphore,
     /// The map's chunk size (the endgame's rule reads it often).
     chunk_size: u32,
+    /// Stores under way on blocking threads. Each runs to its end even when
+    /// its lane is aborted, so [`Transfer::finish`] waits for them: the
+    /// last chunks of a blob are stored (and the pull sees it complete) a
+    /// moment before they are counted.
+    storing: AtomicUsize,
+}
+
+/// Counts one store under way for as long as it lives.
+struct Storing(Arc<Transfer>);
+
+impl Drop for Storing {
+    fn drop(&mut self) {
+        self.0.storing.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Transfer {
@@ -280,6 +295,7 @@ impl Transfer {
             tasks: Mutex::new(tokio::task::JoinSet::new()),
             downloads: tokio::sync::Semaphore::new(node.config.max_downloads.max(1)),
             chunk_size: map.chunk_size(),
+            storing: AtomicUsize::new(0),
         });
         t.spawn(persist_loop(t.clone()));
         Ok(t)
@@ -367,8 +383,10 @@ impl Transfer {
         data: D,
         peer: Option<String>,
     ) -> Result<PutOutcome> {
-        let t = self.clone();
+        self.storing.fetch_add(1, Ordering::AcqRel);
+        let storing = Storing(self.clone());
         tokio::task::spawn_blocking(move || {
+            let t = &storing.0;
             let data = data.as_ref();
             let len = data.len() as u64;
             let put = match peer {
@@ -501,6 +519,9 @@ impl Transfer {
         let mut tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|p| p.into_inner()));
         tasks.abort_all();
         while tasks.join_next().await.is_some() {}
+        while self.storing.load(Ordering::Acquire) > 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         let (store, b) = (self.node.store().clone(), self.blob.clone());
         tokio::task::spawn_blocking(move || store.persist(&b)).await??;
         Ok(self.report())
