@@ -83,6 +83,10 @@ pub struct StormBench {
     /// Write a chart (completion CDF, registry egress over time) as SVG here.
     #[arg(long)]
     svg: Option<PathBuf>,
+    /// Keep the cluster's files (configs, every agent's and service's log)
+    /// in a new directory under this one, instead of removing them at the end.
+    #[arg(long)]
+    keep_dir: Option<PathBuf>,
 }
 
 #[derive(Serialize)]
@@ -146,7 +150,18 @@ pub async fn run(b: StormBench) -> Result<()> {
     }
     let exe = std::env::current_exe().context("finding the dray binary")?;
     let mut cluster = Cluster {
-        dir: tempfile::tempdir().context("creating a temporary directory")?,
+        dir: match &b.keep_dir {
+            Some(parent) => {
+                let kept = tempfile::Builder::new()
+                    .prefix("dray-storm-")
+                    .disable_cleanup(true)
+                    .tempdir_in(parent)
+                    .with_context(|| format!("creating a directory in {}", parent.display()))?;
+                eprintln!("keeping the cluster's files in {}", kept.path().display());
+                kept
+            }
+            None => tempfile::tempdir().context("creating a temporary directory")?,
+        },
         services: Vec::new(),
         agents: Vec::new(),
     };
