@@ -267,6 +267,40 @@ async fn a_preheated_image_rolls_out_with_no_registry_blob_bytes() {
         !out.status.success() && err.contains("none of the 8 agents known here is labelled zone=c"),
         "{err}"
     );
+    // An image of a registry the nodes' mirrors do not serve: every chosen
+    // node refuses it without connecting anywhere, and the job fails saying why.
+    let elsewhere = "127.0.0.2:5000/elsewhere/app:1";
+    let mut args = vec![
+        "preheat".to_string(),
+        elsewhere.into(),
+        "--count".into(),
+        "2".into(),
+        "--timeout".into(),
+        "60s".into(),
+        "--json".into(),
+    ];
+    args.extend(as_caller(dir.path(), "ci", &tracker_url));
+    let out = dray(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(!out.status.success());
+    let job: dray_protocol::preheat::PreheatJob =
+        serde_json::from_slice(&out.stdout).expect("the job's last state");
+    assert_eq!(
+        (job.failed, job.nodes.len(), job.done),
+        (2, 2, false),
+        "{job:?}"
+    );
+    for n in &job.nodes {
+        let e = n.error.as_deref().unwrap_or_default();
+        assert!(
+            e.contains("registry 127.0.0.2:5000 is not one this node's mirror serves"),
+            "{e}"
+        );
+    }
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("preheating {elsewhere}: 2 of 2 nodes failed")),
+        "{err}"
+    );
 }
 
 /// A GET straight from the registry (not counted as the rollout's: it
