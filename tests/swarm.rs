@@ -455,6 +455,50 @@ async fn a_chunk_map_forged_by_a_node_that_fetched_none_of_it_never_reaches_hone
     assert_no_forged_hash(&tracker.tracker, &real);
 }
 
+/// Issue 19, IPv6-only: the tracker and every agent's peer endpoint on
+/// `[::1]` (the testbed's registry listens on IPv4 loopback). A storm of 6
+/// nodes completes byte-identical, the blob leaving the registry about once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_on_ipv6_addresses_alone_leaves_the_registry_about_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Registry::start(None).await;
+    let size = 96u64 << 20;
+    let digest = push_random(&registry, dir.path(), "test/v6", size);
+    let tracker = TrackerProc::start(&quick_tracker(), "[::1]:0").await;
+    assert!(
+        tracker.url().starts_with("https://[::1]:"),
+        "{}",
+        tracker.url()
+    );
+    let ca = cluster_ca();
+    let agents: Vec<Agent> = (0..6)
+        .map(|i| {
+            Agent::start_on(
+                &ca,
+                &format!("v6-{i}"),
+                dir.path(),
+                "[::1]:0".parse().unwrap(),
+                quick_swarm(vec![tracker.url()]),
+                PeerConfig::default(),
+            )
+        })
+        .collect();
+    let reports = pull_all(
+        &agents,
+        &registry_client(&registry.url(), None),
+        "test/v6",
+        &digest,
+    )
+    .await;
+    assert_identical(&agents, &digest);
+    let ratio = registry.egress() as f64 / size as f64;
+    let from_peers: u64 = reports.iter().map(|r| r.bytes_from_peers).sum();
+    eprintln!("IPv6 storm: registry egress {ratio:.3}x the blob, {from_peers} bytes between peers");
+    assert!(ratio <= 1.10, "registry served {ratio:.3}x the blob");
+    assert!(from_peers >= 4 * size, "{reports:?}");
+    assert_eq!(tracker.tracker.peer_count(), 6);
+}
+
 /// Issue 19, dual-stack: a node listening on both stacks (`[::]`) advertises
 /// an address of each family, comma-separated in its announce; a node whose
 /// endpoint is IPv4 dials the IPv4 one, a node on IPv6 the IPv6 one, and both
