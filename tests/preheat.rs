@@ -160,6 +160,18 @@ async fn a_preheated_image_rolls_out_with_no_registry_blob_bytes() {
         assert_eq!((n.have, n.size), (image_bytes, image_bytes), "{n:?}");
     }
     assert!(image_bytes > 24 << 20, "{image_bytes}");
+    assert_eq!(
+        metric(dir.path(), &tracker_url, "dray_tracker_preheat_jobs"),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            dir.path(),
+            &tracker_url,
+            "dray_tracker_preheat_nodes_pending"
+        ),
+        0.0
+    );
     eprintln!(
         "preheat: 2 nodes hold {image_bytes} bytes after {preheat_s:.1} s; the registry sent {preheat_egress} bytes ({:.2} copies)",
         preheat_egress as f64 / image_bytes as f64

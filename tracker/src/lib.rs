@@ -390,6 +390,12 @@ impl Tracker {
             self.metrics.blobs.set(gauge(st.scheduler.blob_count()));
             self.metrics.chunk_maps.set(gauge(st.maps.len()));
             self.metrics
+                .preheat_jobs
+                .set(gauge(st.preheats.job_count()));
+            self.metrics
+                .preheat_nodes_pending
+                .set(gauge(st.preheats.pending_nodes()));
+            self.metrics
                 .chunk_map_bytes
                 .set(i64::try_from(st.map_bytes).unwrap_or(i64::MAX));
         }

@@ -54,6 +54,8 @@ pub struct TrackerMetrics {
     pub(crate) chunk_map_bytes: Gauge,
     pub(crate) blobs: Gauge,
     pub(crate) chunk_maps: Gauge,
+    pub(crate) preheat_jobs: Gauge,
+    pub(crate) preheat_nodes_pending: Gauge,
     runs_assigned: Counter,
     runs_reclaimed: Counter,
     expired_nodes: Counter,
@@ -82,6 +84,8 @@ impl TrackerMetrics {
             chunk_map_bytes: Gauge::default(),
             blobs: Gauge::default(),
             chunk_maps: Gauge::default(),
+            preheat_jobs: Gauge::default(),
+            preheat_nodes_pending: Gauge::default(),
             runs_assigned: Counter::default(),
             runs_reclaimed: Counter::default(),
             expired_nodes: Counter::default(),
@@ -109,7 +113,7 @@ impl TrackerMetrics {
         );
         r.register(
             "refusals",
-            "Tracker requests refused, by reason (unauthenticated, not_your_id, malformed, limit, map_disagrees, report_refused, inconsistent)",
+            "Tracker requests refused, by reason (unauthenticated, not_your_id, malformed, limit, map_disagrees, report_refused, inconsistent, preheat_refused)",
             m.refusals.clone(),
         );
         r.register("nodes", "Agents known now", m.nodes.clone());
@@ -128,6 +132,16 @@ impl TrackerMetrics {
             "chunk_maps",
             "Blobs whose chunk map (possibly partial) this replica hands out",
             m.chunk_maps.clone(),
+        );
+        r.register(
+            "preheat_jobs",
+            "Preheat jobs this replica keeps (it coordinates them), ended ones included",
+            m.preheat_jobs.clone(),
+        );
+        r.register(
+            "preheat_nodes_pending",
+            "Nodes chosen by this replica's preheat jobs that have not reported the job done or failed",
+            m.preheat_nodes_pending.clone(),
         );
         r.register(
             "registry_runs_assigned",

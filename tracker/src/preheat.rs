@@ -245,6 +245,20 @@ impl Jobs {
         Ok(self.view(&id, now).expect("just made"))
     }
 
+    /// Jobs kept, ended ones included.
+    pub fn job_count(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// Chosen nodes that have not ended their jobs.
+    pub fn pending_nodes(&self) -> usize {
+        self.jobs
+            .iter()
+            .flat_map(|j| &j.nodes)
+            .filter(|n| !n.state.is_final())
+            .count()
+    }
+
     /// A job as clients see it.
     pub fn view(&self, id: &str, now: Instant) -> Option<PreheatJob> {
         let job = self.jobs.iter().find(|j| j.id == id)?;
