@@ -58,6 +58,11 @@ pub async fn run_agent(cfg: AgentConfig) -> Result<()> {
     let mut agent = crate::open_agent(&cfg, metrics)?;
     let (swarm, node) = (agent.swarm().clone(), agent.node().clone());
     admin.set_ready(node.clone());
+    // Preheat jobs the tracker hands this node run through the local API's
+    // pulls (started below); set before the first announce, which then
+    // makes this node one the tracker may choose.
+    let (preheats, preheat_tasks) = tokio::sync::mpsc::unbounded_channel();
+    swarm.preheats().set_runner(preheats);
     agent.spawn_loops(true);
     let listener = tokio::net::TcpListener::bind(cfg.mirror.listen)
         .await
@@ -81,9 +86,6 @@ pub async fn run_agent(cfg: AgentConfig) -> Result<()> {
         &cfg.local_api,
         cfg.unpack.clone(),
     );
-    // Preheat jobs the tracker hands this node run through the local API's pulls.
-    let (preheats, preheat_tasks) = tokio::sync::mpsc::unbounded_channel();
-    swarm.preheats().set_runner(preheats);
     let preheat_task = tokio::spawn(api.clone().run_preheats(preheat_tasks));
     let mirror = Mirror::new(agent.pulls().clone(), cfg.mirror.clone());
     // Set at the stop: no new requests; those under way run to their end.

@@ -337,9 +337,12 @@ fn sigterm_stops_an_agent_that_is_pid_1_of_its_pid_namespace() {
         .spawn()
         .expect("unshare (util-linux) runs");
     let mut stderr = std::io::BufReader::new(unshare.stderr.take().unwrap());
+    // Logs may come first: its announce to the dead tracker fails at once.
     let mut banner = String::new();
-    stderr.read_line(&mut banner).unwrap();
-    assert!(banner.contains("dray agent"), "{banner:?}");
+    while !banner.contains("dray agent") {
+        banner.clear();
+        assert_ne!(stderr.read_line(&mut banner).unwrap(), 0, "no banner");
+    }
     // unshare --fork waits for its child, the namespace's PID 1.
     let children = format!("/proc/{0}/task/{0}/children", unshare.id());
     let agent: i32 = std::fs::read_to_string(&children)

@@ -34,6 +34,12 @@ impl Preheats {
         *lock(&self.runner) = Some(runner);
     }
 
+    /// Whether this agent runs preheat jobs (then it announces to the
+    /// coordinating replica even when it holds nothing there, to be chosen).
+    pub fn runs_jobs(&self) -> bool {
+        lock(&self.runner).is_some()
+    }
+
     /// What the next announce to the coordinator reports.
     pub fn reports(&self) -> Vec<pb::PreheatStatus> {
         lock(&self.jobs).clone()

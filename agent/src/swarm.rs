@@ -392,9 +392,11 @@ impl Swarm {
     }
 
     /// One round of announces: every blob held or wanted, to its owner
-    /// replica, and to the replica that coordinates preheats (see
-    /// [`dray_protocol::preheat`]) this node's preheat progress, even when
-    /// it owns none of the blobs: it must know every node to choose some.
+    /// replica; and, from an agent that runs preheat jobs (`dray agent`),
+    /// its preheat progress to the replica that coordinates them (see
+    /// [`dray_protocol::preheat`]), even when it holds none of that
+    /// replica's blobs: the coordinator must know every such node to
+    /// choose some.
     async fn announce_once(&self) {
         let wanted: HashMap<BlobDigest, String> = lock(&self.wanted)
             .iter()
@@ -407,7 +409,11 @@ impl Swarm {
                 groups.entry(owner).or_default().push(h);
             }
         }
-        let coordinator = self.tracker.owner(&preheat::coordinator_key());
+        let coordinator = self
+            .preheats
+            .runs_jobs()
+            .then(|| self.tracker.owner(&preheat::coordinator_key()))
+            .flatten();
         if let Some(c) = &coordinator {
             groups.entry(c.clone()).or_default();
         }
