@@ -7,7 +7,8 @@
 //! One replica coordinates every preheat job: the owner of
 //! [`coordinator_key`] by the same rendezvous hashing that picks a blob's
 //! replica, so that agents and clients find it with no coordination. Agents
-//! announce to it even when they hold nothing it owns; it hands a chosen
+//! that run preheat jobs (`dray agent`) announce to it even when they hold
+//! nothing it owns; it hands a chosen
 //! node its jobs in announce answers, and the node reports its progress in
 //! its next announces.
 

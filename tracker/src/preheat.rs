@@ -4,7 +4,7 @@
 //! a restarted coordinator has no jobs, and `dray preheat` says so.
 //!
 //! A job's nodes are chosen from the members this replica knows (every
-//! agent announces to the coordinator at least every `idle_announce`),
+//! `dray agent` announces to the coordinator at least every `idle_announce`),
 //! filtered by the request's labels, then taken one zone at a time and,
 //! within a zone, one rack at a time, so that a 25% preheat of three zones
 //! lands in all three. A node learns its jobs from announce answers until
