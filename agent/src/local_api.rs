@@ -11,14 +11,14 @@
 //!   image's manifest (the shim sets its deadline for the unpack by the size).
 //! - `POST /v1/images/pull`: pulls every layer of an image into the store,
 //!   answering with one JSON progress line per tick (`dray pull`).
-//!
-//! The same pulls run the preheat jobs the tracker hands the node
-//! ([`LocalApi::run_preheats`]), for images of the registries the mirror
-//! serves only.
 //! - `GET /v1/status`: what the node holds and where it listens (`dray status`).
 //! - `POST /v1/gc`: one garbage collection now, or a dry run (`dray gc`).
 //! - `GET`, `POST`, `DELETE /v1/pins`: the images pinned at run time, whose
 //!   config and layers are never evicted (`dray pin`, `dray unpin`).
+//!
+//! The same pulls run the preheat jobs the tracker hands the node
+//! ([`LocalApi::run_preheats`]), for images of the registries the mirror
+//! serves only.
 //!
 //! A unix socket rather than TCP because the unpack call writes where it is
 //! told as root: only local, privileged clients may make it, and only into

@@ -477,7 +477,7 @@ impl Swarm {
                 .filter(|d| wanted.contains_key(d))
                 .collect();
             match answer {
-                Ok(Some(resp)) => {
+                Ok(Some(mut resp)) => {
                     self.node
                         .store()
                         .gc()
@@ -489,7 +489,7 @@ impl Swarm {
                             Some((h.digest.parse().ok()?, holders))
                         }));
                     tracing::debug!(%replica, peers = resp.peers.len(), runs = resp.assignments.len(), maps = resp.chunk_maps.len(), resend_full = resp.resend_full, "tracker answered");
-                    self.preheats.offer(resp.preheat.clone());
+                    self.preheats.offer(std::mem::take(&mut resp.preheat));
                     if resp.resend_full {
                         lock(&self.sent).remove(&replica);
                         self.poke.notify_one();

@@ -83,12 +83,10 @@ impl TrackerClient {
 
     /// The replica to use for `digest` now: the first in its order not marked down.
     pub fn owner(&self, digest: &BlobDigest) -> Option<String> {
-        let down = self.down_until.lock().unwrap_or_else(|p| p.into_inner());
-        let now = Instant::now();
         let order = self.order(digest);
         order
             .iter()
-            .find(|r| down.get(**r).is_none_or(|until| *until <= now))
+            .find(|r| !self.is_down(r))
             .or(order.first())
             .map(|r| r.to_string())
     }

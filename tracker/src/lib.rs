@@ -536,7 +536,7 @@ impl Tracker {
         }
     }
 
-    /// Starts a preheat job for `caller` (see [`preheat`]).
+    /// Starts a preheat job (see [`preheat`]).
     pub fn start_preheat(
         &self,
         req: &PreheatRequest,

@@ -16,7 +16,7 @@ use dray_protocol::preheat::{
     MAX_ERROR_BYTES, MAX_ID_BYTES, MAX_IMAGE_BYTES, MAX_JOBS, MAX_NODE_JOBS, NodeProgress,
     NodeState, PreheatJob, PreheatRequest, wanted,
 };
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::time::Instant;
 
@@ -52,11 +52,17 @@ struct Job {
     matched: u32,
     made: Instant,
     nodes: Vec<Node>,
+    /// Each node's place in `nodes`: every announce asks for its node.
+    at: HashMap<String, usize>,
 }
 
 impl Job {
     fn ended(&self) -> bool {
         self.nodes.iter().all(|n| n.state.is_final())
+    }
+
+    fn node(&self, peer: &str) -> Option<&Node> {
+        self.at.get(peer).map(|&i| &self.nodes[i])
     }
 }
 
@@ -72,18 +78,17 @@ fn label<'a>(labels: &'a BTreeMap<String, String>, keys: &[&str]) -> &'a str {
         .map_or("", String::as_str)
 }
 
+/// A member: its peer id and topology labels.
+pub type Member<'a> = (&'a str, &'a BTreeMap<String, String>);
+
 /// `n` of `members`, spread over zones, then racks: each round takes one
 /// node of every zone, each zone's turn the next of its racks. Within a
 /// rack the order is a hash of `seed` and the peer id, so that jobs with
 /// other seeds land on other nodes.
-pub fn choose<'a>(
-    members: &[(&'a str, &'a BTreeMap<String, String>)],
-    n: usize,
-    seed: &str,
-) -> Vec<&'a str> {
-    type Racks<'a> = BTreeMap<&'a str, VecDeque<&'a str>>;
+pub fn choose<'a>(members: &[Member<'a>], n: usize, seed: &str) -> Vec<Member<'a>> {
+    type Racks<'a> = BTreeMap<&'a str, VecDeque<Member<'a>>>;
     let mut zones: BTreeMap<&str, Racks<'a>> = BTreeMap::new();
-    let mut ranked: Vec<(u64, &'a str, &BTreeMap<String, String>)> = members
+    let mut ranked: Vec<(u64, &'a str, &'a BTreeMap<String, String>)> = members
         .iter()
         .map(|&(id, labels)| {
             let mut h = std::hash::DefaultHasher::new();
@@ -98,10 +103,10 @@ pub fn choose<'a>(
             .or_default()
             .entry(label(labels, &RACK_KEYS))
             .or_default()
-            .push_back(id);
+            .push_back((id, labels));
     }
     // Each zone's nodes, one rack at a time.
-    let mut per_zone: Vec<VecDeque<&str>> = zones
+    let mut per_zone: Vec<VecDeque<Member<'a>>> = zones
         .into_values()
         .map(|mut racks| {
             let mut order = VecDeque::new();
@@ -192,7 +197,7 @@ impl Jobs {
     pub fn start(
         &mut self,
         req: &PreheatRequest,
-        members: &[(&str, &BTreeMap<String, String>)],
+        members: &[Member],
         now: Instant,
     ) -> Result<PreheatJob, PreheatError> {
         check(req)?;
@@ -220,20 +225,21 @@ impl Jobs {
         }
         let id = format!("{:016x}", fastrand::u64(..));
         let n = wanted(matching.len(), req.count, req.percent);
-        let nodes = choose(&matching, n, &id)
+        let nodes: Vec<Node> = choose(&matching, n, &id)
             .into_iter()
-            .map(|peer| Node {
+            .map(|(peer, labels)| Node {
                 peer_id: peer.to_string(),
-                labels: matching
-                    .iter()
-                    .find(|(p, _)| *p == peer)
-                    .map(|(_, l)| (*l).clone())
-                    .unwrap_or_default(),
+                labels: labels.clone(),
                 state: NodeState::Queued,
                 have: 0,
                 size: 0,
                 error: None,
             })
+            .collect();
+        let at = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.peer_id.clone(), i))
             .collect();
         self.jobs.push_back(Job {
             id: id.clone(),
@@ -241,6 +247,7 @@ impl Jobs {
             matched: u32::try_from(matching.len()).unwrap_or(u32::MAX),
             made: now,
             nodes,
+            at,
         });
         Ok(self.view(&id, now).expect("just made"))
     }
@@ -293,12 +300,10 @@ impl Jobs {
     /// choose `peer`, or that it already ended, changes nothing.
     pub fn note(&mut self, peer: &str, reports: &[pb::PreheatStatus]) {
         for r in reports {
-            let Some(node) = self
-                .jobs
-                .iter_mut()
-                .find(|j| j.id == r.id)
-                .and_then(|j| j.nodes.iter_mut().find(|n| n.peer_id == peer))
-            else {
+            let Some(node) = self.jobs.iter_mut().find(|j| j.id == r.id).and_then(|j| {
+                let i = *j.at.get(peer)?;
+                Some(&mut j.nodes[i])
+            }) else {
                 continue;
             };
             if node.state.is_final() {
@@ -315,11 +320,7 @@ impl Jobs {
     pub fn tasks_for(&self, peer: &str) -> Vec<pb::PreheatTask> {
         self.jobs
             .iter()
-            .filter(|j| {
-                j.nodes
-                    .iter()
-                    .any(|n| n.peer_id == peer && !n.state.is_final())
-            })
+            .filter(|j| j.node(peer).is_some_and(|n| !n.state.is_final()))
             .map(|j| pb::PreheatTask {
                 id: j.id.clone(),
                 image: j.image.clone(),
@@ -381,18 +382,21 @@ mod tests {
         }
         let members: Vec<_> = ids.iter().map(String::as_str).zip(labels.iter()).collect();
         let zone_rack = |id: &str| id[..2].to_string();
-        let three = choose(&members, 3, "job-1");
+        let ids_of = |chosen: Vec<Member>| -> Vec<String> {
+            chosen.into_iter().map(|(id, _)| id.to_string()).collect()
+        };
+        let three = ids_of(choose(&members, 3, "job-1"));
         let mut zones: Vec<_> = three.iter().map(|id| &id[..1]).collect();
         zones.sort();
         assert_eq!(zones, ["a", "b", "c"], "{three:?}");
-        let six = choose(&members, 6, "job-1");
+        let six = ids_of(choose(&members, 6, "job-1"));
         let mut places: Vec<_> = six.iter().map(|id| zone_rack(id)).collect();
         places.sort();
         assert_eq!(places, ["a1", "a2", "b1", "b2", "c1", "c2"], "{six:?}");
         assert_eq!(choose(&members, 100, "job-1").len(), 24);
         // Another job's seed picks other nodes within the same places.
         let other: Vec<_> = (0..8)
-            .map(|s| choose(&members, 6, &format!("job-{s}")))
+            .map(|s| ids_of(choose(&members, 6, &format!("job-{s}"))))
             .collect();
         assert!(other.iter().any(|o| o != &six), "every seed chose {six:?}");
     }
@@ -529,6 +533,12 @@ mod tests {
             check_reports(&too_many)
                 .unwrap_err()
                 .contains("more than 16")
+        );
+        let long_id = [status(&"f".repeat(MAX_ID_BYTES + 1), State::Done)];
+        assert!(
+            check_reports(&long_id)
+                .unwrap_err()
+                .contains("33 bytes, more than 32")
         );
     }
 }
