@@ -74,8 +74,15 @@ pub async fn run_agent(cfg: AgentConfig) -> Result<()> {
             cfg.local_api.socket.display()
         )
     })?;
+    let dht = match swarm.dht() {
+        Some(dht) => match dht.listening().await {
+            Some(addr) => format!(", DHT on {addr}"),
+            None => bail!("the DHT stopped before it listened"),
+        },
+        None => String::new(),
+    };
     eprintln!(
-        "dray agent {} serving peers on {} and the registry mirror on http://{mirror_addr} (metrics on http://{admin_addr}/metrics, local API on {})",
+        "dray agent {} serving peers on {} and the registry mirror on http://{mirror_addr} (metrics on http://{admin_addr}/metrics, local API on {}{dht})",
         node.peer_id(),
         node.local_addr()?,
         cfg.local_api.socket.display()

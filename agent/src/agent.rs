@@ -6,6 +6,7 @@
 //! tests all start agents here, so what they run is what ships.
 
 use crate::config::AgentConfig;
+use crate::dht::Dht;
 use crate::error::Result;
 use crate::identity::Identity;
 use crate::metrics::AgentMetrics;
@@ -28,7 +29,8 @@ pub struct Agent {
 impl Agent {
     /// Opens the store in `cfg.state_dir` (its limits and `[gc]` from `cfg`,
     /// counting into `metrics`), binds the peer endpoint on `cfg.peer_listen`
-    /// as `identity` and joins the swarm of `cfg.swarm`. No loop runs yet.
+    /// as `identity` and joins the swarm of `cfg.swarm` (and its DHT, if
+    /// `swarm.dht.listen` is set). No loop runs yet.
     pub fn open(cfg: &AgentConfig, identity: Identity, metrics: Arc<AgentMetrics>) -> Result<Self> {
         let store = Arc::new(ChunkStore::open(&cfg.state_dir)?);
         store.set_max_blob_size(cfg.max_blob_size);
@@ -45,7 +47,14 @@ impl Agent {
             metrics.clone(),
         )?;
         crate::advertise::check(&cfg.swarm.advertise, node.local_addr()?)?;
-        let swarm = Swarm::new(node, cfg.swarm.clone());
+        let dht = match cfg.swarm.dht.listen {
+            Some(_) => {
+                let address = crate::advertise::announced(&cfg.swarm.advertise, node.local_addr()?);
+                Some(Dht::join(node.identity(), &cfg.swarm.dht, address)?)
+            }
+            None => None,
+        };
+        let swarm = Swarm::new(node, cfg.swarm.clone(), dht);
         Ok(Self {
             pulls: Pulls::new(swarm.clone()),
             swarm,

@@ -254,6 +254,10 @@ pub struct Transfer {
     /// last chunks of a blob are stored (and the pull sees it complete) a
     /// moment before they are counted.
     storing: AtomicUsize,
+    /// No tracker vouches for chunk hashes (a swarm found through the DHT):
+    /// watchers take each peer's word for the hashes of the chunks it
+    /// holds, and the blob's digest, checked at the end, is the judge.
+    peer_hashes: std::sync::atomic::AtomicBool,
 }
 
 /// Counts one store under way for as long as it lives.
@@ -296,9 +300,35 @@ impl Transfer {
             downloads: tokio::sync::Semaphore::new(node.config.max_downloads.max(1)),
             chunk_size: map.chunk_size(),
             storing: AtomicUsize::new(0),
+            peer_hashes: std::sync::atomic::AtomicBool::new(false),
         });
         t.spawn(persist_loop(t.clone()));
         Ok(t)
+    }
+
+    /// Whether chunks may still be picked from `peer` (named and not
+    /// dropped or retired).
+    pub fn is_live_peer(&self, peer: &str) -> bool {
+        self.lock().is_live(peer)
+    }
+
+    /// Chunks some peer's last bitfield shows, whatever their hashes:
+    /// without a tracker, a chunk no peer holds is one the registry must send.
+    pub fn held_by_peers(&self) -> Bitfield {
+        let sh = self.lock();
+        let mut all = Bitfield::new(self.blob.held().len());
+        for bits in sh.raw.values() {
+            for i in bits.ones() {
+                all.set(i);
+            }
+        }
+        all
+    }
+
+    /// Takes peers' word for chunk hashes from now on (see `peer_hashes`);
+    /// called before the first peer is added.
+    pub fn take_hashes_from_peers(&self) {
+        self.peer_hashes.store(true, Ordering::Release);
     }
 
     pub fn blob(&self) -> &Arc<Blob> {
@@ -756,15 +786,40 @@ async fn watch_peer(
 ) -> Result<()> {
     // Only the digest and the chunk count are used: they never change.
     let map = t.blob.map();
-    while seen < map.chunk_count() && !t.is_over() {
+    let peer_hashes = t.peer_hashes.load(Ordering::Acquire);
+    // Whether the last answer left hashes out: then ask again at once.
+    let mut more_hashes = false;
+    while (seen < map.chunk_count() || more_hashes) && !t.is_over() {
         let asked = tokio::time::Instant::now();
-        let poll = t.node.bitfield_after(link, &map, seen, WATCH_WAIT);
+        let above = if more_hashes { 0 } else { seen };
+        let poll = async {
+            if !peer_hashes {
+                return t.node.bitfield_after(link, &map, above, WATCH_WAIT).await;
+            }
+            let known = t.blob.known();
+            let (bits, theirs) = t
+                .node
+                .bitfield_with_hashes(link, &map, above, WATCH_WAIT, &known)
+                .await?;
+            let told = theirs.known().count();
+            more_hashes = told as usize >= dray_protocol::framing::MAX_HASHES_PER_ANSWER;
+            match t.blob.learn(&theirs) {
+                Ok(0) => {}
+                Ok(_) => t.nudge(),
+                // Another peer's word came first: the chunk's bytes, then
+                // the blob's digest, decide which was true.
+                Err(e) => {
+                    tracing::warn!(peer = %link.peer_id, error = %e, "a peer's chunk hash differs from one already taken")
+                }
+            }
+            Ok(bits)
+        };
         let Some(bits) = retired.run_until_cancelled(poll).await else {
             return Ok(());
         };
         let bits = bits?;
         seen = bits.count();
-        if !t.offer(&link.peer_id, bits) {
+        if !t.offer(&link.peer_id, bits) && !more_hashes {
             tokio::time::sleep_until(asked + MIN_ASK_GAP).await;
         }
     }

@@ -25,6 +25,9 @@ pub const ALPN: &[u8] = b"dray/1";
 /// ALPN protocol id of the tracker's HTTP/1.1 over TLS.
 pub const TRACKER_ALPN: &[u8] = b"http/1.1";
 
+/// ALPN protocol id of the DHT's TLS ([`crate::dht`]).
+pub const DHT_ALPN: &[u8] = b"dray-dht/1";
+
 /// Lifetime of an issued certificate unless told otherwise: a year.
 pub const DEFAULT_VALIDITY_DAYS: u32 = 365;
 
@@ -334,6 +337,23 @@ impl Identity {
     /// TLS for talking to the tracker: its certificate must be signed by the
     /// CA for the host dialled and must not be a node's; we present ours.
     pub fn tracker_client_tls(&self) -> Result<rustls::ClientConfig> {
+        self.checked_client(ServerRole::Tracker, TRACKER_ALPN)
+    }
+
+    /// TLS for accepting DHT connections: as the peer plane's, under
+    /// [`DHT_ALPN`].
+    pub fn dht_server_tls(&self) -> Result<rustls::ServerConfig> {
+        self.server_config(false, DHT_ALPN)
+    }
+
+    /// TLS for dialling DHT nodes: the server must hold a node certificate
+    /// the CA signed (for any peer id: whom a bootstrap address reaches is
+    /// not known before), and we present ours.
+    pub fn dht_client_tls(&self) -> Result<rustls::ClientConfig> {
+        self.checked_client(ServerRole::Member, DHT_ALPN)
+    }
+
+    fn checked_client(&self, role: ServerRole, alpn: &[u8]) -> Result<rustls::ClientConfig> {
         let webpki =
             rustls::client::WebPkiServerVerifier::builder_with_provider(self.roots()?, provider())
                 .build()
@@ -342,24 +362,38 @@ impl Identity {
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(tls_err)?
             .dangerous()
-            .with_custom_certificate_verifier(Arc::new(TrackerVerifier(webpki)))
+            .with_custom_certificate_verifier(Arc::new(ServerVerifier { webpki, role }))
             .with_client_auth_cert(
                 vec![self.cert.clone()],
                 PrivateKeyDer::Pkcs8(self.key.clone_key()),
             )
             .map_err(tls_err)?;
-        cfg.alpn_protocols = vec![TRACKER_ALPN.to_vec()];
+        cfg.alpn_protocols = vec![alpn.to_vec()];
         Ok(cfg)
     }
 }
 
-/// The CA's WebPKI check of the tracker's certificate, plus one: a
-/// certificate that allows client authentication is a node's, and a node
-/// (even one whose peer id matches the tracker's host name) is not the tracker.
-#[derive(Debug)]
-struct TrackerVerifier(Arc<rustls::client::WebPkiServerVerifier>);
+/// Whom a server certificate must belong to, beyond the CA's signature.
+#[derive(Debug, Clone, Copy)]
+enum ServerRole {
+    /// The tracker, for the host dialled. A certificate that allows client
+    /// authentication is a node's, and a node (even one whose peer id
+    /// matches the tracker's host name) is not the tracker.
+    Tracker,
+    /// Any node, whatever name was dialled (a DHT bootstrap address names
+    /// no node): the certificate must be valid for the peer id it carries
+    /// and allow client authentication, as every node's does.
+    Member,
+}
 
-impl rustls::client::danger::ServerCertVerifier for TrackerVerifier {
+/// The CA's WebPKI check of a server's certificate, plus its role's rule.
+#[derive(Debug)]
+struct ServerVerifier {
+    webpki: Arc<rustls::client::WebPkiServerVerifier>,
+    role: ServerRole,
+}
+
+impl rustls::client::danger::ServerCertVerifier for ServerVerifier {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -368,19 +402,44 @@ impl rustls::client::danger::ServerCertVerifier for TrackerVerifier {
         ocsp_response: &[u8],
         now: rustls::pki_types::UnixTime,
     ) -> std::result::Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
-        let verified = self.0.verify_server_cert(
-            end_entity,
-            intermediates,
-            server_name,
-            ocsp_response,
-            now,
-        )?;
-        if dray_protocol::identity::allows_client_auth(end_entity) {
-            return Err(rustls::Error::General(format!(
-                "the certificate {server_name:?} presented as the tracker is a node's (it allows client authentication); the tracker's comes from `dray ca issue --tracker`"
-            )));
+        let general = |e: String| rustls::Error::General(e);
+        let node = dray_protocol::identity::allows_client_auth(end_entity);
+        match self.role {
+            ServerRole::Tracker => {
+                let verified = self.webpki.verify_server_cert(
+                    end_entity,
+                    intermediates,
+                    server_name,
+                    ocsp_response,
+                    now,
+                )?;
+                if node {
+                    return Err(general(format!(
+                        "the certificate {server_name:?} presented as the tracker is a node's (it allows client authentication); the tracker's comes from `dray ca issue --tracker`"
+                    )));
+                }
+                Ok(verified)
+            }
+            ServerRole::Member => {
+                let name = peer_id_of(end_entity).map_err(|e| general(e.to_string()))?;
+                let name = rustls::pki_types::ServerName::try_from(name)
+                    .map_err(|e| general(format!("a node certificate's peer id: {e}")))?;
+                let verified = self.webpki.verify_server_cert(
+                    end_entity,
+                    intermediates,
+                    &name,
+                    ocsp_response,
+                    now,
+                )?;
+                if !node {
+                    return Err(general(
+                        "the certificate is not a node's (it allows no client authentication)"
+                            .into(),
+                    ));
+                }
+                Ok(verified)
+            }
         }
-        Ok(verified)
     }
 
     fn verify_tls12_signature(
@@ -389,7 +448,7 @@ impl rustls::client::danger::ServerCertVerifier for TrackerVerifier {
         cert: &CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> std::result::Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        self.webpki.verify_tls12_signature(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -398,11 +457,11 @@ impl rustls::client::danger::ServerCertVerifier for TrackerVerifier {
         cert: &CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> std::result::Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        self.webpki.verify_tls13_signature(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.0.supported_verify_schemes()
+        self.webpki.supported_verify_schemes()
     }
 }
 

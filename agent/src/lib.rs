@@ -3,7 +3,8 @@
 //! It keeps a [`store::ChunkStore`] of verified chunks on disk, serves them to
 //! other agents and fetches from them over an authenticated QUIC
 //! [`peer::PeerNode`], drives transfers with [`fetch`], and joins the swarm
-//! through [`swarm`]: announces to the tracker ([`tracker_client`]) the
+//! through [`swarm`]: announces to the tracker ([`tracker_client`]), or
+//! without one finds peers through the Kademlia DHT ([`dht`]), the
 //! addresses peers dial ([`advertise`]), registry
 //! range fetches ([`registry`]) and the fallbacks that make a pull never worse
 //! than a direct one; [`preheat`] keeps the preheat jobs the tracker hands
@@ -17,6 +18,7 @@ pub mod agent;
 pub mod bounded;
 pub mod config;
 pub mod containerd;
+pub mod dht;
 pub mod error;
 pub mod fetch;
 pub mod gc;

@@ -34,6 +34,7 @@
 //! blobs over a limit of 512).
 
 use crate::advertise::{self, Advertised};
+use crate::dht::{Dht, DhtConfig};
 use crate::error::{Error, Result};
 use crate::fetch::{PeerAddr, Transfer};
 use crate::metrics::{FallbackReason, Source};
@@ -45,7 +46,7 @@ use crate::tracker_client::TrackerClient;
 use dray_protocol::defaults::{DEFAULTS, announce_spread};
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::preheat;
-use dray_protocol::pull::{Fallback, FallbackRule};
+use dray_protocol::pull::{Fallback, FallbackRule, registry_fetcher};
 use dray_protocol::scheduler::SchedulerConfig;
 use dray_protocol::settings::duration;
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap, DEFAULT_CHUNK_SIZE, VerifyError};
@@ -95,6 +96,9 @@ pub struct SwarmConfig {
     /// (it refuses an announce listing more); past it the least useful are
     /// left out.
     pub max_announce_blobs: usize,
+    /// The Kademlia DHT, used when no tracker is configured (see
+    /// [`crate::dht`]); off unless `dht.listen` is set.
+    pub dht: DhtConfig,
 }
 
 /// Chunks one announce lists at most, over all its blobs: the tracker's
@@ -120,6 +124,7 @@ impl Default for SwarmConfig {
             run_chunks: DEFAULTS.run_chunks,
             chunk_size: DEFAULT_CHUNK_SIZE,
             max_announce_blobs: SchedulerConfig::default().max_blobs_per_peer,
+            dht: DhtConfig::default(),
         }
     }
 }
@@ -184,6 +189,8 @@ pub struct Swarm {
     poke: Notify,
     /// The preheat jobs this node was handed.
     preheats: Preheats,
+    /// The DHT, if this node joined one.
+    dht: Option<Arc<Dht>>,
 }
 
 /// One blob as an announce lists it, with all its bits: the most it can
@@ -256,7 +263,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Swarm {
-    pub fn new(node: Arc<PeerNode>, config: SwarmConfig) -> Arc<Self> {
+    pub fn new(node: Arc<PeerNode>, config: SwarmConfig, dht: Option<Arc<Dht>>) -> Arc<Self> {
         Arc::new(Self {
             tracker: TrackerClient::new(config.trackers.clone(), node.identity()),
             node,
@@ -266,6 +273,7 @@ impl Swarm {
             left_out: Mutex::new(HashMap::new()),
             poke: Notify::new(),
             preheats: Preheats::default(),
+            dht,
         })
     }
 
@@ -275,6 +283,16 @@ impl Swarm {
 
     pub fn node(&self) -> &Arc<PeerNode> {
         &self.node
+    }
+
+    /// The DHT this node joined, if any.
+    pub fn dht(&self) -> Option<&Arc<Dht>> {
+        self.dht.as_ref()
+    }
+
+    /// The DHT, when pulls use it: no tracker is configured.
+    fn dht_mode(&self) -> Option<Arc<Dht>> {
+        self.dht.clone().filter(|_| !self.tracker.is_configured())
     }
 
     /// The preheat jobs this node was handed, and where new ones go.
@@ -291,6 +309,13 @@ impl Swarm {
     pub fn spawn_announcer(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let swarm = self.clone();
         tokio::spawn(async move {
+            if let Some(dht) = swarm.dht_mode() {
+                // What the store holds is found through the DHT, as an
+                // announce tells the tracker; Kademlia republishes it.
+                for h in swarm.node.store().holdings() {
+                    dht.provide(&h.digest).await;
+                }
+            }
             if !swarm.tracker.is_configured() {
                 return;
             }
@@ -626,7 +651,15 @@ impl Swarm {
             size,
             ..Default::default()
         };
-        let mut alone = !self.tracker.is_configured();
+        let dht = self.dht_mode();
+        let mut alone = !self.tracker.is_configured() && dht.is_none();
+        // Without a tracker to recheck a wrong map against the registry,
+        // the first one sends the pull to the registry alone.
+        let failures_before_alone = if dht.is_some() {
+            1
+        } else {
+            MAP_FAILURES_BEFORE_ALONE
+        };
         let mut recut = false;
         // Wrong maps this node found itself (not replacements it was told of).
         let mut own_failures = 0;
@@ -637,6 +670,18 @@ impl Swarm {
                 tracker_ok: true,
                 ..Default::default()
             });
+            // Without a tracker, the DHT's members and the rendezvous rule
+            // stand in for its answers.
+            let _coordinator = match &dht {
+                Some(dht) if !alone => {
+                    transfer.take_hashes_from_peers();
+                    let task = self
+                        .clone()
+                        .coordinate(dht.clone(), transfer.clone(), tx.clone());
+                    Some(AbortOnDrop(tokio::spawn(task.in_current_span())))
+                }
+                _ => None,
+            };
             let origin = registry.base().to_owned();
             lock(&self.wanted).insert(
                 digest,
@@ -693,7 +738,7 @@ impl Swarm {
                     // A second wrong map of our own in one pull: the swarm
                     // cannot be trusted with this blob now, the registry
                     // alone can.
-                    alone = own_failures >= MAP_FAILURES_BEFORE_ALONE;
+                    alone = own_failures >= failures_before_alone;
                     // The tracker believes a node once per report window.
                     if own_failures == 1 {
                         self.report_digest_failure(&transfer.blob().map(), registry.base())
@@ -879,6 +924,90 @@ impl Swarm {
         }
     }
 
+    /// A pull's stand-in for the tracker when there is none: every
+    /// `dht.lookup` it asks the DHT who else holds or pulls the blob and
+    /// hands them to the transfer as peers. After `dht.settle` (time for
+    /// the other pullers of a storm to show up), it also hands the pull its
+    /// registry runs: the blocks of `run_chunks` chunks that
+    /// [`registry_fetcher`] gives this node among the members still
+    /// reachable, less the chunks some peer already holds. A member's
+    /// blocks that never come are fetched by the stall fallback.
+    async fn coordinate(
+        self: Arc<Self>,
+        dht: Arc<Dht>,
+        t: Arc<Transfer>,
+        updates: watch::Sender<Update>,
+    ) {
+        let digest = t.blob().digest();
+        let Ok(local) = self.node.local_addr() else {
+            return;
+        };
+        dht.provide(&digest).await;
+        let started = Instant::now();
+        let me = self.node.peer_id().to_string();
+        let block = self.config.run_chunks.max(1);
+        // Members seen before: one no longer live in the transfer has gone.
+        let mut seen = std::collections::HashSet::new();
+        loop {
+            let members = dht.members(&digest).await;
+            let peers: Vec<PeerAddr> = members
+                .into_iter()
+                .filter(|m| m.peer_id != me)
+                .filter_map(|m| {
+                    Some(PeerAddr {
+                        addr: advertise::reachable(&m.address, local)?,
+                        peer_id: m.peer_id,
+                    })
+                })
+                .collect();
+            let mut runs = Vec::new();
+            if started.elapsed() >= dht.config().settle {
+                let fetchers: Vec<&str> = std::iter::once(me.as_str())
+                    .chain(
+                        peers
+                            .iter()
+                            .filter(|p| !seen.contains(&p.peer_id) || t.is_live_peer(&p.peer_id))
+                            .map(|p| p.peer_id.as_str()),
+                    )
+                    .collect();
+                let mut skip = t.held_by_peers();
+                for i in t.blob().held().ones() {
+                    skip.set(i);
+                }
+                let count = skip.len();
+                for b in 0..count.div_ceil(block) {
+                    if registry_fetcher(&digest, b, fetchers.iter().copied()) != Some(me.as_str()) {
+                        continue;
+                    }
+                    let end = ((b + 1) * block).min(count);
+                    let mut i = b * block;
+                    while i < end {
+                        if skip.get(i) {
+                            i += 1;
+                            continue;
+                        }
+                        let first = i;
+                        while i < end && !skip.get(i) {
+                            i += 1;
+                        }
+                        runs.push((first, i - first));
+                    }
+                }
+                // As many as run at once: the next come as these finish.
+                runs.truncate(self.config.registry_parallel.max(1));
+            }
+            seen.extend(peers.iter().map(|p| p.peer_id.clone()));
+            updates.send_replace(Update {
+                tracker_ok: true,
+                fetching: false,
+                peers,
+                runs,
+                map: None,
+            });
+            tokio::time::sleep(dht.config().lookup).await;
+        }
+    }
+
     async fn publish(&self, blob: &Blob) {
         if !self.tracker.is_configured() {
             return;
@@ -937,6 +1066,15 @@ impl Swarm {
 const MAP_FAILURES_BEFORE_ALONE: u32 = 2;
 
 /// Errors that mean the published chunk map cannot be trusted.
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 fn is_map_failure(e: &Error) -> bool {
     matches!(
         e,

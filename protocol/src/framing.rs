@@ -21,6 +21,9 @@ pub const MAX_TRACKER_FRAME: usize = 4 << 20;
 pub const MAX_REQUEST_CHUNKS: u32 = 64;
 /// Longest a `BitfieldRequest` may be held, ms; a longer `wait_ms` is capped.
 pub const MAX_BITFIELD_WAIT_MS: u32 = 2_000;
+/// Most chunk hashes one `Bitfield` answer carries (about 40 KiB): an asker
+/// missing more asks again.
+pub const MAX_HASHES_PER_ANSWER: usize = 1024;
 
 /// Why a frame or message was refused.
 #[derive(Debug, thiserror::Error)]
@@ -95,6 +98,9 @@ pub enum PeerRequest {
         digest: BlobDigest,
         wait_above: u32,
         wait_ms: u32,
+        /// Asked for the hashes of held chunks: the bitfield of chunks whose
+        /// hashes the asker knows (empty: none). None: no hashes wanted.
+        known: Option<bytes::Bytes>,
     },
     Chunks {
         digest: BlobDigest,
@@ -116,6 +122,7 @@ impl PeerRequest {
                 digest: parse_digest(&r.digest)?,
                 wait_above: r.wait_above,
                 wait_ms: r.wait_ms.min(MAX_BITFIELD_WAIT_MS),
+                known: r.with_hashes.then_some(r.known),
             }),
             Some(Body::Request(r)) => {
                 if r.count == 0 || r.count > MAX_REQUEST_CHUNKS {
@@ -144,15 +151,18 @@ impl PeerRequest {
     }
 
     pub fn to_pb(&self) -> pb::PeerMessage {
-        let body = match *self {
+        let body = match self {
             Self::Bitfield {
                 digest,
                 wait_above,
                 wait_ms,
+                known,
             } => Body::BitfieldRequest(pb::BitfieldRequest {
                 digest: digest.to_string(),
-                wait_above,
-                wait_ms,
+                wait_above: *wait_above,
+                wait_ms: *wait_ms,
+                with_hashes: known.is_some(),
+                known: known.clone().unwrap_or_default(),
             }),
             Self::Chunks {
                 digest,
@@ -160,8 +170,8 @@ impl PeerRequest {
                 count,
             } => Body::Request(pb::ChunkRequest {
                 digest: digest.to_string(),
-                first,
-                count,
+                first: *first,
+                count: *count,
             }),
         };
         pb::PeerMessage { body: Some(body) }
@@ -213,12 +223,32 @@ mod tests {
             digest: BlobDigest::of(b"x"),
             wait_above: 7,
             wait_ms: 1_000,
+            known: None,
         };
+        assert_eq!(PeerRequest::from_pb(req.to_pb()).unwrap(), req);
+        let req = PeerRequest::Bitfield {
+            digest: BlobDigest::of(b"x"),
+            wait_above: 7,
+            wait_ms: 1_000,
+            known: Some(bytes::Bytes::from_static(&[0b1010_0000])),
+        };
+        assert_eq!(PeerRequest::from_pb(req.to_pb()).unwrap(), req);
+        let none_known = PeerRequest::Bitfield {
+            digest: BlobDigest::of(b"x"),
+            wait_above: 0,
+            wait_ms: 0,
+            known: Some(bytes::Bytes::new()),
+        };
+        assert_eq!(
+            PeerRequest::from_pb(none_known.to_pb()).unwrap(),
+            none_known
+        );
         assert_eq!(PeerRequest::from_pb(req.to_pb()).unwrap(), req);
         let greedy = PeerRequest::Bitfield {
             digest: BlobDigest::of(b"x"),
             wait_above: 7,
             wait_ms: u32::MAX,
+            known: None,
         };
         assert_eq!(
             PeerRequest::from_pb(greedy.to_pb()).unwrap(),
@@ -226,6 +256,7 @@ mod tests {
                 digest: BlobDigest::of(b"x"),
                 wait_above: 7,
                 wait_ms: MAX_BITFIELD_WAIT_MS,
+                known: None,
             }
         );
         // What a peer that predates the wait fields sends: a plain, immediate ask.
@@ -241,6 +272,7 @@ mod tests {
                 digest: BlobDigest::of(b"x"),
                 wait_above: 0,
                 wait_ms: 0,
+                known: None,
             }
         );
     }

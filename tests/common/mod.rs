@@ -769,7 +769,7 @@ pub fn metric(dir: &Path, base: &str, series: &str) -> f64 {
 }
 
 /// A `dray agent` config for node `id` (certificates from
-/// [`issue_certificates`] under `dir`), announcing to `tracker`, mirroring
+/// [`issue_certificates`] under `dir`), announcing to `tracker` (to none if it is empty), mirroring
 /// `registry`; `swarm_extra` is added to its `[swarm]` table.
 pub fn agent_toml(
     dir: &Path,
@@ -779,11 +779,17 @@ pub fn agent_toml(
     swarm_extra: &str,
 ) -> String {
     let d = |p: &str| dir.join(id).join(p).display().to_string();
+    // No tracker: an empty list.
+    let trackers = if tracker.is_empty() {
+        "[]".to_string()
+    } else {
+        format!("[{tracker:?}]")
+    };
     format!(
         "state_dir = {:?}\npeer_listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
          cert = {:?}\nkey = {:?}\nca = {:?}\n\
          [peer]\nrequest_timeout = \"10s\"\n\
-         [swarm]\ntrackers = [{tracker:?}]\npull_announce_ms = 150\nidle_announce_ms = 300\n\
+         [swarm]\ntrackers = {trackers}\npull_announce_ms = 150\nidle_announce_ms = 300\n\
          tracker_grace_ms = 5000\nstall_ms = 10000\n{swarm_extra}\n\
          [local_api]\nsocket = {:?}\n\
          [mirror]\nlisten = \"127.0.0.1:0\"\nupstreams = {{ {:?} = {:?} }}\n",

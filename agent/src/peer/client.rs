@@ -2,7 +2,7 @@
 //! `Hello`s, bitfields (long-polled or not) and chunk requests.
 
 use super::*;
-use dray_protocol::framing::MAX_BITFIELD_WAIT_MS;
+use dray_protocol::framing::{MAX_BITFIELD_WAIT_MS, MAX_HASHES_PER_ANSWER};
 use dray_protocol::{Bitfield, ChunkMap};
 
 impl PeerNode {
@@ -81,6 +81,65 @@ impl PeerNode {
         above: u32,
         wait: Duration,
     ) -> Result<Bitfield> {
+        Ok(self.ask_bitfield(link, map, above, wait, None).await?.0)
+    }
+
+    /// [`PeerNode::bitfield_after`], also asking for the hashes of the
+    /// chunks the peer holds that `known` lacks: the peer's word for them,
+    /// for a swarm without a tracker to vouch for hashes. Returns them as a
+    /// map of the blob holding only those hashes (at most
+    /// [`MAX_HASHES_PER_ANSWER`] of them; ask again for more).
+    pub async fn bitfield_with_hashes(
+        &self,
+        link: &PeerLink,
+        map: &ChunkMap,
+        above: u32,
+        wait: Duration,
+        known: &Bitfield,
+    ) -> Result<(Bitfield, ChunkMap)> {
+        let (bits, hashes) = self
+            .ask_bitfield(link, map, above, wait, Some(known))
+            .await?;
+        let violation = |why: String| Error::Frame {
+            peer: link.peer_id.clone(),
+            source: FrameError::Violation(why),
+        };
+        if hashes.len() > MAX_HASHES_PER_ANSWER {
+            return Err(violation(format!(
+                "{} chunk hashes in one answer (at most {MAX_HASHES_PER_ANSWER})",
+                hashes.len()
+            )));
+        }
+        let mut theirs = ChunkMap::unhashed(map.digest(), map.size(), map.chunk_size())?;
+        for h in hashes {
+            let hash = <[u8; 32]>::try_from(&h.hash[..]).map_err(|_| {
+                violation(format!(
+                    "a chunk hash of {} bytes (BLAKE3 hashes are 32)",
+                    h.hash.len()
+                ))
+            })?;
+            if !bits.get(h.index) {
+                return Err(violation(format!(
+                    "sent the hash of chunk {} of {}, which it does not hold",
+                    h.index,
+                    map.digest()
+                )));
+            }
+            theirs
+                .set_hash(h.index, hash)
+                .map_err(|e| violation(e.to_string()))?;
+        }
+        Ok((bits, theirs))
+    }
+
+    async fn ask_bitfield(
+        &self,
+        link: &PeerLink,
+        map: &ChunkMap,
+        above: u32,
+        wait: Duration,
+        known: Option<&Bitfield>,
+    ) -> Result<(Bitfield, Vec<pb::ChunkHashEntry>)> {
         let peer = &link.peer_id;
         let wait_ms = u32::try_from(wait.as_millis())
             .unwrap_or(u32::MAX)
@@ -91,6 +150,7 @@ impl PeerNode {
                 digest: map.digest(),
                 wait_above: above,
                 wait_ms,
+                known: known.map(|k| Bytes::copy_from_slice(k.as_bytes())),
             }
             .to_pb();
             write_frame(&mut send, &req)
@@ -109,13 +169,15 @@ impl PeerNode {
             })?;
         match reply.body {
             Some(Body::Bitfield(b)) => {
-                Bitfield::from_bytes(map.chunk_count(), &b.bits).map_err(|e| Error::Frame {
-                    peer: peer.clone(),
-                    source: FrameError::Violation(e.to_string()),
-                })
+                let bits =
+                    Bitfield::from_bytes(map.chunk_count(), &b.bits).map_err(|e| Error::Frame {
+                        peer: peer.clone(),
+                        source: FrameError::Violation(e.to_string()),
+                    })?;
+                Ok((bits, b.hashes))
             }
             Some(Body::Reject(r)) if r.reason() == Reason::NotHeld => {
-                Ok(Bitfield::new(map.chunk_count()))
+                Ok((Bitfield::new(map.chunk_count()), Vec::new()))
             }
             Some(Body::Reject(r)) => Err(Error::Rejected {
                 peer: peer.clone(),

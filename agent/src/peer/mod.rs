@@ -11,6 +11,10 @@
 //! seen (or the blob completes or fails, or the capped wait ends), so a
 //! downloader learns of a peer's new chunk when it lands, as from a
 //! BitTorrent HAVE, while every exchange stays one request and one answer.
+//! Without a tracker to vouch for chunk hashes (a swarm found through the
+//! DHT), a bitfield request may also ask for the hashes of the held chunks
+//! the asker lacks ([`PeerNode::bitfield_with_hashes`]): the holder's word,
+//! which the blob's digest checks at the end.
 //! Chunk bytes travel raw after their header, not inside protobuf frames, so the
 //! receiver reads them straight into the buffer it hashes and writes.
 
@@ -481,9 +485,9 @@ async fn read_frame<M: prost::Message + Default>(
 mod tests {
     use super::*;
     use crate::identity::ClusterCa;
-    use dray_protocol::ChunkMap;
     use dray_protocol::chunkmap::MIN_CHUNK_SIZE;
     use dray_protocol::framing::MAX_BITFIELD_WAIT_MS;
+    use dray_protocol::{Bitfield, ChunkMap};
 
     async fn pair() -> (tempfile::TempDir, Arc<PeerNode>, Arc<PeerNode>, ChunkMap) {
         pair_with(PeerConfig::default()).await
@@ -527,6 +531,38 @@ mod tests {
                 .await
                 .unwrap();
         });
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_bitfield_asked_with_hashes_carries_those_of_held_chunks_the_asker_lacks() {
+        let (_dir, a, b, _) = pair().await;
+        let (map, blob, bytes) = partial_blob(&a);
+        let c = MIN_CHUNK_SIZE as usize;
+        blob.put_chunk(2, &bytes[2 * c..]).unwrap();
+        let link = b.connect("a", a.local_addr().unwrap()).await.unwrap();
+        let unhashed = ChunkMap::unhashed(map.digest(), map.size(), map.chunk_size()).unwrap();
+        // Knowing none: the hashes of chunks 0 and 2, the ones a holds.
+        let none = Bitfield::new(map.chunk_count());
+        let (bits, theirs) = b
+            .bitfield_with_hashes(&link, &unhashed, 0, Duration::ZERO, &none)
+            .await
+            .unwrap();
+        assert_eq!(bits.ones().collect::<Vec<_>>(), [0, 2]);
+        assert_eq!(theirs.hashes()[0], map.hashes()[0]);
+        assert_eq!(theirs.hashes()[1], None);
+        assert_eq!(theirs.hashes()[2], map.hashes()[2]);
+        // Knowing chunk 0's: only chunk 2's comes.
+        let mut known = Bitfield::new(map.chunk_count());
+        known.set(0);
+        let (_, theirs) = b
+            .bitfield_with_hashes(&link, &unhashed, 0, Duration::ZERO, &known)
+            .await
+            .unwrap();
+        assert_eq!(theirs.known().ones().collect::<Vec<_>>(), [2]);
+        assert_eq!(theirs.hashes()[2], map.hashes()[2]);
+        // A plain ask carries none.
+        let plain = b.bitfield(&link, &unhashed).await.unwrap();
+        assert_eq!(plain, bits);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

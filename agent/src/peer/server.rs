@@ -3,6 +3,7 @@
 //! watcher and connection caps.
 
 use super::*;
+use dray_protocol::framing::MAX_HASHES_PER_ANSWER;
 
 fn reject(reason: Reason, detail: impl Into<String>) -> pb::PeerMessage {
     pb::PeerMessage {
@@ -125,6 +126,7 @@ async fn serve_request(
             digest,
             wait_above,
             wait_ms,
+            known,
         } => {
             // A long poll holds a place among the blob's watchers while it waits.
             let slot = (wait_ms > 0).then(|| node.watch_slot(digest));
@@ -147,11 +149,15 @@ async fn serve_request(
                             tokio::time::timeout(Duration::from_millis(wait_ms.into()), news).await;
                     }
                     let held = blob.held();
+                    let hashes = known
+                        .map(|k| hashes_unknown_to(&blob, &held, &k))
+                        .unwrap_or_default();
                     pb::PeerMessage {
                         body: Some(Body::Bitfield(pb::Bitfield {
                             digest: digest.to_string(),
                             chunk_count: held.len(),
                             bits: Bytes::copy_from_slice(held.as_bytes()),
+                            hashes,
                         })),
                     }
                 }
@@ -275,4 +281,31 @@ async fn send_chunks(
 async fn lookup(node: &PeerNode, digest: BlobDigest) -> Result<Option<Arc<crate::store::Blob>>> {
     let store = node.store.clone();
     tokio::task::spawn_blocking(move || store.get(&digest)).await?
+}
+
+/// The hashes of held chunks whose bit in `known` (an asker's bitfield of
+/// known hashes, possibly short or empty) is clear, at most
+/// [`MAX_HASHES_PER_ANSWER`] of them.
+fn hashes_unknown_to(
+    blob: &crate::store::Blob,
+    held: &dray_protocol::Bitfield,
+    known: &[u8],
+) -> Vec<pb::ChunkHashEntry> {
+    let knows = |i: u32| {
+        known
+            .get(i as usize / 8)
+            .is_some_and(|b| b & (0x80 >> (i % 8)) != 0)
+    };
+    let map = blob.map();
+    held.ones()
+        .filter(|&i| !knows(i))
+        .filter_map(|i| {
+            let hash = map.hashes().get(i as usize).copied().flatten()?;
+            Some(pb::ChunkHashEntry {
+                index: i,
+                hash: Bytes::copy_from_slice(&hash),
+            })
+        })
+        .take(MAX_HASHES_PER_ANSWER)
+        .collect()
 }

@@ -1,0 +1,559 @@
+//! Discovery without a tracker: a Kademlia DHT (libp2p) among the cluster's
+//! nodes, used when no tracker is configured.
+//!
+//! Only cluster members take part: every DHT connection is mutual TLS
+//! against the cluster CA ([`tls`]), so a node without a certificate the CA
+//! signed cannot connect, let alone publish a record. Two kinds of record
+//! live in it:
+//! - **Provider records**, one key per blob: the nodes that hold or are
+//!   pulling it. A node provides a blob when it starts pulling it and stops
+//!   when the store drops it.
+//! - **Node records**, one per node: its dray peer id and the peer-plane
+//!   address(es) to dial, as an announce to the tracker carries them. A node
+//!   stores another's record only when that node sent it itself (the TLS
+//!   handshake proved who sent it), so no member can speak for another.
+//!
+//! The data path is unchanged: chunks move over the authenticated QUIC peer
+//! plane. What the tracker did besides naming peers, choosing who fetches
+//! which chunk from the registry and vouching for chunk hashes, the swarm
+//! engine does itself in this mode (see `crate::swarm`).
+//!
+//! A node joins through `dht.bootstrap`: addresses or DNS names (a headless
+//! Service over the DaemonSet resolves to every node), dialled until the
+//! routing table holds peers, then Kademlia's own bootstrap fills it.
+
+pub mod tls;
+
+use crate::error::{Error, Result};
+use crate::identity::Identity;
+use dray_protocol::BlobDigest;
+use dray_protocol::settings::duration;
+use futures_util::StreamExt;
+use libp2p::core::ConnectedPoint;
+use libp2p::kad::store::{MemoryStore, MemoryStoreConfig, RecordStore};
+use libp2p::kad::{self, GetProvidersOk, GetRecordOk, QueryId, QueryResult, Quorum, Record};
+use libp2p::multiaddr::Protocol;
+use libp2p::swarm::SwarmEvent;
+use libp2p::{Multiaddr, PeerId, StreamProtocol, Swarm, Transport};
+use serde::{Deserialize, Serialize};
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot, watch};
+
+pub use tls::libp2p_id;
+
+/// The Kademlia protocol name: dray's own DHT, not the public IPFS one.
+const KAD_PROTOCOL: &str = "/dray/kad/1";
+/// A provider or node record lives this long unless its node republishes it.
+const RECORD_TTL: Duration = Duration::from_secs(30 * 60);
+/// How often a node republishes its provider records.
+const PROVIDE_EVERY: Duration = Duration::from_secs(10 * 60);
+/// How often a node refreshes its routing table and republishes its record.
+const REFRESH_EVERY: Duration = Duration::from_secs(60);
+/// How often bootstrap addresses are dialled again while the routing table
+/// is short of peers.
+const DIAL_EVERY: Duration = Duration::from_secs(2);
+/// Bootstrap addresses dialled per round, at most.
+const DIALS_PER_ROUND: usize = 16;
+/// Routing-table peers past which bootstrap addresses are not dialled again.
+const ENOUGH_PEERS: usize = 16;
+/// A DHT query gives up after this long (a cluster network answers in ms).
+const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest node record taken (a peer id and two addresses need far less).
+const MAX_NODE_RECORD: usize = 1024;
+/// Providers one node keeps per blob: the swarm's members for it.
+const MAX_PROVIDERS_PER_BLOB: usize = 256;
+
+/// DHT settings (`[swarm.dht]`); every key optional. The DHT is off unless
+/// `listen` is set.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DhtConfig {
+    /// TCP address the DHT listens on (the chart: the node's IP, port 7882).
+    pub listen: Option<SocketAddr>,
+    /// Where to join: `host:port` entries; a DNS name may resolve to many
+    /// nodes (a headless Service), and is resolved again at every round.
+    pub bootstrap: Vec<String>,
+    /// How long a pull gathers the blob's other pullers from the DHT before
+    /// it fetches its share from the registry: a shorter wait risks two
+    /// nodes fetching the same chunk, a longer one delays a pull alone.
+    #[serde(with = "duration")]
+    pub settle: Duration,
+    /// How often a pull asks the DHT again who holds or pulls its blob.
+    #[serde(with = "duration")]
+    pub lookup: Duration,
+}
+
+impl Default for DhtConfig {
+    fn default() -> Self {
+        Self {
+            listen: None,
+            bootstrap: Vec::new(),
+            settle: Duration::from_millis(500),
+            lookup: Duration::from_millis(500),
+        }
+    }
+}
+
+/// A node as its record in the DHT names it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    /// Its dray peer id (its certificate's name).
+    pub peer_id: String,
+    /// Its peer-plane address(es), as an announce carries them.
+    pub address: String,
+}
+
+fn node_key(peer: &PeerId) -> kad::RecordKey {
+    kad::RecordKey::new(&[b"dray/node/".as_slice(), &peer.to_bytes()].concat())
+}
+
+fn blob_key(digest: &BlobDigest) -> kad::RecordKey {
+    kad::RecordKey::new(&format!("dray/blob/{digest}"))
+}
+
+/// The node record `record` holds, if it is a well-formed record of `peer`.
+fn node_record(peer: &PeerId, record: &Record) -> Option<NodeRecord> {
+    if record.key != node_key(peer) || record.value.len() > MAX_NODE_RECORD {
+        return None;
+    }
+    let node: NodeRecord = serde_json::from_slice(&record.value).ok()?;
+    (libp2p_id(&node.peer_id) == *peer).then_some(node)
+}
+
+enum Command {
+    Provide(kad::RecordKey),
+    Unprovide(kad::RecordKey),
+    Providers(kad::RecordKey, oneshot::Sender<HashSet<PeerId>>),
+    Record(PeerId, oneshot::Sender<Option<NodeRecord>>),
+    Routing(oneshot::Sender<usize>),
+}
+
+/// This node's handle on the DHT; the DHT runs on its own task until the
+/// handle is dropped.
+pub struct Dht {
+    commands: mpsc::Sender<Command>,
+    local: PeerId,
+    listening: watch::Receiver<Option<SocketAddr>>,
+    /// Node records found so far, by libp2p id.
+    records: Mutex<HashMap<PeerId, NodeRecord>>,
+    config: DhtConfig,
+}
+
+impl Dht {
+    /// Joins the DHT as the node of `identity`, whose peer plane is reached at
+    /// `address` (as announced). Fails if the listen address cannot be
+    /// bound. Runs on the current tokio runtime.
+    pub fn join(identity: &Identity, config: &DhtConfig, address: String) -> Result<Arc<Self>> {
+        let listen = config
+            .listen
+            .ok_or_else(|| Error::Config("the DHT needs dht.listen".into()))?;
+        let local = libp2p_id(&identity.peer_id);
+        let me = NodeRecord {
+            peer_id: identity.peer_id.clone(),
+            address,
+        };
+        let transport =
+            libp2p::tcp::tokio::Transport::new(libp2p::tcp::Config::default().nodelay(true))
+                .upgrade(libp2p::core::upgrade::Version::V1Lazy)
+                .authenticate(tls::ClusterTls::new(identity)?)
+                .multiplex(libp2p::yamux::Config::default())
+                .timeout(Duration::from_secs(10))
+                .boxed();
+        let mut kad_config = kad::Config::new(StreamProtocol::new(KAD_PROTOCOL));
+        kad_config
+            // Records are checked before they are stored: see `on_inbound`.
+            .set_record_filtering(kad::StoreInserts::FilterBoth)
+            .set_caching(kad::Caching::Disabled)
+            .set_query_timeout(QUERY_TIMEOUT)
+            .set_record_ttl(Some(RECORD_TTL))
+            .set_provider_record_ttl(Some(RECORD_TTL))
+            .set_provider_publication_interval(Some(PROVIDE_EVERY))
+            // Only a record's own node may store it (see `node_record`),
+            // so copies from other nodes would be refused anyway.
+            .set_replication_interval(None)
+            .set_publication_interval(Some(REFRESH_EVERY * 10))
+            .set_periodic_bootstrap_interval(Some(REFRESH_EVERY));
+        let store = MemoryStore::with_config(
+            local,
+            MemoryStoreConfig {
+                max_records: 16 << 10,
+                max_value_bytes: MAX_NODE_RECORD,
+                max_providers_per_key: MAX_PROVIDERS_PER_BLOB,
+                max_provided_keys: 16 << 10,
+            },
+        );
+        let mut behaviour = kad::Behaviour::with_config(local, store, kad_config);
+        behaviour.set_mode(Some(kad::Mode::Server));
+        let mut swarm = Swarm::new(
+            transport,
+            behaviour,
+            local,
+            libp2p::swarm::Config::with_tokio_executor()
+                .with_idle_connection_timeout(Duration::from_secs(300)),
+        );
+        swarm
+            .listen_on(multiaddr_of(listen))
+            .map_err(|e| Error::Config(format!("the DHT cannot listen on {listen}: {e}")))?;
+        let value = serde_json::to_vec(&me).expect("a node record serializes");
+        let mut own = Record::new(node_key(&local), value);
+        own.publisher = Some(local);
+        swarm
+            .behaviour_mut()
+            .store_mut()
+            .put(own.clone())
+            .map_err(|e| Error::Config(format!("the DHT's own record: {e}")))?;
+        let (commands, rx) = mpsc::channel(256);
+        let (bound, listening) = watch::channel(None);
+        let runner = Runner {
+            swarm,
+            own,
+            bootstrap: config.bootstrap.clone(),
+            bound,
+            providers: HashMap::new(),
+            records: HashMap::new(),
+            published: false,
+        };
+        tokio::spawn(runner.run(rx));
+        Ok(Arc::new(Self {
+            commands,
+            local,
+            listening,
+            records: Mutex::new(HashMap::new()),
+            config: config.clone(),
+        }))
+    }
+
+    pub fn config(&self) -> &DhtConfig {
+        &self.config
+    }
+
+    /// The address the DHT listens on (a port 0 made real), once bound.
+    pub async fn listening(&self) -> Option<SocketAddr> {
+        let mut rx = self.listening.clone();
+        rx.wait_for(Option::is_some).await.ok().and_then(|a| *a)
+    }
+
+    /// Tells the DHT this node holds or pulls `digest`.
+    pub async fn provide(&self, digest: &BlobDigest) {
+        let _ = self.commands.send(Command::Provide(blob_key(digest))).await;
+    }
+
+    /// Stops telling the DHT this node holds `digest` (copies elsewhere
+    /// expire).
+    pub async fn unprovide(&self, digest: &BlobDigest) {
+        let _ = self
+            .commands
+            .send(Command::Unprovide(blob_key(digest)))
+            .await;
+    }
+
+    /// Peers in this node's routing table.
+    pub async fn routing_peers(&self) -> usize {
+        let (tx, rx) = oneshot::channel();
+        let _ = self.commands.send(Command::Routing(tx)).await;
+        rx.await.unwrap_or(0)
+    }
+
+    /// The other nodes that hold or pull `digest`, with their records
+    /// (nodes whose record cannot be found are left out).
+    pub async fn members(&self, digest: &BlobDigest) -> Vec<NodeRecord> {
+        let (tx, rx) = oneshot::channel();
+        if self
+            .commands
+            .send(Command::Providers(blob_key(digest), tx))
+            .await
+            .is_err()
+        {
+            return Vec::new();
+        }
+        let ids = rx.await.unwrap_or_default();
+        let mut found = Vec::new();
+        let mut missing = Vec::new();
+        {
+            let known = self.records.lock().unwrap_or_else(|p| p.into_inner());
+            for id in ids.into_iter().filter(|id| *id != self.local) {
+                match known.get(&id) {
+                    Some(r) => found.push(r.clone()),
+                    None => missing.push(id),
+                }
+            }
+        }
+        let looked_up = futures_util::future::join_all(missing.into_iter().map(|id| async move {
+            let (tx, rx) = oneshot::channel();
+            self.commands.send(Command::Record(id, tx)).await.ok()?;
+            Some((id, rx.await.ok()??))
+        }))
+        .await;
+        let mut known = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        for (id, record) in looked_up.into_iter().flatten() {
+            known.insert(id, record.clone());
+            found.push(record);
+        }
+        found
+    }
+}
+
+fn multiaddr_of(addr: SocketAddr) -> Multiaddr {
+    Multiaddr::from(addr.ip()).with(Protocol::Tcp(addr.port()))
+}
+
+fn socket_of(addr: &Multiaddr) -> Option<SocketAddr> {
+    let mut parts = addr.iter();
+    let ip = match parts.next()? {
+        Protocol::Ip4(ip) => std::net::IpAddr::V4(ip),
+        Protocol::Ip6(ip) => std::net::IpAddr::V6(ip),
+        _ => return None,
+    };
+    match parts.next()? {
+        Protocol::Tcp(port) => Some(SocketAddr::new(ip, port)),
+        _ => None,
+    }
+}
+
+/// The DHT's task: the libp2p swarm, and the queries it runs for the handle.
+struct Runner {
+    swarm: Swarm<kad::Behaviour<MemoryStore>>,
+    /// This node's record, published after every refresh.
+    own: Record,
+    bootstrap: Vec<String>,
+    /// The address listened on, once bound.
+    bound: watch::Sender<Option<SocketAddr>>,
+    providers: HashMap<QueryId, (HashSet<PeerId>, oneshot::Sender<HashSet<PeerId>>)>,
+    records: HashMap<QueryId, (PeerId, oneshot::Sender<Option<NodeRecord>>)>,
+    /// Whether the own record went out since the routing table was empty.
+    published: bool,
+}
+
+impl Runner {
+    async fn run(mut self, mut commands: mpsc::Receiver<Command>) {
+        let mut dial = tokio::time::interval(DIAL_EVERY);
+        dial.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                command = commands.recv() => match command {
+                    Some(c) => self.on_command(c),
+                    None => return,
+                },
+                event = self.swarm.select_next_some() => self.on_event(event),
+                _ = dial.tick() => self.dial_bootstrap().await,
+            }
+        }
+    }
+
+    fn kad(&mut self) -> &mut kad::Behaviour<MemoryStore> {
+        self.swarm.behaviour_mut()
+    }
+
+    fn routing_peers(&mut self) -> usize {
+        self.kad().kbuckets().map(|b| b.num_entries()).sum()
+    }
+
+    fn on_command(&mut self, command: Command) {
+        match command {
+            Command::Provide(key) => {
+                if let Err(e) = self.kad().start_providing(key) {
+                    tracing::warn!(error = %e, "the DHT cannot hold more provider records");
+                }
+            }
+            Command::Unprovide(key) => self.kad().stop_providing(&key),
+            Command::Providers(key, tx) => {
+                let id = self.kad().get_providers(key);
+                self.providers.insert(id, (HashSet::new(), tx));
+            }
+            Command::Record(peer, tx) => {
+                let id = self.kad().get_record(node_key(&peer));
+                self.records.insert(id, (peer, tx));
+            }
+            Command::Routing(tx) => {
+                let _ = tx.send(self.routing_peers());
+            }
+        }
+    }
+
+    /// Dials the bootstrap addresses while the routing table is short of peers.
+    async fn dial_bootstrap(&mut self) {
+        if self.bootstrap.is_empty() || self.routing_peers() >= ENOUGH_PEERS {
+            return;
+        }
+        let mut addrs = Vec::new();
+        for entry in &self.bootstrap {
+            match tokio::net::lookup_host(entry.as_str()).await {
+                Ok(found) => {
+                    let own = *self.bound.borrow();
+                    addrs.extend(found.filter(|a| Some(*a) != own));
+                }
+                Err(e) => {
+                    tracing::debug!(%entry, error = %e, "a DHT bootstrap entry does not resolve")
+                }
+            }
+        }
+        fastrand::shuffle(&mut addrs);
+        for addr in addrs.into_iter().take(DIALS_PER_ROUND) {
+            if let Err(e) = self.swarm.dial(multiaddr_of(addr)) {
+                tracing::debug!(%addr, error = %e, "cannot dial a DHT bootstrap address");
+            }
+        }
+    }
+
+    fn publish_own(&mut self) {
+        let own = self.own.clone();
+        if let Err(e) = self.kad().put_record(own, Quorum::One) {
+            tracing::warn!(error = %e, "cannot publish this node's DHT record");
+        }
+    }
+
+    fn on_event(&mut self, event: SwarmEvent<kad::Event>) {
+        match event {
+            SwarmEvent::ConnectionEstablished {
+                peer_id,
+                endpoint: ConnectedPoint::Dialer { address, .. },
+                ..
+            } => {
+                // Only members get this far (the TLS handshake): a node we
+                // dialled is routable at the address we dialled.
+                self.kad().add_address(&peer_id, address);
+                if !std::mem::replace(&mut self.published, true) {
+                    let _ = self.kad().bootstrap();
+                    self.publish_own();
+                }
+            }
+            SwarmEvent::NewListenAddr { address, .. } => {
+                if let Some(addr) = socket_of(&address) {
+                    tracing::info!(listening = %addr, peer = %self.swarm.local_peer_id(), "joined the DHT");
+                    self.bound.send_replace(Some(addr));
+                }
+            }
+            SwarmEvent::ListenerClosed {
+                reason: Err(error), ..
+            } => {
+                tracing::error!(%error, "the DHT stopped listening");
+            }
+            SwarmEvent::IncomingConnectionError {
+                error,
+                send_back_addr,
+                ..
+            } => {
+                tracing::warn!(from = %send_back_addr, error = %error, "refused a DHT connection");
+            }
+            SwarmEvent::OutgoingConnectionError { error, .. } => {
+                tracing::debug!(error = %error, "a DHT dial failed");
+            }
+            SwarmEvent::Behaviour(event) => self.on_kad(event),
+            _ => {}
+        }
+    }
+
+    fn on_kad(&mut self, event: kad::Event) {
+        match event {
+            kad::Event::InboundRequest { request } => self.on_inbound(request),
+            kad::Event::OutboundQueryProgressed {
+                id, result, step, ..
+            } => match result {
+                QueryResult::GetProviders(found) => {
+                    let Some((seen, _)) = self.providers.get_mut(&id) else {
+                        return;
+                    };
+                    if let Ok(GetProvidersOk::FoundProviders { providers, .. }) = found {
+                        seen.extend(providers);
+                    }
+                    if step.last
+                        && let Some((seen, tx)) = self.providers.remove(&id)
+                    {
+                        let _ = tx.send(seen);
+                    }
+                }
+                QueryResult::GetRecord(found) => {
+                    let Some((peer, _)) = self.records.get(&id) else {
+                        return;
+                    };
+                    let record = match found {
+                        Ok(GetRecordOk::FoundRecord(r)) => node_record(peer, &r.record),
+                        _ => None,
+                    };
+                    if record.is_some() || step.last {
+                        if let Some((_, tx)) = self.records.remove(&id) {
+                            let _ = tx.send(record);
+                        }
+                        if let Some(mut q) = self.kad().query_mut(&id) {
+                            q.finish();
+                        }
+                    }
+                }
+                QueryResult::Bootstrap(_) if step.last => self.publish_own(),
+                _ => {}
+            },
+            kad::Event::RoutingUpdated { peer, .. } => {
+                tracing::debug!(%peer, "a DHT node joined the routing table");
+            }
+            _ => {}
+        }
+    }
+
+    /// Stores what a member sent, if it may: a provider record only of
+    /// the sender itself (Kademlia checks that), a node record only of the
+    /// sender itself and well formed.
+    fn on_inbound(&mut self, request: kad::InboundRequest) {
+        match request {
+            kad::InboundRequest::AddProvider {
+                record: Some(record),
+            } => {
+                if let Err(e) = self.kad().store_mut().add_provider(record) {
+                    tracing::debug!(error = %e, "a DHT provider record was not kept");
+                }
+            }
+            kad::InboundRequest::PutRecord {
+                source,
+                record: Some(record),
+                ..
+            } => {
+                if node_record(&source, &record).is_none() {
+                    tracing::warn!(%source, "refused a DHT record that is not the sender's own node record");
+                    return;
+                }
+                if let Err(e) = self.kad().store_mut().put(record) {
+                    tracing::debug!(error = %e, "a DHT record was not kept");
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_node_record_is_taken_only_under_its_own_key_and_id() {
+        let a = libp2p_id("node-a");
+        let b = libp2p_id("node-b");
+        assert_ne!(a, b);
+        assert_eq!(a, libp2p_id("node-a"));
+        let rec = |id: &str| {
+            serde_json::to_vec(&NodeRecord {
+                peer_id: id.into(),
+                address: "127.0.0.1:7881".into(),
+            })
+            .unwrap()
+        };
+        let good = Record::new(node_key(&a), rec("node-a"));
+        assert_eq!(node_record(&a, &good).unwrap().peer_id, "node-a");
+        // b speaking for a: under a's key, or naming a under its own key.
+        assert!(node_record(&b, &good).is_none());
+        assert!(node_record(&b, &Record::new(node_key(&b), rec("node-a"))).is_none());
+        assert!(node_record(&a, &Record::new(node_key(&a), b"{".to_vec())).is_none());
+        let big = Record::new(node_key(&a), vec![b' '; MAX_NODE_RECORD + 1]);
+        assert!(node_record(&a, &big).is_none());
+    }
+
+    #[test]
+    fn addresses_convert_both_ways_for_both_families() {
+        for s in ["127.0.0.1:7882", "[::1]:7882"] {
+            let addr: SocketAddr = s.parse().unwrap();
+            assert_eq!(socket_of(&multiaddr_of(addr)), Some(addr));
+        }
+    }
+}
