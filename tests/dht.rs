@@ -1,11 +1,15 @@
-//! Issue 19, discovery without a tracker: 8 `dray agent` processes with no
-//! tracker at all, joined in a Kademlia DHT, the real registry. All 8 pull
-//! a 128 MiB blob through their mirrors at once; the peers are found
-//! through the DHT, the registry-fetch rule among them sends each chunk
-//! from the registry about once, and every copy is byte-identical. Then a
-//! node whose certificate another CA signed tries to join: the members
-//! refuse its connections, and its pull finds no peer (it comes from the
-//! registry alone).
+//! Issue 19, discovery without a tracker, with `dray agent` processes
+//! joined in a Kademlia DHT and the real registry:
+//! - 8 agents with no tracker at all pull a 128 MiB blob through their
+//!   mirrors at once; the peers are found through the DHT, the
+//!   registry-fetch rule among them sends each chunk from the registry
+//!   about once, and every copy is byte-identical. Then a node whose
+//!   certificate another CA signed tries to join: the members refuse its
+//!   connections, and its pull finds no peer (it comes from the registry
+//!   alone).
+//! - 16 agents whose only tracker is killed as their storm starts, side by
+//!   side with and without the DHT: with it, most bytes come from peers
+//!   found through it and the registry sends at most 2 copies.
 
 mod common;
 
@@ -13,9 +17,6 @@ use common::*;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
-
-const NODES: usize = 8;
-const SIZE: u64 = 128 << 20;
 
 /// The blob bytes an agent received from `source` so far.
 fn received(dir: &Path, admin: &str, source: &str) -> f64 {
@@ -53,9 +54,94 @@ fn pull_through(
     })
 }
 
+/// A cluster of `dray agent` processes under `dir` (their certificates
+/// from [`issue_certificates`] there), each mirroring `registry`, announcing to `tracker`
+/// (none if empty) and, with `dht`, joined in one DHT on loopback, through
+/// each other and the nodes at the addresses `dht` names.
+fn start_agents(
+    dir: &Path,
+    ids: &[String],
+    tracker: &str,
+    registry: &Registry,
+    dht: Option<&[String]>,
+) -> Vec<DrayProc> {
+    let ports: Vec<u16> = ids.iter().map(|_| free_port()).collect();
+    let mut bootstrap: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    bootstrap.extend(dht.unwrap_or_default().iter().cloned());
+    let agents: Vec<DrayProc> = ids
+        .iter()
+        .zip(&ports)
+        .map(|(id, port)| {
+            let cfg = dir.join(format!("{id}.toml"));
+            let extra = if dht.is_some() {
+                format!("[swarm.dht]\nlisten = \"127.0.0.1:{port}\"\nbootstrap = {bootstrap:?}\n")
+            } else {
+                String::new()
+            };
+            std::fs::write(&cfg, agent_toml(dir, id, tracker, registry, &extra)).unwrap();
+            DrayProc::start(
+                &["agent", "-c", cfg.to_str().unwrap()],
+                &dir.join(format!("{id}.log")),
+            )
+        })
+        .collect();
+    if dht.is_some() {
+        for (a, port) in agents.iter().zip(&ports) {
+            assert_eq!(a.banner_field("DHT on "), format!("127.0.0.1:{port}"));
+        }
+        // Their first dial rounds (every 2 s) connect them.
+        std::thread::sleep(Duration::from_secs(3));
+    }
+    agents
+}
+
+/// What a storm did: seconds to the last node, registry egress and blob
+/// bytes received from peers, in copies of the blob.
+struct Storm {
+    seconds: f64,
+    registry_copies: f64,
+    peer_copies: f64,
+}
+
+/// Every agent GETs `digest` (of `size` bytes) through its mirror at once;
+/// each copy must hash to it.
+fn storm(dir: &Path, agents: &[DrayProc], registry: &Registry, digest: &str, size: u64) -> Storm {
+    let admins: Vec<String> = agents.iter().map(admin_of).collect();
+    let peers_before: f64 = admins.iter().map(|a| received(dir, a, "peer")).sum();
+    let egress_before = registry.egress();
+    let took = Instant::now();
+    let pulls: Vec<_> = agents
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            pull_through(
+                a,
+                registry,
+                "test/dht",
+                digest,
+                dir.join(format!("out-{i}")),
+            )
+        })
+        .collect();
+    for p in pulls {
+        let out = p.join().unwrap();
+        assert_eq!(file_digest(&out), digest, "{}", out.display());
+    }
+    let seconds = took.elapsed().as_secs_f64();
+    let egress = registry.egress() - egress_before;
+    let peers: f64 = admins.iter().map(|a| received(dir, a, "peer")).sum::<f64>() - peers_before;
+    Storm {
+        seconds,
+        registry_copies: egress as f64 / size as f64,
+        peer_copies: peers / size as f64,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_agents_without_a_tracker_find_each_other_in_the_dht_and_leave_the_registry_about_once()
  {
+    const NODES: usize = 8;
+    const SIZE: u64 = 128 << 20;
     let dir = tempfile::tempdir().unwrap();
     let registry = Registry::start(None).await;
     let blob = dir.path().join("blob");
@@ -66,82 +152,40 @@ async fn eight_agents_without_a_tracker_find_each_other_in_the_dht_and_leave_the
         dir.path(),
         &ids.iter().map(String::as_str).collect::<Vec<_>>(),
     );
-    let ports: Vec<u16> = (0..NODES).map(|_| free_port()).collect();
-    let bootstrap: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
-    let dht = |port: u16| {
-        format!("[swarm.dht]\nlisten = \"127.0.0.1:{port}\"\nbootstrap = {bootstrap:?}\n")
-    };
-    let agents: Vec<DrayProc> = ids
-        .iter()
-        .zip(&ports)
-        .map(|(id, port)| {
-            let cfg = dir.path().join(format!("{id}.toml"));
-            std::fs::write(&cfg, agent_toml(dir.path(), id, "", &registry, &dht(*port))).unwrap();
-            DrayProc::start(
-                &["agent", "-c", cfg.to_str().unwrap()],
-                &dir.path().join(format!("{id}.log")),
-            )
-        })
-        .collect();
-    let admins: Vec<String> = agents.iter().map(admin_of).collect();
-    for (a, port) in agents.iter().zip(&ports) {
-        assert_eq!(a.banner_field("DHT on "), format!("127.0.0.1:{port}"));
-    }
-    // Their first dial rounds (every 2 s) connect them.
-    std::thread::sleep(Duration::from_secs(3));
-
-    let egress_before = registry.egress();
-    let took = Instant::now();
-    let pulls: Vec<_> = agents
-        .iter()
-        .enumerate()
-        .map(|(i, a)| {
-            pull_through(
-                a,
-                &registry,
-                "test/dht",
-                &digest,
-                dir.path().join(format!("out-{i}")),
-            )
-        })
-        .collect();
-    for p in pulls {
-        let out = p.join().unwrap();
-        assert_eq!(file_digest(&out), digest, "{}", out.display());
-    }
-    let storm_s = took.elapsed().as_secs_f64();
-    let egress = registry.egress() - egress_before;
-    let copies = egress as f64 / SIZE as f64;
-    let from_peers: Vec<f64> = admins
-        .iter()
-        .map(|a| received(dir.path(), a, "peer"))
-        .collect();
-    let peer_copies = from_peers.iter().sum::<f64>() / SIZE as f64;
+    let agents = start_agents(dir.path(), &ids, "", &registry, Some(&[]));
+    let s = storm(dir.path(), &agents, &registry, &digest, SIZE);
     eprintln!(
-        "no tracker, {NODES} nodes, {} MiB: all done in {storm_s:.1} s; registry egress {copies:.3} copies; {peer_copies:.2} copies moved between peers",
-        SIZE >> 20
+        "no tracker, {NODES} nodes, {} MiB: all done in {:.1} s; registry egress {:.3} copies; {:.2} copies moved between peers",
+        SIZE >> 20,
+        s.seconds,
+        s.registry_copies,
+        s.peer_copies
     );
-    assert!(copies <= 1.5, "the registry sent {copies:.3} copies");
     assert!(
-        peer_copies >= (NODES - 2) as f64,
-        "only {peer_copies:.2} copies came from peers found through the DHT"
+        s.registry_copies <= 1.5,
+        "the registry sent {:.3} copies",
+        s.registry_copies
+    );
+    assert!(
+        s.peer_copies >= (NODES - 2) as f64,
+        "only {:.2} copies came from peers found through the DHT",
+        s.peer_copies
     );
 
     // A node whose certificate another CA signed: the members refuse it.
     let other = tempfile::tempdir().unwrap();
     issue_certificates(other.path(), &["outsider"]);
-    let cfg = other.path().join("outsider.toml");
-    std::fs::write(
-        &cfg,
-        agent_toml(other.path(), "outsider", "", &registry, &dht(free_port())),
-    )
-    .unwrap();
-    let outsider = DrayProc::start(
-        &["agent", "-c", cfg.to_str().unwrap()],
-        &other.path().join("outsider.log"),
+    let members: Vec<String> = agents.iter().map(|a| a.banner_field("DHT on ")).collect();
+    let outsider = start_agents(
+        other.path(),
+        &["outsider".to_string()],
+        "",
+        &registry,
+        Some(&members),
     );
+    let outsider = &outsider[0];
     let out = pull_through(
-        &outsider,
+        outsider,
         &registry,
         "test/dht",
         &digest,
@@ -150,7 +194,7 @@ async fn eight_agents_without_a_tracker_find_each_other_in_the_dht_and_leave_the
     .join()
     .unwrap();
     assert_eq!(file_digest(&out), digest);
-    let admin = admin_of(&outsider);
+    let admin = admin_of(outsider);
     assert_eq!(
         received(other.path(), &admin, "peer"),
         0.0,
@@ -166,4 +210,69 @@ async fn eight_agents_without_a_tracker_find_each_other_in_the_dht_and_leave_the
     eprintln!(
         "the outsider was refused by {refused} of {NODES} members and pulled from the registry alone"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_whose_tracker_dies_as_it_starts_finds_its_peers_in_the_dht() {
+    const NODES: usize = 16;
+    const SIZE: u64 = 64 << 20;
+    let registry = Registry::start(None).await;
+    let work = tempfile::tempdir().unwrap();
+    let blob = work.path().join("blob");
+    random_file(&blob, SIZE);
+    let digest = registry.push("test/dht", &blob);
+    let ids: Vec<String> = (0..NODES).map(|i| format!("node-{i}")).collect();
+    let mut runs = Vec::new();
+    // Today's behaviour first (known peers, then the registry), then the DHT.
+    for dht in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        issue_certificates(
+            dir.path(),
+            &ids.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
+        let (tracker, tracker_url) = start_tracker(dir.path(), "announce_interval = \"2s\"\n");
+        let agents = start_agents(
+            dir.path(),
+            &ids,
+            &tracker_url,
+            &registry,
+            dht.then_some(&[][..]),
+        );
+        let started = Instant::now();
+        while metric(dir.path(), &tracker_url, "dray_tracker_nodes") < NODES as f64 {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the agents did not announce"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        // Every replica gone (SIGKILL) as the storm starts.
+        drop(tracker);
+        let s = storm(dir.path(), &agents, &registry, &digest, SIZE);
+        eprintln!(
+            "tracker killed, {NODES} nodes, {} MiB, {}: last node after {:.1} s; registry egress {:.2} copies; {:.2} copies from peers",
+            SIZE >> 20,
+            if dht {
+                "with the DHT"
+            } else {
+                "without a DHT (today)"
+            },
+            s.seconds,
+            s.registry_copies,
+            s.peer_copies
+        );
+        runs.push(s);
+    }
+    let (today, dht) = (&runs[0], &runs[1]);
+    assert!(
+        dht.registry_copies <= 2.0,
+        "with the DHT the registry sent {:.2} copies",
+        dht.registry_copies
+    );
+    assert!(
+        dht.peer_copies >= NODES as f64 / 2.0,
+        "with the DHT only {:.2} of {NODES} copies came from peers",
+        dht.peer_copies
+    );
+    assert!(dht.registry_copies < today.registry_copies);
 }

@@ -69,19 +69,10 @@ async fn a_preheated_image_rolls_out_with_no_registry_blob_bytes() {
         dir.path(),
         &ids.iter().map(String::as_str).collect::<Vec<_>>(),
     );
-    let tracker_toml = dir.path().join("tracker.toml");
-    std::fs::write(
-        &tracker_toml,
-        tracker_tls_toml(dir.path())
-            + "listen = \"127.0.0.1:0\"\nannounce_interval = \"2s\"\nmin_fetch_timeout = \"2s\"\n\
-               preheaters = [\"ci\"]\n",
-    )
-    .unwrap();
-    let tracker = DrayProc::start(
-        &["tracker", "-c", tracker_toml.to_str().unwrap()],
-        &dir.path().join("tracker.log"),
+    let (_tracker, tracker_url) = start_tracker(
+        dir.path(),
+        "announce_interval = \"2s\"\nmin_fetch_timeout = \"2s\"\npreheaters = [\"ci\"]\n",
     );
-    let tracker_url = format!("https://{}", tracker.banner_field("listening on https://"));
     let agents: Vec<DrayProc> = (0..NODES)
         .map(|i| {
             let id = format!("node-{i}");

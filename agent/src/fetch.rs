@@ -325,8 +325,8 @@ impl Transfer {
         all
     }
 
-    /// Takes peers' word for chunk hashes from now on (see `peer_hashes`);
-    /// called before the first peer is added.
+    /// Takes peers' word for chunk hashes from now on (see `peer_hashes`):
+    /// each watcher asks for them from its next poll.
     pub fn take_hashes_from_peers(&self) {
         self.peer_hashes.store(true, Ordering::Release);
     }
@@ -786,11 +786,11 @@ async fn watch_peer(
 ) -> Result<()> {
     // Only the digest and the chunk count are used: they never change.
     let map = t.blob.map();
-    let peer_hashes = t.peer_hashes.load(Ordering::Acquire);
     // Whether the last answer left hashes out: then ask again at once.
     let mut more_hashes = false;
     while (seen < map.chunk_count() || more_hashes) && !t.is_over() {
         let asked = tokio::time::Instant::now();
+        let peer_hashes = t.peer_hashes.load(Ordering::Acquire);
         let above = if more_hashes { 0 } else { seen };
         let poll = async {
             if !peer_hashes {

@@ -290,11 +290,6 @@ impl Swarm {
         self.dht.as_ref()
     }
 
-    /// The DHT, when pulls use it: no tracker is configured.
-    fn dht_mode(&self) -> Option<Arc<Dht>> {
-        self.dht.clone().filter(|_| !self.tracker.is_configured())
-    }
-
     /// The preheat jobs this node was handed, and where new ones go.
     pub fn preheats(&self) -> &Preheats {
         &self.preheats
@@ -309,7 +304,7 @@ impl Swarm {
     pub fn spawn_announcer(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let swarm = self.clone();
         tokio::spawn(async move {
-            if let Some(dht) = swarm.dht_mode() {
+            if let Some(dht) = &swarm.dht {
                 // What the store holds is found through the DHT, as an
                 // announce tells the tracker; Kademlia republishes it.
                 for h in swarm.node.store().holdings() {
@@ -651,11 +646,11 @@ impl Swarm {
             size,
             ..Default::default()
         };
-        let dht = self.dht_mode();
+        let dht = self.dht.clone();
         let mut alone = !self.tracker.is_configured() && dht.is_none();
         // Without a tracker to recheck a wrong map against the registry,
         // the first one sends the pull to the registry alone.
-        let failures_before_alone = if dht.is_some() {
+        let failures_before_alone = if dht.is_some() && !self.tracker.is_configured() {
             1
         } else {
             MAP_FAILURES_BEFORE_ALONE
@@ -670,11 +665,10 @@ impl Swarm {
                 tracker_ok: true,
                 ..Default::default()
             });
-            // Without a tracker, the DHT's members and the rendezvous rule
-            // stand in for its answers.
+            // Without a tracker, or while every replica is down, the DHT's
+            // members and the rendezvous rule stand in for its answers.
             let _coordinator = match &dht {
                 Some(dht) if !alone => {
-                    transfer.take_hashes_from_peers();
                     let task = self
                         .clone()
                         .coordinate(dht.clone(), transfer.clone(), tx.clone());
@@ -924,14 +918,14 @@ impl Swarm {
         }
     }
 
-    /// A pull's stand-in for the tracker when there is none: every
-    /// `dht.lookup` it asks the DHT who else holds or pulls the blob and
-    /// hands them to the transfer as peers. After `dht.settle` (time for
-    /// the other pullers of a storm to show up), it also hands the pull its
-    /// registry runs: the blocks of `run_chunks` chunks that
-    /// [`registry_fetcher`] gives this node among the members still
-    /// reachable, less the chunks some peer already holds. A member's
-    /// blocks that never come are fetched by the stall fallback.
+    /// A pull's stand-in for the tracker when there is none, or while every
+    /// replica is down (it waits while one answers: the tracker's runs
+    /// come first). Every `dht.lookup` it asks the DHT who else holds or
+    /// pulls the blob and hands them to the transfer as peers, whose word it
+    /// takes for chunk hashes. After `dht.settle` (time for the other
+    /// pullers of a storm to show up), it also hands the pull its registry
+    /// runs ([`dht_runs`]). A member's blocks that never come are fetched
+    /// by the stall fallback.
     async fn coordinate(
         self: Arc<Self>,
         dht: Arc<Dht>,
@@ -943,67 +937,66 @@ impl Swarm {
             return;
         };
         dht.provide(&digest).await;
-        let started = Instant::now();
         let me = self.node.peer_id().to_string();
-        let block = self.config.run_chunks.max(1);
+        let mut standing_in: Option<Instant> = None;
         // Members seen before: one no longer live in the transfer has gone.
         let mut seen = std::collections::HashSet::new();
         loop {
-            let members = dht.members(&digest).await;
-            let peers: Vec<PeerAddr> = members
-                .into_iter()
-                .filter(|m| m.peer_id != me)
-                .filter_map(|m| {
-                    Some(PeerAddr {
-                        addr: advertise::reachable(&m.address, local)?,
-                        peer_id: m.peer_id,
-                    })
-                })
-                .collect();
-            let mut runs = Vec::new();
-            if started.elapsed() >= dht.config().settle {
-                let fetchers: Vec<&str> = std::iter::once(me.as_str())
-                    .chain(
-                        peers
-                            .iter()
-                            .filter(|p| !seen.contains(&p.peer_id) || t.is_live_peer(&p.peer_id))
-                            .map(|p| p.peer_id.as_str()),
-                    )
-                    .collect();
-                let mut skip = t.held_by_peers();
-                for i in t.blob().held().ones() {
-                    skip.set(i);
+            let tracker_answers = self.tracker.is_configured() && !self.tracker.all_down();
+            match (tracker_answers, standing_in) {
+                (true, None) => {}
+                (true, Some(_)) => {
+                    tracing::info!(%digest, "a tracker replica answers again: its runs take over from the DHT's");
+                    standing_in = None;
                 }
-                let count = skip.len();
-                for b in 0..count.div_ceil(block) {
-                    if registry_fetcher(&digest, b, fetchers.iter().copied()) != Some(me.as_str()) {
-                        continue;
+                (false, None) => {
+                    if self.tracker.is_configured() {
+                        tracing::warn!(%digest, "every tracker replica is down: finding peers through the DHT");
                     }
-                    let end = ((b + 1) * block).min(count);
-                    let mut i = b * block;
-                    while i < end {
-                        if skip.get(i) {
-                            i += 1;
-                            continue;
-                        }
-                        let first = i;
-                        while i < end && !skip.get(i) {
-                            i += 1;
-                        }
-                        runs.push((first, i - first));
-                    }
+                    t.take_hashes_from_peers();
+                    standing_in = Some(Instant::now());
                 }
-                // As many as run at once: the next come as these finish.
-                runs.truncate(self.config.registry_parallel.max(1));
+                (false, Some(since)) => {
+                    let peers: Vec<PeerAddr> = dht
+                        .members(&digest)
+                        .await
+                        .into_iter()
+                        .filter(|m| m.peer_id != me)
+                        .filter_map(|m| {
+                            Some(PeerAddr {
+                                addr: advertise::reachable(&m.address, local)?,
+                                peer_id: m.peer_id,
+                            })
+                        })
+                        .collect();
+                    let mut runs = Vec::new();
+                    if since.elapsed() >= dht.config().settle {
+                        let fetchers = std::iter::once(me.as_str()).chain(
+                            peers
+                                .iter()
+                                .filter(|p| {
+                                    !seen.contains(&p.peer_id) || t.is_live_peer(&p.peer_id)
+                                })
+                                .map(|p| p.peer_id.as_str()),
+                        );
+                        let mut held = t.held_by_peers();
+                        for i in t.blob().held().ones() {
+                            held.set(i);
+                        }
+                        runs = dht_runs(&digest, &me, fetchers, &held, self.config.run_chunks);
+                        // As many as run at once: the next come as these finish.
+                        runs.truncate(self.config.registry_parallel.max(1));
+                    }
+                    seen.extend(peers.iter().map(|p| p.peer_id.clone()));
+                    updates.send_replace(Update {
+                        tracker_ok: true,
+                        fetching: false,
+                        peers,
+                        runs,
+                        map: None,
+                    });
+                }
             }
-            seen.extend(peers.iter().map(|p| p.peer_id.clone()));
-            updates.send_replace(Update {
-                tracker_ok: true,
-                fetching: false,
-                peers,
-                runs,
-                map: None,
-            });
             tokio::time::sleep(dht.config().lookup).await;
         }
     }
@@ -1066,6 +1059,41 @@ impl Swarm {
 const MAP_FAILURES_BEFORE_ALONE: u32 = 2;
 
 /// Errors that mean the published chunk map cannot be trusted.
+/// Without a tracker, the registry runs that fall to `me`: the blocks of
+/// `block` chunks that [`registry_fetcher`] gives it among `fetchers` (it
+/// and the members still reachable), less the chunks `held` here or by a
+/// peer, in index order.
+fn dht_runs<'a>(
+    digest: &BlobDigest,
+    me: &str,
+    fetchers: impl Iterator<Item = &'a str>,
+    held: &Bitfield,
+    block: u32,
+) -> Vec<(u32, u32)> {
+    let fetchers: Vec<&str> = fetchers.collect();
+    let (block, count) = (block.max(1), held.len());
+    let mut runs = Vec::new();
+    for b in 0..count.div_ceil(block) {
+        if registry_fetcher(digest, b, fetchers.iter().copied()) != Some(me) {
+            continue;
+        }
+        let end = ((b + 1) * block).min(count);
+        let mut i = b * block;
+        while i < end {
+            if held.get(i) {
+                i += 1;
+                continue;
+            }
+            let first = i;
+            while i < end && !held.get(i) {
+                i += 1;
+            }
+            runs.push((first, i - first));
+        }
+    }
+    runs
+}
+
 /// Aborts a task when dropped.
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
 
@@ -1222,6 +1250,38 @@ mod tests {
             complete,
             last_used: SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000 - age_s),
         }
+    }
+
+    #[test]
+    fn dht_runs_split_the_blocks_among_members_and_skip_held_chunks() {
+        let d = BlobDigest::of(b"blob");
+        let members = ["a", "b", "c"];
+        let none = Bitfield::new(40);
+        let mut all = Vec::new();
+        for m in members {
+            let runs = dht_runs(&d, m, members.iter().copied(), &none, 4);
+            for (first, count) in runs {
+                // Whole blocks of 4, the last one short only at the end.
+                assert_eq!(first % 4, 0);
+                assert_eq!(count, 4);
+                all.extend(first..first + count);
+            }
+        }
+        all.sort();
+        assert_eq!(
+            all,
+            (0..40).collect::<Vec<_>>(),
+            "each chunk falls to one member"
+        );
+        // Held chunks split a run; a member alone takes everything unheld.
+        let mut held = Bitfield::new(10);
+        for i in [1, 2, 9] {
+            held.set(i);
+        }
+        assert_eq!(
+            dht_runs(&d, "a", ["a"].into_iter(), &held, 4),
+            [(0, 1), (3, 1), (4, 4), (8, 1)]
+        );
     }
 
     #[test]

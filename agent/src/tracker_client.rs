@@ -192,6 +192,11 @@ impl TrackerClient {
         preheat_job(&url, &body)
     }
 
+    /// Whether every replica failed lately (none configured: false).
+    pub fn all_down(&self) -> bool {
+        self.is_configured() && self.replicas.iter().all(|r| self.is_down(r))
+    }
+
     fn is_down(&self, replica: &str) -> bool {
         let down = self.down_until.lock().unwrap_or_else(|p| p.into_inner());
         down.get(replica)

@@ -621,6 +621,24 @@ pub fn issue_certificates(dir: &Path, ids: &[&str]) {
     ]);
 }
 
+/// A `dray tracker` process on loopback with the certificate
+/// [`issue_certificates`] wrote under `dir` and the config lines `extra`;
+/// returns it and its URL.
+pub fn start_tracker(dir: &Path, extra: &str) -> (DrayProc, String) {
+    let toml = dir.join("tracker.toml");
+    std::fs::write(
+        &toml,
+        tracker_tls_toml(dir) + "listen = \"127.0.0.1:0\"\n" + extra,
+    )
+    .unwrap();
+    let tracker = DrayProc::start(
+        &["tracker", "-c", toml.to_str().unwrap()],
+        &dir.join("tracker.log"),
+    );
+    let url = format!("https://{}", tracker.banner_field("listening on https://"));
+    (tracker, url)
+}
+
 /// The TLS lines of a `dray tracker` config for the tracker certificate
 /// [`issue_certificates`] wrote under `dir`.
 pub fn tracker_tls_toml(dir: &Path) -> String {
