@@ -180,7 +180,9 @@ started() { # NAME CHECK COMMAND...: runs until the shell test CHECK passes (10 
   echo "dray $what started with the rendered config"
 }
 started tracker 'grep -q listening "$work/tracker.log"' "$dray" tracker --config "$work/tracker.toml"
-started agent 'grep -q "serving peers" "$work/agent.log"' "$dray" agent --config "$work/agent.toml" \
-  --tracker https://127.0.0.1:9 --peer-listen 127.0.0.1:0 --mirror-listen 127.0.0.1:0
+# The DaemonSet's DHT flags too (a bootstrap address nobody answers).
+started agent 'grep -q "serving peers.*DHT on 127.0.0.1:" "$work/agent.log"' "$dray" agent --config "$work/agent.toml" \
+  --tracker https://127.0.0.1:9 --peer-listen 127.0.0.1:0 --mirror-listen 127.0.0.1:0 \
+  --dht-listen 127.0.0.1:0 --dht-bootstrap localhost:9
 started snapshotter 'test -S "$work/run/snapshotter.sock"' "$dray" snapshotter --config "$work/snapshotter.toml"
 echo "validate-deploy: all checks passed"

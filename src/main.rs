@@ -275,6 +275,19 @@ struct ConfigArgs {
     /// address takes the peer endpoint's port.
     #[arg(long, env = "DRAY_ADVERTISE", value_delimiter = ',')]
     advertise: Vec<dray_agent::advertise::Advertised>,
+    /// Overrides `swarm.dht.listen`: the DHT's TCP address (setting it joins
+    /// the DHT).
+    #[arg(long, env = "DRAY_DHT_LISTEN", value_parser = dray_agent::config::parse_socket_addr)]
+    dht_listen: Option<std::net::SocketAddr>,
+    /// Overrides `swarm.dht.bootstrap`: host:port of DHT nodes to join
+    /// through (a name may resolve to many); repeat (DRAY_DHT_BOOTSTRAP:
+    /// comma-separated).
+    #[arg(
+        long = "dht-bootstrap",
+        env = "DRAY_DHT_BOOTSTRAP",
+        value_delimiter = ','
+    )]
+    dht_bootstrap: Vec<String>,
     /// Overrides `peer.download_bytes_per_s`.
     #[arg(long, env = "DRAY_DOWNLOAD_BYTES_PER_S")]
     download_bytes_per_s: Option<u64>,
@@ -314,6 +327,12 @@ impl ConfigArgs {
         }
         if !self.advertise.is_empty() {
             cfg.swarm.advertise = self.advertise.clone();
+        }
+        if self.dht_listen.is_some() {
+            cfg.swarm.dht.listen = self.dht_listen;
+        }
+        if !self.dht_bootstrap.is_empty() {
+            cfg.swarm.dht.bootstrap = self.dht_bootstrap.clone();
         }
         if self.download_bytes_per_s.is_some() {
             cfg.peer.download_bytes_per_s = self.download_bytes_per_s;
