@@ -75,10 +75,7 @@ pub async fn run_agent(cfg: AgentConfig) -> Result<()> {
         )
     })?;
     let dht = match swarm.dht() {
-        Some(dht) => match dht.listening().await {
-            Some(addr) => format!(", DHT on {addr}"),
-            None => bail!("the DHT stopped before it listened"),
-        },
+        Some(dht) => format!(", DHT on {}", dht.listening().await?),
         None => String::new(),
     };
     eprintln!(

@@ -56,8 +56,9 @@ fn pull_through(
 
 /// A cluster of `dray agent` processes under `dir` (their certificates
 /// from [`issue_certificates`] there), each mirroring `registry`, announcing to `tracker`
-/// (none if empty) and, with `dht`, joined in one DHT on loopback, through
-/// each other and the nodes at the addresses `dht` names.
+/// (none if empty) and, with `dht`, joined in one DHT on loopback: the
+/// first bootstraps from the addresses `dht` names, the rest from those and
+/// the first (a seed: Kademlia's bootstrap finds them the others).
 fn start_agents(
     dir: &Path,
     ids: &[String],
@@ -65,34 +66,65 @@ fn start_agents(
     registry: &Registry,
     dht: Option<&[String]>,
 ) -> Vec<DrayProc> {
-    let ports: Vec<u16> = ids.iter().map(|_| free_port()).collect();
-    let mut bootstrap: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
-    bootstrap.extend(dht.unwrap_or_default().iter().cloned());
-    let agents: Vec<DrayProc> = ids
-        .iter()
-        .zip(&ports)
-        .map(|(id, port)| {
-            let cfg = dir.join(format!("{id}.toml"));
-            let extra = if dht.is_some() {
-                format!("[swarm.dht]\nlisten = \"127.0.0.1:{port}\"\nbootstrap = {bootstrap:?}\n")
-            } else {
-                String::new()
-            };
-            std::fs::write(&cfg, agent_toml(dir, id, tracker, registry, &extra)).unwrap();
-            DrayProc::start(
-                &["agent", "-c", cfg.to_str().unwrap()],
-                &dir.join(format!("{id}.log")),
-            )
-        })
-        .collect();
-    if dht.is_some() {
-        for (a, port) in agents.iter().zip(&ports) {
-            assert_eq!(a.banner_field("DHT on "), format!("127.0.0.1:{port}"));
+    // The first agent is the others' seed (with the addresses `dht` names).
+    let mut bootstrap: Vec<String> = dht.unwrap_or_default().to_vec();
+    let mut agents: Vec<DrayProc> = Vec::new();
+    for id in ids {
+        let cfg = dir.join(format!("{id}.toml"));
+        let extra = if dht.is_some() {
+            format!("[swarm.dht]\nlisten = \"127.0.0.1:0\"\nbootstrap = {bootstrap:?}\n")
+        } else {
+            String::new()
+        };
+        std::fs::write(&cfg, agent_toml(dir, id, tracker, registry, &extra)).unwrap();
+        let agent = DrayProc::start(
+            &["agent", "-c", cfg.to_str().unwrap()],
+            &dir.join(format!("{id}.log")),
+        );
+        if dht.is_some() && agents.is_empty() {
+            bootstrap.push(agent.banner_field("DHT on "));
         }
-        // Their first dial rounds (every 2 s) connect them.
-        std::thread::sleep(Duration::from_secs(3));
+        agents.push(agent);
+    }
+    if dht.is_some() {
+        // Until each has the others in its routing table.
+        let admins: Vec<String> = agents.iter().map(admin_of).collect();
+        let want = (ids.len() - 1) as f64;
+        let started = Instant::now();
+        while admins
+            .iter()
+            .any(|a| metric(dir, a, "dray_agent_dht_peers") < want)
+        {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the agents did not all join the DHT"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        if ids.len() > 1 {
+            eprintln!(
+                "{} agents joined the DHT {:.1} s after the last one started; DHT traffic so far {:.0} KiB",
+                ids.len(),
+                started.elapsed().as_secs_f64(),
+                dht_bytes(dir, &agents) / 1024.0
+            );
+        }
     }
     agents
+}
+
+/// The bytes all `agents` sent on DHT connections so far.
+fn dht_bytes(dir: &Path, agents: &[DrayProc]) -> f64 {
+    agents
+        .iter()
+        .map(|a| {
+            metric(
+                dir,
+                &admin_of(a),
+                "dray_agent_dht_bytes_total{direction=\"out\"}",
+            )
+        })
+        .sum()
 }
 
 /// What a storm did: seconds to the last node, registry egress and blob
@@ -101,6 +133,8 @@ struct Storm {
     seconds: f64,
     registry_copies: f64,
     peer_copies: f64,
+    /// Bytes the agents sent on DHT connections during the storm.
+    dht_bytes: f64,
 }
 
 /// Every agent GETs `digest` (of `size` bytes) through its mirror at once;
@@ -109,6 +143,7 @@ fn storm(dir: &Path, agents: &[DrayProc], registry: &Registry, digest: &str, siz
     let admins: Vec<String> = agents.iter().map(admin_of).collect();
     let peers_before: f64 = admins.iter().map(|a| received(dir, a, "peer")).sum();
     let egress_before = registry.egress();
+    let dht_before = dht_bytes(dir, agents);
     let took = Instant::now();
     let pulls: Vec<_> = agents
         .iter()
@@ -134,6 +169,7 @@ fn storm(dir: &Path, agents: &[DrayProc], registry: &Registry, digest: &str, siz
         seconds,
         registry_copies: egress as f64 / size as f64,
         peer_copies: peers / size as f64,
+        dht_bytes: dht_bytes(dir, agents) - dht_before,
     }
 }
 
@@ -155,11 +191,12 @@ async fn eight_agents_without_a_tracker_find_each_other_in_the_dht_and_leave_the
     let agents = start_agents(dir.path(), &ids, "", &registry, Some(&[]));
     let s = storm(dir.path(), &agents, &registry, &digest, SIZE);
     eprintln!(
-        "no tracker, {NODES} nodes, {} MiB: all done in {:.1} s; registry egress {:.3} copies; {:.2} copies moved between peers",
+        "no tracker, {NODES} nodes, {} MiB: all done in {:.1} s; registry egress {:.3} copies; {:.2} copies moved between peers; DHT traffic {:.0} KiB",
         SIZE >> 20,
         s.seconds,
         s.registry_copies,
-        s.peer_copies
+        s.peer_copies,
+        s.dht_bytes / 1024.0
     );
     assert!(
         s.registry_copies <= 1.5,
@@ -175,7 +212,7 @@ async fn eight_agents_without_a_tracker_find_each_other_in_the_dht_and_leave_the
     // A node whose certificate another CA signed: the members refuse it.
     let other = tempfile::tempdir().unwrap();
     issue_certificates(other.path(), &["outsider"]);
-    let members: Vec<String> = agents.iter().map(|a| a.banner_field("DHT on ")).collect();
+    let members = vec![agents[0].banner_field("DHT on ")];
     let outsider = start_agents(
         other.path(),
         &["outsider".to_string()],
@@ -207,6 +244,18 @@ async fn eight_agents_without_a_tracker_find_each_other_in_the_dht_and_leave_the
         .filter(|id| log(id).contains("refused a DHT connection"))
         .count();
     assert!(refused > 0, "no member logged refusing the outsider");
+    let counted: f64 = agents
+        .iter()
+        .map(|a| {
+            metric(
+                dir.path(),
+                &admin_of(a),
+                "dray_agent_dht_refused_connections_total",
+            )
+        })
+        .sum();
+    assert!(counted >= refused as f64, "{counted} refusals counted");
+    assert_eq!(metric(other.path(), &admin, "dray_agent_dht_peers"), 0.0);
     eprintln!(
         "the outsider was refused by {refused} of {NODES} members and pulled from the registry alone"
     );
@@ -250,7 +299,7 @@ async fn a_storm_whose_tracker_dies_as_it_starts_finds_its_peers_in_the_dht() {
         drop(tracker);
         let s = storm(dir.path(), &agents, &registry, &digest, SIZE);
         eprintln!(
-            "tracker killed, {NODES} nodes, {} MiB, {}: last node after {:.1} s; registry egress {:.2} copies; {:.2} copies from peers",
+            "tracker killed, {NODES} nodes, {} MiB, {}: last node after {:.1} s; registry egress {:.2} copies; {:.2} copies from peers; DHT traffic {:.0} KiB",
             SIZE >> 20,
             if dht {
                 "with the DHT"
@@ -259,7 +308,8 @@ async fn a_storm_whose_tracker_dies_as_it_starts_finds_its_peers_in_the_dht() {
             },
             s.seconds,
             s.registry_copies,
-            s.peer_copies
+            s.peer_copies,
+            s.dht_bytes / 1024.0
         );
         runs.push(s);
     }

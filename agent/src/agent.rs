@@ -50,7 +50,12 @@ impl Agent {
         let dht = match cfg.swarm.dht.listen {
             Some(_) => {
                 let address = crate::advertise::announced(&cfg.swarm.advertise, node.local_addr()?);
-                Some(Dht::join(node.identity(), &cfg.swarm.dht, address)?)
+                Some(Dht::join(
+                    node.identity(),
+                    &cfg.swarm.dht,
+                    address,
+                    metrics.dht().clone(),
+                )?)
             }
             None => None,
         };

@@ -126,6 +126,8 @@ pub struct AgentMetrics {
     mirror_requests: Family<MirrorLabels, Counter>,
     /// The chunk store's size and its garbage collector's work.
     gc: crate::gc::GcMetrics,
+    /// The DHT's routing table, traffic and refusals.
+    dht: crate::dht::DhtMetrics,
     certificate_expiry: Gauge,
 }
 
@@ -151,10 +153,12 @@ impl AgentMetrics {
             pulls: Family::default(),
             mirror_requests: Family::default(),
             gc: crate::gc::GcMetrics::default(),
+            dht: crate::dht::DhtMetrics::default(),
             certificate_expiry: Gauge::default(),
         };
         let r = &mut m.registry;
         m.gc.register(r);
+        m.dht.register(r);
         r.register_with_unit(
             "received",
             "Verified chunk bytes stored, by where they came from",
@@ -216,6 +220,11 @@ impl AgentMetrics {
     /// What the store's collector counts into (hand it to `GcState::use_metrics`).
     pub fn gc(&self) -> &crate::gc::GcMetrics {
         &self.gc
+    }
+
+    /// What the DHT counts into (hand it to `Dht::join`).
+    pub fn dht(&self) -> &crate::dht::DhtMetrics {
+        &self.dht
     }
 
     /// The agent's certificate ends at `not_after` (Unix seconds).

@@ -35,6 +35,11 @@ use libp2p::kad::{self, GetProvidersOk, GetRecordOk, QueryId, QueryResult, Quoru
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::SwarmEvent;
 use libp2p::{Multiaddr, PeerId, StreamProtocol, Swarm, Transport};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::{Registry, Unit};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -65,6 +70,52 @@ const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_NODE_RECORD: usize = 1024;
 /// Providers one node keeps per blob: the swarm's members for it.
 const MAX_PROVIDERS_PER_BLOB: usize = 256;
+
+/// The DHT's metrics, registered with the agent's others.
+#[derive(Clone, Debug, Default)]
+pub struct DhtMetrics {
+    peers: Gauge,
+    bytes: Family<DirectionLabel, Counter>,
+    refused: Counter,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DirectionLabel {
+    direction: &'static str,
+}
+
+impl DhtMetrics {
+    pub fn register(&self, r: &mut Registry) {
+        r.register(
+            "dht_peers",
+            "Nodes in this agent's DHT routing table",
+            self.peers.clone(),
+        );
+        r.register_with_unit(
+            "dht",
+            "DHT traffic (inside its TLS), by direction",
+            Unit::Bytes,
+            self.bytes.clone(),
+        );
+        r.register(
+            "dht_refused_connections",
+            "DHT connections that failed their handshake (no node certificate the cluster CA signed, or no TLS at all)",
+            self.refused.clone(),
+        );
+    }
+
+    /// The counters of bytes read and written on DHT connections.
+    fn traffic(&self) -> (Counter, Counter) {
+        // One at a time: the family's guard must be gone before the next.
+        let counter = |direction| {
+            self.bytes
+                .get_or_create(&DirectionLabel { direction })
+                .clone()
+        };
+        let read = counter("in");
+        (read, counter("out"))
+    }
+}
 
 /// DHT settings (`[swarm.dht]`); every key optional. The DHT is off unless
 /// `listen` is set.
@@ -104,6 +155,10 @@ pub struct NodeRecord {
     pub peer_id: String,
     /// Its peer-plane address(es), as an announce carries them.
     pub address: String,
+    /// Its DHT address(es): a node that learns them from the record (sent
+    /// by the node itself) can route to a node that only dialled it.
+    #[serde(default)]
+    pub dht: Vec<SocketAddr>,
 }
 
 fn node_key(peer: &PeerId) -> kad::RecordKey {
@@ -123,6 +178,15 @@ fn node_record(peer: &PeerId, record: &Record) -> Option<NodeRecord> {
     (libp2p_id(&node.peer_id) == *peer).then_some(node)
 }
 
+/// Where the DHT's listener stands.
+#[derive(Clone, Debug)]
+enum Listening {
+    Pending,
+    On(SocketAddr),
+    Failed(String),
+    Closed(String),
+}
+
 enum Command {
     Provide(kad::RecordKey),
     Unprovide(kad::RecordKey),
@@ -136,7 +200,7 @@ enum Command {
 pub struct Dht {
     commands: mpsc::Sender<Command>,
     local: PeerId,
-    listening: watch::Receiver<Option<SocketAddr>>,
+    listening: watch::Receiver<Listening>,
     /// Node records found so far, by libp2p id.
     records: Mutex<HashMap<PeerId, NodeRecord>>,
     config: DhtConfig,
@@ -146,7 +210,12 @@ impl Dht {
     /// Joins the DHT as the node of `identity`, whose peer plane is reached at
     /// `address` (as announced). Fails if the listen address cannot be
     /// bound. Runs on the current tokio runtime.
-    pub fn join(identity: &Identity, config: &DhtConfig, address: String) -> Result<Arc<Self>> {
+    pub fn join(
+        identity: &Identity,
+        config: &DhtConfig,
+        address: String,
+        metrics: DhtMetrics,
+    ) -> Result<Arc<Self>> {
         let listen = config
             .listen
             .ok_or_else(|| Error::Config("the DHT needs dht.listen".into()))?;
@@ -154,11 +223,12 @@ impl Dht {
         let me = NodeRecord {
             peer_id: identity.peer_id.clone(),
             address,
+            dht: Vec::new(),
         };
         let transport =
             libp2p::tcp::tokio::Transport::new(libp2p::tcp::Config::default().nodelay(true))
                 .upgrade(libp2p::core::upgrade::Version::V1Lazy)
-                .authenticate(tls::ClusterTls::new(identity)?)
+                .authenticate(tls::ClusterTls::new(identity, metrics.traffic())?)
                 .multiplex(libp2p::yamux::Config::default())
                 .timeout(Duration::from_secs(10))
                 .boxed();
@@ -197,24 +267,18 @@ impl Dht {
         swarm
             .listen_on(multiaddr_of(listen))
             .map_err(|e| Error::Config(format!("the DHT cannot listen on {listen}: {e}")))?;
-        let value = serde_json::to_vec(&me).expect("a node record serializes");
-        let mut own = Record::new(node_key(&local), value);
-        own.publisher = Some(local);
-        swarm
-            .behaviour_mut()
-            .store_mut()
-            .put(own.clone())
-            .map_err(|e| Error::Config(format!("the DHT's own record: {e}")))?;
         let (commands, rx) = mpsc::channel(256);
-        let (bound, listening) = watch::channel(None);
+        let (bound, listening) = watch::channel(Listening::Pending);
         let runner = Runner {
             swarm,
-            own,
+            me,
+            own: None,
             bootstrap: config.bootstrap.clone(),
             bound,
             providers: HashMap::new(),
             records: HashMap::new(),
             published: false,
+            metrics,
         };
         tokio::spawn(runner.run(rx));
         Ok(Arc::new(Self {
@@ -230,10 +294,26 @@ impl Dht {
         &self.config
     }
 
-    /// The address the DHT listens on (a port 0 made real), once bound.
-    pub async fn listening(&self) -> Option<SocketAddr> {
+    /// The address the DHT listens on (a port 0 made real), once bound;
+    /// why not, if binding it failed.
+    pub async fn listening(&self) -> Result<SocketAddr> {
         let mut rx = self.listening.clone();
-        rx.wait_for(Option::is_some).await.ok().and_then(|a| *a)
+        let state = rx
+            .wait_for(|l| !matches!(l, Listening::Pending))
+            .await
+            .map(|l| l.clone())
+            .unwrap_or_else(|_| Listening::Failed("the DHT's task ended".into()));
+        match state {
+            Listening::On(addr) => Ok(addr),
+            Listening::Failed(why) | Listening::Closed(why) => Err(Error::Config(format!(
+                "the DHT cannot listen on {}: {why}",
+                self.config
+                    .listen
+                    .map(|a| a.to_string())
+                    .unwrap_or_default()
+            ))),
+            Listening::Pending => unreachable!("waited past it"),
+        }
     }
 
     /// Tells the DHT this node holds or pulls `digest`.
@@ -296,6 +376,20 @@ impl Dht {
     }
 }
 
+/// The DHT addresses other nodes dial: the bound one, or, bound to every
+/// interface (0.0.0.0, [::]), the peer plane's advertised addresses with the
+/// DHT's port.
+fn dht_addresses(bound: SocketAddr, peer_addresses: &str) -> Vec<SocketAddr> {
+    if !bound.ip().is_unspecified() {
+        return vec![bound];
+    }
+    peer_addresses
+        .split(',')
+        .filter_map(|a| a.trim().parse::<SocketAddr>().ok())
+        .map(|a| SocketAddr::new(a.ip(), bound.port()))
+        .collect()
+}
+
 fn multiaddr_of(addr: SocketAddr) -> Multiaddr {
     Multiaddr::from(addr.ip()).with(Protocol::Tcp(addr.port()))
 }
@@ -316,15 +410,19 @@ fn socket_of(addr: &Multiaddr) -> Option<SocketAddr> {
 /// The DHT's task: the libp2p swarm, and the queries it runs for the handle.
 struct Runner {
     swarm: Swarm<kad::Behaviour<MemoryStore>>,
-    /// This node's record, published after every refresh.
-    own: Record,
+    /// This node's record without its DHT addresses.
+    me: NodeRecord,
+    /// This node's record, once the listener is bound; published after
+    /// every refresh.
+    own: Option<Record>,
     bootstrap: Vec<String>,
     /// The address listened on, once bound.
-    bound: watch::Sender<Option<SocketAddr>>,
+    bound: watch::Sender<Listening>,
     providers: HashMap<QueryId, (HashSet<PeerId>, oneshot::Sender<HashSet<PeerId>>)>,
     records: HashMap<QueryId, (PeerId, oneshot::Sender<Option<NodeRecord>>)>,
     /// Whether the own record went out since the routing table was empty.
     published: bool,
+    metrics: DhtMetrics,
 }
 
 impl Runner {
@@ -338,7 +436,11 @@ impl Runner {
                     None => return,
                 },
                 event = self.swarm.select_next_some() => self.on_event(event),
-                _ = dial.tick() => self.dial_bootstrap().await,
+                _ = dial.tick() => {
+                    let peers = self.routing_peers();
+                    self.metrics.peers.set(peers as i64);
+                    self.dial_bootstrap().await;
+                }
             }
         }
     }
@@ -382,7 +484,10 @@ impl Runner {
         for entry in &self.bootstrap {
             match tokio::net::lookup_host(entry.as_str()).await {
                 Ok(found) => {
-                    let own = *self.bound.borrow();
+                    let own = match *self.bound.borrow() {
+                        Listening::On(a) => Some(a),
+                        _ => None,
+                    };
                     addrs.extend(found.filter(|a| Some(*a) != own));
                 }
                 Err(e) => {
@@ -398,8 +503,17 @@ impl Runner {
         }
     }
 
+    /// Adds a member's DHT addresses, from its record, to the routing table.
+    fn learn_addresses(&mut self, peer: &PeerId, node: &NodeRecord) {
+        for a in &node.dht {
+            self.kad().add_address(peer, multiaddr_of(*a));
+        }
+    }
+
     fn publish_own(&mut self) {
-        let own = self.own.clone();
+        let Some(own) = self.own.clone() else {
+            return;
+        };
         if let Err(e) = self.kad().put_record(own, Quorum::One) {
             tracing::warn!(error = %e, "cannot publish this node's DHT record");
         }
@@ -421,21 +535,51 @@ impl Runner {
                 }
             }
             SwarmEvent::NewListenAddr { address, .. } => {
-                if let Some(addr) = socket_of(&address) {
-                    tracing::info!(listening = %addr, peer = %self.swarm.local_peer_id(), "joined the DHT");
-                    self.bound.send_replace(Some(addr));
+                let Some(addr) = socket_of(&address) else {
+                    return;
+                };
+                if !matches!(*self.bound.borrow(), Listening::Pending) {
+                    return;
+                }
+                tracing::info!(listening = %addr, peer = %self.swarm.local_peer_id(), "joined the DHT");
+                self.bound.send_replace(Listening::On(addr));
+                let mut me = self.me.clone();
+                me.dht = dht_addresses(addr, &me.address);
+                let value = serde_json::to_vec(&me).expect("a node record serializes");
+                let mut own = Record::new(node_key(self.swarm.local_peer_id()), value);
+                own.publisher = Some(*self.swarm.local_peer_id());
+                if let Err(e) = self.kad().store_mut().put(own.clone()) {
+                    tracing::error!(error = %e, "cannot keep this node's own DHT record");
+                }
+                self.own = Some(own);
+                if self.published {
+                    self.publish_own();
                 }
             }
-            SwarmEvent::ListenerClosed {
-                reason: Err(error), ..
-            } => {
-                tracing::error!(%error, "the DHT stopped listening");
+            SwarmEvent::ListenerError { error, .. } => {
+                tracing::error!(%error, "the DHT's listener failed");
+                self.bound.send_if_modified(|l| {
+                    let pending = matches!(l, Listening::Pending);
+                    if pending {
+                        *l = Listening::Failed(format!("{error:?}"));
+                    }
+                    pending
+                });
+            }
+            SwarmEvent::ListenerClosed { reason, .. } => {
+                let why = match reason {
+                    Ok(()) => "closed".to_string(),
+                    Err(e) => e.to_string(),
+                };
+                tracing::error!(error = %why, "the DHT stopped listening");
+                self.bound.send_replace(Listening::Closed(why));
             }
             SwarmEvent::IncomingConnectionError {
                 error,
                 send_back_addr,
                 ..
             } => {
+                self.metrics.refused.inc();
                 tracing::warn!(from = %send_back_addr, error = %error, "refused a DHT connection");
             }
             SwarmEvent::OutgoingConnectionError { error, .. } => {
@@ -469,10 +613,14 @@ impl Runner {
                     let Some((peer, _)) = self.records.get(&id) else {
                         return;
                     };
+                    let peer = *peer;
                     let record = match found {
-                        Ok(GetRecordOk::FoundRecord(r)) => node_record(peer, &r.record),
+                        Ok(GetRecordOk::FoundRecord(r)) => node_record(&peer, &r.record),
                         _ => None,
                     };
+                    if let Some(node) = &record {
+                        self.learn_addresses(&peer, node);
+                    }
                     if record.is_some() || step.last {
                         if let Some((_, tx)) = self.records.remove(&id) {
                             let _ = tx.send(record);
@@ -487,6 +635,8 @@ impl Runner {
             },
             kad::Event::RoutingUpdated { peer, .. } => {
                 tracing::debug!(%peer, "a DHT node joined the routing table");
+                let peers = self.routing_peers();
+                self.metrics.peers.set(peers as i64);
             }
             _ => {}
         }
@@ -509,10 +659,12 @@ impl Runner {
                 record: Some(record),
                 ..
             } => {
-                if node_record(&source, &record).is_none() {
+                let Some(node) = node_record(&source, &record) else {
                     tracing::warn!(%source, "refused a DHT record that is not the sender's own node record");
                     return;
-                }
+                };
+                // The sender may have only dialled us: now it is routable.
+                self.learn_addresses(&source, &node);
                 if let Err(e) = self.kad().store_mut().put(record) {
                     tracing::debug!(error = %e, "a DHT record was not kept");
                 }
@@ -536,6 +688,7 @@ mod tests {
             serde_json::to_vec(&NodeRecord {
                 peer_id: id.into(),
                 address: "127.0.0.1:7881".into(),
+                dht: vec!["127.0.0.1:7882".parse().unwrap()],
             })
             .unwrap()
         };
@@ -547,6 +700,43 @@ mod tests {
         assert!(node_record(&a, &Record::new(node_key(&a), b"{".to_vec())).is_none());
         let big = Record::new(node_key(&a), vec![b' '; MAX_NODE_RECORD + 1]);
         assert!(node_record(&a, &big).is_none());
+    }
+
+    #[tokio::test]
+    async fn a_dht_address_in_use_fails_the_start_naming_it() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = taken.local_addr().unwrap();
+        let id = crate::identity::ClusterCa::generate()
+            .unwrap()
+            .issue("a")
+            .unwrap();
+        let config = DhtConfig {
+            listen: Some(addr),
+            ..DhtConfig::default()
+        };
+        let joined = Dht::join(&id, &config, "127.0.0.1:7881".into(), DhtMetrics::default());
+        let err = match joined {
+            Err(e) => e,
+            Ok(dht) => dht.listening().await.unwrap_err(),
+        };
+        assert!(
+            err.to_string()
+                .contains(&format!("the DHT cannot listen on {addr}")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_dht_bound_to_every_interface_is_reached_at_the_advertised_addresses() {
+        let at = |s: &str| s.parse::<SocketAddr>().unwrap();
+        assert_eq!(
+            dht_addresses(at("10.0.0.1:7882"), "10.0.0.1:7881"),
+            [at("10.0.0.1:7882")]
+        );
+        assert_eq!(
+            dht_addresses(at("[::]:7882"), "10.0.0.1:7881,[fd00::1]:7881"),
+            [at("10.0.0.1:7882"), at("[fd00::1]:7882")]
+        );
     }
 
     #[test]

@@ -14,9 +14,12 @@ use libp2p::core::UpgradeInfo;
 use libp2p::core::upgrade::{InboundConnectionUpgrade, OutboundConnectionUpgrade};
 use libp2p::futures::future::BoxFuture;
 use libp2p::futures::{AsyncRead, AsyncWrite, FutureExt};
+use prometheus_client::metrics::counter::Counter;
 use rustls::pki_types::ServerName;
 use sha2::Digest;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 /// The protocol name the upgrade is negotiated under.
 const PROTOCOL: &str = "/dray/cluster-tls/1";
@@ -29,19 +32,74 @@ pub fn libp2p_id(peer_id: &str) -> PeerId {
     PeerId::from_multihash(hash).expect("SHA-256 multihashes are peer ids")
 }
 
-/// Mutual TLS against the cluster CA, as a libp2p security upgrade.
+/// Mutual TLS against the cluster CA, as a libp2p security upgrade; the
+/// streams it makes count their bytes.
 #[derive(Clone)]
 pub struct ClusterTls {
     server: Arc<rustls::ServerConfig>,
     client: Arc<rustls::ClientConfig>,
+    /// Bytes read and written, inside TLS.
+    traffic: (Counter, Counter),
 }
 
 impl ClusterTls {
-    pub fn new(identity: &Identity) -> crate::error::Result<Self> {
+    pub fn new(identity: &Identity, traffic: (Counter, Counter)) -> crate::error::Result<Self> {
         Ok(Self {
             server: Arc::new(identity.dht_server_tls()?),
             client: Arc::new(identity.dht_client_tls()?),
+            traffic,
         })
+    }
+
+    fn counted<S>(&self, inner: S) -> Counted<S> {
+        Counted {
+            inner,
+            read: self.traffic.0.clone(),
+            written: self.traffic.1.clone(),
+        }
+    }
+}
+
+/// A stream that counts the bytes read from and written to it.
+pub struct Counted<S> {
+    inner: S,
+    read: Counter,
+    written: Counter,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Counted<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut [u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if let Poll::Ready(Ok(n)) = polled {
+            self.read.inc_by(n as u64);
+        }
+        polled
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if let Poll::Ready(Ok(n)) = polled {
+            self.written.inc_by(n as u64);
+        }
+        polled
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_close(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_close(cx)
     }
 }
 
@@ -77,17 +135,17 @@ impl<C> InboundConnectionUpgrade<C> for ClusterTls
 where
     C: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
-    type Output = (PeerId, futures_rustls::TlsStream<C>);
+    type Output = (PeerId, Counted<futures_rustls::TlsStream<C>>);
     type Error = UpgradeError;
     type Future = BoxFuture<'static, Result<Self::Output, Self::Error>>;
 
     fn upgrade_inbound(self, socket: C, _: Self::Info) -> Self::Future {
         async move {
-            let stream = futures_rustls::TlsAcceptor::from(self.server)
+            let stream = futures_rustls::TlsAcceptor::from(self.server.clone())
                 .accept(socket)
                 .await?;
             let id = proven_id(stream.get_ref().1)?;
-            Ok((id, stream.into()))
+            Ok((id, self.counted(stream.into())))
         }
         .boxed()
     }
@@ -97,7 +155,7 @@ impl<C> OutboundConnectionUpgrade<C> for ClusterTls
 where
     C: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
-    type Output = (PeerId, futures_rustls::TlsStream<C>);
+    type Output = (PeerId, Counted<futures_rustls::TlsStream<C>>);
     type Error = UpgradeError;
     type Future = BoxFuture<'static, Result<Self::Output, Self::Error>>;
 
@@ -107,11 +165,11 @@ where
             // the verifier accepts any member, and libp2p checks the proven
             // id against the one dialled when there is one.
             let name = ServerName::try_from("dht.dray.invalid").expect("a valid DNS name");
-            let stream = futures_rustls::TlsConnector::from(self.client)
+            let stream = futures_rustls::TlsConnector::from(self.client.clone())
                 .connect(name, socket)
                 .await?;
             let id = proven_id(stream.get_ref().1)?;
-            Ok((id, stream.into()))
+            Ok((id, self.counted(stream.into())))
         }
         .boxed()
     }
