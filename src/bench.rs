@@ -82,6 +82,10 @@ pub struct SwarmBench {
         default_value = "flip,trickle,forge,accuse"
     )]
     attacks: Vec<crate::hostile::Attack>,
+    /// No tracker: the agents find each other through the DHT alone (and
+    /// choose who fetches what from the registry among themselves).
+    #[arg(long)]
+    no_tracker: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -133,7 +137,8 @@ pub(crate) struct SwarmRun {
 }
 
 /// A tracker and `nodes` agents in this process (stores under `root`) pull
-/// the blob at once; every pull must complete.
+/// the blob at once (with `no_tracker`, agents joined in a DHT instead);
+/// every pull must complete.
 async fn run_swarm(
     root: &std::path::Path,
     nodes: usize,
@@ -141,14 +146,13 @@ async fn run_swarm(
     client: &Arc<dray_agent::registry::RegistryClient>,
     digest: dray_protocol::BlobDigest,
     gc: &dray_agent::gc::GcConfig,
+    no_tracker: bool,
 ) -> Result<SwarmRun> {
-    let cluster = crate::cluster::LocalCluster::start(
-        root,
-        nodes,
-        dray_agent::swarm::SwarmConfig::default(),
-        gc,
-    )
-    .await?;
+    let mut swarm = dray_agent::swarm::SwarmConfig::default();
+    if no_tracker {
+        swarm.dht.listen = Some("127.0.0.1:0".parse()?);
+    }
+    let cluster = crate::cluster::LocalCluster::start(root, nodes, swarm, gc).await?;
     let run = pull_all(&cluster, registry, client, digest).await?;
     if let Some(e) = run.failures.first() {
         bail!("a swarm pull failed: {e}");
@@ -343,6 +347,8 @@ async fn mirror(b: MirrorBench) -> Result<()> {
 
 #[derive(Serialize)]
 struct SwarmResult {
+    /// How the agents found each other: "tracker", or "dht" (--no-tracker).
+    discovery: &'static str,
     nodes: usize,
     blob_bytes: u64,
     registry_egress_bytes: u64,
@@ -402,6 +408,10 @@ async fn swarm(b: SwarmBench) -> Result<()> {
     if b.nodes == 0 || b.size == 0 {
         bail!("--nodes and --size must be positive");
     }
+    #[cfg(feature = "hostile")]
+    if b.hostile > 0 && b.no_tracker {
+        bail!("--hostile runs its liars against a tracker: it does not go with --no-tracker");
+    }
     let dir = tempfile::tempdir().context("creating a temporary directory")?;
     let registry = dray_testkit::testbed::Registry::start(None).await;
     let src = dir.path().join("blob");
@@ -442,6 +452,7 @@ async fn swarm(b: SwarmBench) -> Result<()> {
         &client,
         digest,
         &dray_agent::gc::GcConfig::default(),
+        b.no_tracker,
     )
     .await?;
     // The same with every store at its high watermark, side by side.
@@ -450,7 +461,18 @@ async fn swarm(b: SwarmBench) -> Result<()> {
             let root = dir.path().join("swarm-gc");
             let gc = pressure_gc(b.size);
             fill_stores(&root, b.nodes, &gc)?;
-            Some(run_swarm(&root, b.nodes, &registry, &client, digest, &gc).await?)
+            Some(
+                run_swarm(
+                    &root,
+                    b.nodes,
+                    &registry,
+                    &client,
+                    digest,
+                    &gc,
+                    b.no_tracker,
+                )
+                .await?,
+            )
         }
         false => None,
     };
@@ -475,6 +497,7 @@ async fn swarm(b: SwarmBench) -> Result<()> {
     let median = |t: &[f64]| t[t.len() / 2];
     let last = |t: &[f64]| t[t.len() - 1];
     let r = SwarmResult {
+        discovery: if b.no_tracker { "dht" } else { "tracker" },
         nodes: b.nodes,
         blob_bytes: b.size,
         registry_egress_bytes: egress,

@@ -2,7 +2,9 @@
 //! its own chunk store under one root directory and its own certificate from
 //! one in-memory cluster CA (the tracker's too: they speak TLS to it as in a
 //! cluster). Each agent runs its garbage collector, as `dray agent` does.
-//! Shared by `dray bench swarm` and `dray demo`.
+//! Shared by `dray bench swarm` and `dray demo`. With `swarm.dht.listen`
+//! set, the agents find each other through the DHT alone (the first is the
+//! others' seed) and none announces to the tracker.
 
 use anyhow::{Context, Result};
 use dray_agent::Agent;
@@ -26,13 +28,19 @@ pub struct LocalCluster {
     pub tracker: Arc<dray_tracker::Tracker>,
     /// Every member, the agents and [`Self::join`]'s, to stop.
     members: Vec<Agent>,
+    /// The DHT address members join through (the first agent's), when
+    /// they find each other through the DHT alone.
+    seed: Option<String>,
     server: JoinHandle<std::io::Result<()>>,
 }
 
 impl LocalCluster {
     /// Starts a tracker on 127.0.0.1 and `nodes` agents with their stores in
     /// [`Self::node_dir`]`(root, i)`, collecting garbage under `gc`;
-    /// `swarm.trackers` is set to the tracker.
+    /// `swarm.trackers` is set to the tracker, unless `swarm.dht.listen` is
+    /// set: then the agents join one DHT (each on a port of its own at that
+    /// address), and this returns once each has the others in its routing
+    /// table.
     pub async fn start(
         root: &Path,
         nodes: usize,
@@ -64,6 +72,7 @@ impl LocalCluster {
             #[cfg(feature = "hostile")]
             tracker,
             members: Vec::new(),
+            seed: None,
             server,
         };
         for i in 0..nodes {
@@ -74,13 +83,28 @@ impl LocalCluster {
                 PeerConfig::default(),
                 Some(gc),
             )?;
+            if let (Some(dht), None) = (swarm.dht(), &cluster.seed) {
+                cluster.seed = Some(dht.listening().await?.to_string());
+            }
             cluster.agents.push(swarm);
+        }
+        let started = std::time::Instant::now();
+        for a in &cluster.agents {
+            let Some(dht) = a.dht() else { continue };
+            while dht.routing_peers().await + 1 < nodes {
+                anyhow::ensure!(
+                    started.elapsed() < std::time::Duration::from_secs(30),
+                    "the agents did not all join the DHT within 30 s"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
         }
         Ok(cluster)
     }
 
     /// Starts one more member, `id`, with its store in `dir`, announcing to
-    /// the tracker (and collecting garbage under `gc`, if given).
+    /// the tracker or joining the DHT (see [`Self::start`]), and collecting
+    /// garbage under `gc`, if given.
     pub fn join(
         &mut self,
         id: &str,
@@ -93,9 +117,19 @@ impl LocalCluster {
             state_dir: dir.to_path_buf(),
             peer_listen: "127.0.0.1:0".parse()?,
             peer,
-            swarm: SwarmConfig {
-                trackers: vec![self.tracker_url.clone()],
-                ..swarm
+            swarm: match swarm.dht.listen {
+                None => SwarmConfig {
+                    trackers: vec![self.tracker_url.clone()],
+                    ..swarm
+                },
+                Some(_) => SwarmConfig {
+                    trackers: Vec::new(),
+                    dht: dray_agent::dht::DhtConfig {
+                        bootstrap: self.seed.iter().cloned().collect(),
+                        ..swarm.dht.clone()
+                    },
+                    ..swarm
+                },
             },
             gc: gc.cloned().unwrap_or_default(),
             ..AgentConfig::default()

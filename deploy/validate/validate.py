@@ -26,6 +26,10 @@ VARIANTS = {
     "tls-provided": {"tls": {"mode": "provided"}},
     "no-snapshotter": {"snapshotter": {"enabled": False}},
     "privileged-agent": {"agent": {"privileged": True, "priorityClassName": ""}},
+    # No tracker: the agents find each other through the DHT alone; and
+    # the DHT off.
+    "no-tracker": {"tracker": {"replicas": 0}},
+    "no-dht": {"agent": {"dht": {"enabled": False}}},
     "custom": {
         "tracker": {"replicas": 5, "listenAddress": "[::]"},
         "registries": [{"name": "registry.internal:5000", "server": "http://registry.internal:5000"}],

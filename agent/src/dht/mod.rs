@@ -6,8 +6,11 @@
 //! signed cannot connect, let alone publish a record. Two kinds of record
 //! live in it:
 //! - **Provider records**, one key per blob: the nodes that hold or are
-//!   pulling it. A node provides a blob when it starts pulling it and stops
-//!   when the store drops it.
+//!   pulling it. A node provides a blob when it starts pulling it, and every
+//!   blob its store holds when it starts; a record lives [`RECORD_TTL`]
+//!   unless republished. A puller stops counting a node the DHT names once
+//!   that node answers that its store does not know the blob (see
+//!   [`crate::peer::PeerNode::bitfield_with_hashes`]).
 //! - **Node records**, one per node: its dray peer id and the peer-plane
 //!   address(es) to dial, as an announce to the tracker carries them. A node
 //!   stores another's record only when that node sent it itself (the TLS
@@ -142,8 +145,8 @@ impl Default for DhtConfig {
         Self {
             listen: None,
             bootstrap: Vec::new(),
-            settle: Duration::from_millis(500),
-            lookup: Duration::from_millis(500),
+            settle: Duration::from_millis(200),
+            lookup: Duration::from_millis(200),
         }
     }
 }
@@ -189,7 +192,6 @@ enum Listening {
 
 enum Command {
     Provide(kad::RecordKey),
-    Unprovide(kad::RecordKey),
     Providers(kad::RecordKey, oneshot::Sender<HashSet<PeerId>>),
     Record(PeerId, oneshot::Sender<Option<NodeRecord>>),
     Routing(oneshot::Sender<usize>),
@@ -319,15 +321,6 @@ impl Dht {
     /// Tells the DHT this node holds or pulls `digest`.
     pub async fn provide(&self, digest: &BlobDigest) {
         let _ = self.commands.send(Command::Provide(blob_key(digest))).await;
-    }
-
-    /// Stops telling the DHT this node holds `digest` (copies elsewhere
-    /// expire).
-    pub async fn unprovide(&self, digest: &BlobDigest) {
-        let _ = self
-            .commands
-            .send(Command::Unprovide(blob_key(digest)))
-            .await;
     }
 
     /// Peers in this node's routing table.
@@ -460,7 +453,6 @@ impl Runner {
                     tracing::warn!(error = %e, "the DHT cannot hold more provider records");
                 }
             }
-            Command::Unprovide(key) => self.kad().stop_providing(&key),
             Command::Providers(key, tx) => {
                 let id = self.kad().get_providers(key);
                 self.providers.insert(id, (HashSet::new(), tx));

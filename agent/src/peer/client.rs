@@ -81,14 +81,21 @@ impl PeerNode {
         above: u32,
         wait: Duration,
     ) -> Result<Bitfield> {
-        Ok(self.ask_bitfield(link, map, above, wait, None).await?.0)
+        Ok(
+            match self.ask_bitfield(link, map, above, wait, None).await? {
+                Some((bits, _)) => bits,
+                None => Bitfield::new(map.chunk_count()),
+            },
+        )
     }
 
     /// [`PeerNode::bitfield_after`], also asking for the hashes of the
     /// chunks the peer holds that `known` lacks: the peer's word for them,
     /// for a swarm without a tracker to vouch for hashes. Returns them as a
     /// map of the blob holding only those hashes (at most
-    /// [`MAX_HASHES_PER_ANSWER`] of them; ask again for more).
+    /// [`MAX_HASHES_PER_ANSWER`] of them; ask again for more). A peer whose
+    /// store does not know the blob at all (it is neither pulling nor
+    /// holding it, whatever the DHT still says) is refused as an error.
     pub async fn bitfield_with_hashes(
         &self,
         link: &PeerLink,
@@ -97,9 +104,18 @@ impl PeerNode {
         wait: Duration,
         known: &Bitfield,
     ) -> Result<(Bitfield, ChunkMap)> {
-        let (bits, hashes) = self
+        let Some((bits, hashes)) = self
             .ask_bitfield(link, map, above, wait, Some(known))
-            .await?;
+            .await?
+        else {
+            return Err(Error::Rejected {
+                peer: link.peer_id.clone(),
+                reason: format!(
+                    "{} is not there: it neither pulls nor holds it",
+                    map.digest()
+                ),
+            });
+        };
         let violation = |why: String| Error::Frame {
             peer: link.peer_id.clone(),
             source: FrameError::Violation(why),
@@ -139,7 +155,7 @@ impl PeerNode {
         above: u32,
         wait: Duration,
         known: Option<&Bitfield>,
-    ) -> Result<(Bitfield, Vec<pb::ChunkHashEntry>)> {
+    ) -> Result<Option<(Bitfield, Vec<pb::ChunkHashEntry>)>> {
         let peer = &link.peer_id;
         let wait_ms = u32::try_from(wait.as_millis())
             .unwrap_or(u32::MAX)
@@ -174,11 +190,9 @@ impl PeerNode {
                         peer: peer.clone(),
                         source: FrameError::Violation(e.to_string()),
                     })?;
-                Ok((bits, b.hashes))
+                Ok(Some((bits, b.hashes)))
             }
-            Some(Body::Reject(r)) if r.reason() == Reason::NotHeld => {
-                Ok((Bitfield::new(map.chunk_count()), Vec::new()))
-            }
+            Some(Body::Reject(r)) if r.reason() == Reason::NotHeld => Ok(None),
             Some(Body::Reject(r)) => Err(Error::Rejected {
                 peer: peer.clone(),
                 reason: reject_text(&r),

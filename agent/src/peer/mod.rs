@@ -563,6 +563,16 @@ mod tests {
         // A plain ask carries none.
         let plain = b.bitfield(&link, &unhashed).await.unwrap();
         assert_eq!(plain, bits);
+        // A blob the peer's store does not know: not a member of its swarm
+        // (a plain ask reads that as holding nothing).
+        let elsewhere = ChunkMap::unhashed(BlobDigest::of(b"other"), 10, MIN_CHUNK_SIZE).unwrap();
+        let err = b
+            .bitfield_with_hashes(&link, &elsewhere, 0, Duration::ZERO, &none)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("it neither pulls nor holds it"), "{err}");
+        assert_eq!(b.bitfield(&link, &elsewhere).await.unwrap().count(), 0);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
