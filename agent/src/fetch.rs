@@ -132,6 +132,9 @@ struct Shared {
     /// Each peer's last bitfield, whatever our known hashes: the picker's view
     /// of the peer is recomputed from it when hashes are learned.
     raw: HashMap<String, Bitfield>,
+    /// Peers that failed: unreachable, their bitfield polls failing, or (in a
+    /// swarm found through the DHT) not holding the blob at all.
+    gone: std::collections::HashSet<String>,
     /// Peer requests in flight, by chunk: one, or two in the endgame.
     requests: HashMap<u32, Vec<Request>>,
     /// Bytes per second of the last chunks peers sent, newest last.
@@ -289,6 +292,7 @@ impl Transfer {
                 // one holding some chunks.
                 roster: Roster::new(swarm.then_some(node.config.max_peers_per_blob)),
                 raw: HashMap::new(),
+                gone: Default::default(),
                 requests: HashMap::new(),
                 rates: VecDeque::with_capacity(RATE_SAMPLES),
                 stopped: false,
@@ -306,10 +310,11 @@ impl Transfer {
         Ok(t)
     }
 
-    /// Whether chunks may still be picked from `peer` (named and not
-    /// dropped or retired).
-    pub fn is_live_peer(&self, peer: &str) -> bool {
-        self.lock().is_live(peer)
+    /// Whether `peer` failed in this transfer: it could not be reached,
+    /// its bitfield polls failed, or it does not have the blob. (A peer
+    /// retired past the cap of peers is not gone.)
+    pub fn is_gone(&self, peer: &str) -> bool {
+        self.lock().gone.contains(peer)
     }
 
     /// Chunks some peer's last bitfield shows, whatever their hashes:
@@ -741,6 +746,7 @@ async fn run_peer(t: Arc<Transfer>, p: PeerAddr, retired: CancellationToken) {
         }
         Some(Err(e)) => {
             tracing::warn!(error = %e, "skipping peer");
+            t.lock().gone.insert(p.peer_id.clone());
             return forget(&t);
         }
         None => return forget(&t),
@@ -760,6 +766,7 @@ async fn run_peer(t: Arc<Transfer>, p: PeerAddr, retired: CancellationToken) {
             watched = watch_peer(&t, &link, seen, &retired) => {
                 if let Err(e) = watched {
                     tracing::info!(error = %e, "retiring a peer whose bitfield long poll failed");
+                    t.lock().gone.insert(p.peer_id.clone());
                     t.retire(&p.peer_id);
                 }
                 lanes_done.await;

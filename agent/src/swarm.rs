@@ -768,10 +768,15 @@ impl Swarm {
         // The tracker's runs under way, by first chunk.
         let mut assigned: HashMap<u32, tokio::task::AbortHandle> = HashMap::new();
         // Without a tracker every chunk comes from the registry.
+        // No tracker configured (the DHT's mode): no tracker can fall silent.
+        let tracker_grace = match self.tracker.is_configured() {
+            true => self.config.tracker_grace,
+            false => Duration::MAX,
+        };
         let mut fallback = FallbackRule::new(
             Instant::now(),
             alone,
-            self.config.tracker_grace,
+            tracker_grace,
             self.config.stall,
             DEFAULTS.fetching_patience,
         );
@@ -939,8 +944,6 @@ impl Swarm {
         dht.provide(&digest).await;
         let me = self.node.peer_id().to_string();
         let mut standing_in: Option<Instant> = None;
-        // Members seen before: one no longer live in the transfer has gone.
-        let mut seen = std::collections::HashSet::new();
         loop {
             let tracker_answers = self.tracker.is_configured() && !self.tracker.all_down();
             match (tracker_answers, standing_in) {
@@ -971,12 +974,13 @@ impl Swarm {
                         .collect();
                     let mut runs = Vec::new();
                     if since.elapsed() >= dht.config().settle {
+                        // Every member the DHT names that has not failed
+                        // here (not only the peers the transfer keeps):
+                        // the set every puller computes the same.
                         let fetchers = std::iter::once(me.as_str()).chain(
                             peers
                                 .iter()
-                                .filter(|p| {
-                                    !seen.contains(&p.peer_id) || t.is_live_peer(&p.peer_id)
-                                })
+                                .filter(|p| !t.is_gone(&p.peer_id))
                                 .map(|p| p.peer_id.as_str()),
                         );
                         let mut held = t.held_by_peers();
@@ -987,11 +991,10 @@ impl Swarm {
                         // As many as run at once: the next come as these finish.
                         runs.truncate(self.config.registry_parallel.max(1));
                     }
-                    seen.extend(peers.iter().map(|p| p.peer_id.clone()));
                     updates.send_replace(Update {
                         tracker_ok: true,
                         fetching: false,
-                        peers,
+                        peers: self.dht_peers(peers, &t),
                         runs,
                         map: None,
                     });
@@ -999,6 +1002,25 @@ impl Swarm {
             }
             tokio::time::sleep(dht.config().lookup).await;
         }
+    }
+
+    /// Of a blob's members, the peers a pull without a tracker hands its
+    /// transfer: those that have not failed there, at most
+    /// `peer.max_peers_per_blob`, in an order of this node's own (a hash of
+    /// both ids), so that each node watches a different few of a large
+    /// swarm, and the same few at every lookup.
+    fn dht_peers(&self, mut members: Vec<PeerAddr>, t: &Transfer) -> Vec<PeerAddr> {
+        let me = self.node.peer_id();
+        members.retain(|p| !t.is_gone(&p.peer_id));
+        members.sort_by_cached_key(|p| {
+            *blake3::Hasher::new()
+                .update(me.as_bytes())
+                .update(p.peer_id.as_bytes())
+                .finalize()
+                .as_bytes()
+        });
+        members.truncate(self.node.config.max_peers_per_blob.max(1));
+        members
     }
 
     async fn publish(&self, blob: &Blob) {
