@@ -3,7 +3,8 @@
 //! - 8 agents with no tracker at all pull a 128 MiB blob through their
 //!   mirrors at once; the peers are found through the DHT, the
 //!   registry-fetch rule among them sends each chunk from the registry
-//!   about once, and every copy is byte-identical. Then a node whose
+//!   about once, and every copy is byte-identical. A member that joins
+//!   afterwards takes the blob from them alone. Then a node whose
 //!   certificate another CA signed tries to join: the members refuse its
 //!   connections, and its pull finds no peer (it comes from the registry
 //!   alone).
@@ -184,10 +185,9 @@ async fn eight_agents_without_a_tracker_find_each_other_in_the_dht_and_leave_the
     random_file(&blob, SIZE);
     let digest = registry.push("test/dht", &blob);
     let ids: Vec<String> = (0..NODES).map(|i| format!("node-{i}")).collect();
-    issue_certificates(
-        dir.path(),
-        &ids.iter().map(String::as_str).collect::<Vec<_>>(),
-    );
+    let mut certified: Vec<&str> = ids.iter().map(String::as_str).collect();
+    certified.push("node-late");
+    issue_certificates(dir.path(), &certified);
     let agents = start_agents(dir.path(), &ids, "", &registry, Some(&[]));
     let s = storm(dir.path(), &agents, &registry, &digest, SIZE);
     eprintln!(
@@ -209,10 +209,52 @@ async fn eight_agents_without_a_tracker_find_each_other_in_the_dht_and_leave_the
         s.peer_copies
     );
 
+    // A member that joins after the storm takes the blob from the nodes
+    // that hold all of it, with their word for every chunk's hash. (Its
+    // first registry runs may go out before its peers' first bitfields
+    // come: a block of 4 chunks it wins, seen here; not asserted.)
+    let members = vec![agents[0].banner_field("DHT on ")];
+    let late = start_agents(
+        dir.path(),
+        &["node-late".to_string()],
+        "",
+        &registry,
+        Some(&members),
+    );
+    let late_admin = admin_of(&late[0]);
+    let started = Instant::now();
+    while metric(dir.path(), &late_admin, "dray_agent_dht_peers") < 1.0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the late node did not join"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = pull_through(
+        &late[0],
+        &registry,
+        "test/dht",
+        &digest,
+        dir.path().join("late"),
+    )
+    .join()
+    .unwrap();
+    assert_eq!(file_digest(&out), digest);
+    let (late_registry, late_peers) = (
+        received(dir.path(), &late_admin, "registry"),
+        received(dir.path(), &late_admin, "peer"),
+    );
+    eprintln!(
+        "the late member took {late_peers} bytes from peers and {late_registry} from the registry"
+    );
+    assert!(
+        late_peers >= SIZE as f64 * 0.75,
+        "{late_peers} bytes from peers"
+    );
+
     // A node whose certificate another CA signed: the members refuse it.
     let other = tempfile::tempdir().unwrap();
     issue_certificates(other.path(), &["outsider"]);
-    let members = vec![agents[0].banner_field("DHT on ")];
     let outsider = start_agents(
         other.path(),
         &["outsider".to_string()],

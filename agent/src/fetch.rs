@@ -793,8 +793,10 @@ async fn watch_peer(
 ) -> Result<()> {
     // Only the digest and the chunk count are used: they never change.
     let map = t.blob.map();
-    // Whether the last answer left hashes out: then ask again at once.
-    let mut more_hashes = false;
+    // Whether hashes may be missing: the last answer left some out, or,
+    // taking peers' word, none was asked for yet (a peer holding every
+    // chunk already would otherwise never be asked). Then ask at once.
+    let mut more_hashes = t.peer_hashes.load(Ordering::Acquire);
     while (seen < map.chunk_count() || more_hashes) && !t.is_over() {
         let asked = tokio::time::Instant::now();
         let peer_hashes = t.peer_hashes.load(Ordering::Acquire);

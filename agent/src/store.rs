@@ -275,6 +275,21 @@ impl Blob {
         map_of(&self.read_map(), chunks)
     }
 
+    /// The known hashes of `chunks`, at most `max` of them, read in place
+    /// (not copying the map, as a peer's bitfield answer would per poll).
+    pub fn hashes_of(
+        &self,
+        chunks: impl IntoIterator<Item = u32>,
+        max: usize,
+    ) -> Vec<(u32, dray_protocol::chunkmap::ChunkHash)> {
+        let map = self.read_map();
+        chunks
+            .into_iter()
+            .filter_map(|i| Some((i, map.hashes().get(i as usize).copied().flatten()?)))
+            .take(max)
+            .collect()
+    }
+
     /// Takes the chunk hashes `map` knows that this blob lacks; returns how many.
     pub fn learn(&self, map: &ChunkMap) -> Result<u32> {
         Ok(self.write_map().merge(map)?)

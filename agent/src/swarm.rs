@@ -96,8 +96,8 @@ pub struct SwarmConfig {
     /// (it refuses an announce listing more); past it the least useful are
     /// left out.
     pub max_announce_blobs: usize,
-    /// The Kademlia DHT, used when no tracker is configured (see
-    /// [`crate::dht`]); off unless `dht.listen` is set.
+    /// The Kademlia DHT, used when no tracker is configured and while every
+    /// replica is down (see [`crate::dht`]); off unless `dht.listen` is set.
     pub dht: DhtConfig,
 }
 
@@ -767,8 +767,8 @@ impl Swarm {
         let mut runs = tokio::task::JoinSet::new();
         // The tracker's runs under way, by first chunk.
         let mut assigned: HashMap<u32, tokio::task::AbortHandle> = HashMap::new();
-        // Without a tracker every chunk comes from the registry.
-        // No tracker configured (the DHT's mode): no tracker can fall silent.
+        // Alone, every chunk comes from the registry. With no tracker
+        // configured (the DHT's mode), no tracker can fall silent.
         let tracker_grace = match self.tracker.is_configured() {
             true => self.config.tracker_grace,
             false => Duration::MAX,
@@ -964,7 +964,6 @@ impl Swarm {
                         .members(&digest)
                         .await
                         .into_iter()
-                        .filter(|m| m.peer_id != me)
                         .filter_map(|m| {
                             Some(PeerAddr {
                                 addr: advertise::reachable(&m.address, local)?,

@@ -296,16 +296,11 @@ fn hashes_unknown_to(
             .get(i as usize / 8)
             .is_some_and(|b| b & (0x80 >> (i % 8)) != 0)
     };
-    let map = blob.map();
-    held.ones()
-        .filter(|&i| !knows(i))
-        .filter_map(|i| {
-            let hash = map.hashes().get(i as usize).copied().flatten()?;
-            Some(pb::ChunkHashEntry {
-                index: i,
-                hash: Bytes::copy_from_slice(&hash),
-            })
+    blob.hashes_of(held.ones().filter(|&i| !knows(i)), MAX_HASHES_PER_ANSWER)
+        .into_iter()
+        .map(|(index, hash)| pb::ChunkHashEntry {
+            index,
+            hash: Bytes::copy_from_slice(&hash),
         })
-        .take(MAX_HASHES_PER_ANSWER)
         .collect()
 }
