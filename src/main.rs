@@ -214,9 +214,14 @@ struct SimArgs {
     /// Scenario name (small, kraken-2600, storm-10k, storm-100k, churn-10k, rack-oversub, outage-1k).
     #[arg(long, default_value = "small")]
     scenario: String,
-    /// Also run the reference strategies (direct, kraken-like, spegel-like) on the same scenario.
+    /// Also run dray without a tracker (dray-dht) and the reference
+    /// strategies (direct, kraken-like, spegel-like) on the same scenario.
     #[arg(long)]
     compare: bool,
+    /// Also run dray without a tracker (dray-dht: the DHT finds the peers
+    /// and splits the registry's work), side by side with the tracker.
+    #[arg(long, conflicts_with = "compare")]
+    no_tracker: bool,
     /// Random seed; the same seed gives the same results.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -815,6 +820,8 @@ fn sim_report(args: SimArgs) -> Result<()> {
     }
     let strategies: &[Strategy] = if args.compare {
         &Strategy::ALL
+    } else if args.no_tracker {
+        &[Strategy::Dray, Strategy::DrayDht]
     } else {
         &[Strategy::Dray]
     };
@@ -854,6 +861,28 @@ fn sim_report(args: SimArgs) -> Result<()> {
             )?;
         }
         reports.push(r);
+    }
+    if !args.json {
+        for r in &reports {
+            let Some(d) = &r.dht else { continue };
+            writeln!(
+                out,
+                "{}: the DHT's own cost. A node joins in {} rounds ({:.3} s, {:.0} KiB); \
+                 the storm's {} lookups moved {:.1} MiB ({:.0} KiB per node); \
+                 the busiest key's stores each answered {:.0} lookups/s ({:.1} MB/s); \
+                 nodes saw at most {} members of a blob",
+                r.strategy,
+                d.join_rounds_p50,
+                d.join_s_p50,
+                d.join_bytes_p50 as f64 / 1024.0,
+                d.lookups,
+                d.bytes / f64::from(1 << 20),
+                d.bytes_per_node / 1024.0,
+                d.hottest_store_requests_per_s,
+                d.hottest_store_bytes_per_s / 1e6,
+                d.max_members,
+            )?;
+        }
     }
     if let Some(path) = args.svg {
         dray_simulations::write_svg(&reports, &path)

@@ -33,6 +33,9 @@ pub enum Error {
     },
     #[error("peer {peer} refused: {reason}")]
     Rejected { peer: String, reason: String },
+    /// A refusal for capacity (uploads or watchers at the peer's cap).
+    #[error("peer {peer} is busy: {reason}")]
+    Busy { peer: String, reason: String },
     #[error("peer {peer}: {detail}")]
     Peer { peer: String, detail: String },
     #[error("could not connect to peer {peer} at {addr}: {detail}")]

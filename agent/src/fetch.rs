@@ -92,7 +92,7 @@ const RATE_SAMPLES: usize = 16;
 const MAX_SOURCES: usize = 2;
 
 /// A peer to fetch from.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PeerAddr {
     pub peer_id: String,
     pub addr: SocketAddr,
@@ -135,6 +135,8 @@ struct Shared {
     /// Peers that failed: unreachable, their bitfield polls failing, or (in a
     /// swarm found through the DHT) not holding the blob at all.
     gone: std::collections::HashSet<String>,
+    /// Peers that refused to be watched, at their watcher cap.
+    refused: std::collections::HashSet<String>,
     /// Peer requests in flight, by chunk: one, or two in the endgame.
     requests: HashMap<u32, Vec<Request>>,
     /// Bytes per second of the last chunks peers sent, newest last.
@@ -293,6 +295,7 @@ impl Transfer {
                 roster: Roster::new(swarm.then_some(node.config.max_peers_per_blob)),
                 raw: HashMap::new(),
                 gone: Default::default(),
+                refused: Default::default(),
                 requests: HashMap::new(),
                 rates: VecDeque::with_capacity(RATE_SAMPLES),
                 stopped: false,
@@ -315,6 +318,12 @@ impl Transfer {
     /// retired past the cap of peers is not gone.)
     pub fn is_gone(&self, peer: &str) -> bool {
         self.lock().gone.contains(peer)
+    }
+
+    /// Whether `peer` refused to be watched in this transfer, serving as
+    /// many watchers as it can: not gone, but not worth asking again.
+    pub fn is_refused(&self, peer: &str) -> bool {
+        self.lock().refused.contains(peer)
     }
 
     /// Chunks some peer's last bitfield shows, whatever their hashes:
@@ -746,7 +755,13 @@ async fn run_peer(t: Arc<Transfer>, p: PeerAddr, retired: CancellationToken) {
         }
         Some(Err(e)) => {
             tracing::warn!(error = %e, "skipping peer");
-            t.lock().gone.insert(p.peer_id.clone());
+            let mut sh = t.lock();
+            match e {
+                // At its cap: alive, and still one of the blob's members.
+                Error::Busy { .. } => sh.refused.insert(p.peer_id.clone()),
+                _ => sh.gone.insert(p.peer_id.clone()),
+            };
+            drop(sh);
             return forget(&t);
         }
         None => return forget(&t),
@@ -764,10 +779,20 @@ async fn run_peer(t: Arc<Transfer>, p: PeerAddr, retired: CancellationToken) {
         tokio::select! {
             () = &mut lanes_done => {}
             watched = watch_peer(&t, &link, seen, &retired) => {
-                if let Err(e) = watched {
-                    tracing::info!(error = %e, "retiring a peer whose bitfield long poll failed");
-                    t.lock().gone.insert(p.peer_id.clone());
-                    t.retire(&p.peer_id);
+                match watched {
+                    Err(e @ Error::Busy { .. }) => {
+                        // It serves as many watchers as it can: no fault of
+                        // its, but a pull without a tracker watches others.
+                        tracing::info!(error = %e, "retiring a peer that serves no more watchers");
+                        t.lock().refused.insert(p.peer_id.clone());
+                        t.retire(&p.peer_id);
+                    }
+                    Err(e) => {
+                        tracing::info!(error = %e, "retiring a peer whose bitfield long poll failed");
+                        t.lock().gone.insert(p.peer_id.clone());
+                        t.retire(&p.peer_id);
+                    }
+                    Ok(()) => {}
                 }
                 lanes_done.await;
             }
@@ -886,7 +911,7 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
                     t.retire(&peer);
                     return;
                 }
-                if matches!(e, Error::Rejected { .. }) {
+                if matches!(e, Error::Rejected { .. } | Error::Busy { .. }) {
                     // BUSY or not held: give the peer (and the others) a
                     // moment; the peer's other lanes carry on.
                     tokio::time::sleep(Duration::from_millis(DEFAULTS.busy_backoff_ms)).await;

@@ -34,7 +34,7 @@
 //! blobs over a limit of 512).
 
 use crate::advertise::{self, Advertised};
-use crate::dht::{Dht, DhtConfig};
+use crate::dht::{Dht, DhtConfig, NodeRecord};
 use crate::error::{Error, Result};
 use crate::fetch::{PeerAddr, Transfer};
 use crate::metrics::{FallbackReason, Source};
@@ -44,9 +44,10 @@ use crate::registry::RegistryClient;
 use crate::store::{Blob, Holding, PutOutcome};
 use crate::tracker_client::TrackerClient;
 use dray_protocol::defaults::{DEFAULTS, announce_spread};
+use dray_protocol::dht::{dht_runs, lookup_after, overflow_list, watch_order};
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::preheat;
-use dray_protocol::pull::{Fallback, FallbackRule, registry_fetcher};
+use dray_protocol::pull::{Fallback, FallbackRule};
 use dray_protocol::scheduler::SchedulerConfig;
 use dray_protocol::settings::duration;
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap, DEFAULT_CHUNK_SIZE, VerifyError};
@@ -925,9 +926,10 @@ impl Swarm {
 
     /// A pull's stand-in for the tracker when there is none, or while every
     /// replica is down (it waits while one answers: the tracker's runs
-    /// come first). Every `dht.lookup` it asks the DHT who else holds or
-    /// pulls the blob and hands them to the transfer as peers, whose word it
-    /// takes for chunk hashes. After `dht.settle` (time for the other
+    /// come first). Every `dht.lookup` it hands the transfer the blob's
+    /// other holders and pullers as peers, whose word it takes for chunk
+    /// hashes; it asks the DHT for them again at that pace while they
+    /// change, and less often while they stay the same ([`lookup_after`]). After `dht.settle` (time for the other
     /// pullers of a storm to show up), it also hands the pull its registry
     /// runs ([`dht_runs`]). A member's blocks that never come are fetched
     /// by the stall fallback.
@@ -944,6 +946,15 @@ impl Swarm {
         dht.provide(&digest).await;
         let me = self.node.peer_id().to_string();
         let mut standing_in: Option<Instant> = None;
+        // The members last found (the reachable ones of the blob's own list
+        // and of this node's overflow list, and whether the DHT lists this
+        // node), when, and how many answers in a row named them.
+        let mut found: Option<(Vec<PeerAddr>, Vec<PeerAddr>, bool)> = None;
+        // The overflow list this node provides the blob in, once its own
+        // list is full without it.
+        let mut overflow = None;
+        let mut asked_at = Instant::now();
+        let mut unchanged = 0;
         loop {
             let tracker_answers = self.tracker.is_configured() && !self.tracker.all_down();
             match (tracker_answers, standing_in) {
@@ -960,23 +971,52 @@ impl Swarm {
                     standing_in = Some(Instant::now());
                 }
                 (false, Some(since)) => {
-                    let peers: Vec<PeerAddr> = dht
-                        .members(&digest)
-                        .await
-                        .into_iter()
-                        .filter_map(|m| {
-                            Some(PeerAddr {
-                                addr: advertise::reachable(&m.address, local)?,
-                                peer_id: m.peer_id,
-                            })
-                        })
-                        .collect();
+                    let due = asked_at.elapsed() >= lookup_after(dht.config().lookup, unchanged);
+                    let (peers, more, listed) = match found.clone() {
+                        Some(kept) if !due => kept,
+                        _ => {
+                            let members = dht.members(&digest, overflow).await;
+                            asked_at = Instant::now();
+                            if !members.listed && overflow.is_none() {
+                                let list = overflow_list(&me);
+                                tracing::info!(%digest, list, "the blob's list in the DHT is full: joining an overflow list");
+                                dht.provide_overflow(&digest, list).await;
+                                overflow = Some(list);
+                            }
+                            let reachable = |records: Vec<NodeRecord>| {
+                                let mut peers: Vec<PeerAddr> = records
+                                    .into_iter()
+                                    .filter_map(|m| {
+                                        Some(PeerAddr {
+                                            addr: advertise::reachable(&m.address, local)?,
+                                            peer_id: m.peer_id,
+                                        })
+                                    })
+                                    .collect();
+                                peers.sort_by(|a, b| a.peer_id.cmp(&b.peer_id));
+                                peers
+                            };
+                            let now = (
+                                reachable(members.others),
+                                reachable(members.overflow),
+                                members.listed,
+                            );
+                            unchanged = if found.as_ref() == Some(&now) {
+                                unchanged + 1
+                            } else {
+                                0
+                            };
+                            found = Some(now.clone());
+                            now
+                        }
+                    };
                     let mut runs = Vec::new();
                     if since.elapsed() >= dht.config().settle {
                         // Every member the DHT names that has not failed
                         // here (not only the peers the transfer keeps):
-                        // the set every puller computes the same.
-                        let fetchers = std::iter::once(me.as_str()).chain(
+                        // the set every puller computes the same. This node
+                        // only if the DHT lists it: nobody else counts it.
+                        let fetchers = listed.then_some(me.as_str()).into_iter().chain(
                             peers
                                 .iter()
                                 .filter(|p| !t.is_gone(&p.peer_id))
@@ -993,7 +1033,8 @@ impl Swarm {
                     updates.send_replace(Update {
                         tracker_ok: true,
                         fetching: false,
-                        peers: self.dht_peers(peers, &t),
+                        // Its overflow list's members are peers, not fetchers.
+                        peers: self.dht_peers(peers.into_iter().chain(more).collect(), &t),
                         runs,
                         map: None,
                     });
@@ -1004,21 +1045,19 @@ impl Swarm {
     }
 
     /// Of a blob's members, the peers a pull without a tracker hands its
-    /// transfer: those that have not failed there, at most
+    /// transfer: those that have not failed there nor refused to be
+    /// watched (at their watcher cap), at most
     /// `peer.max_peers_per_blob`, in an order of this node's own (a hash of
     /// both ids), so that each node watches a different few of a large
     /// swarm, and the same few at every lookup.
     fn dht_peers(&self, mut members: Vec<PeerAddr>, t: &Transfer) -> Vec<PeerAddr> {
-        let me = self.node.peer_id();
-        members.retain(|p| !t.is_gone(&p.peer_id));
-        members.sort_by_cached_key(|p| {
-            *blake3::Hasher::new()
-                .update(me.as_bytes())
-                .update(p.peer_id.as_bytes())
-                .finalize()
-                .as_bytes()
-        });
-        members.truncate(self.node.config.max_peers_per_blob.max(1));
+        members.retain(|p| !t.is_gone(&p.peer_id) && !t.is_refused(&p.peer_id));
+        watch_order(
+            self.node.peer_id(),
+            &mut members,
+            |p| p.peer_id.as_str(),
+            self.node.config.max_peers_per_blob,
+        );
         members
     }
 
@@ -1080,41 +1119,6 @@ impl Swarm {
 const MAP_FAILURES_BEFORE_ALONE: u32 = 2;
 
 /// Errors that mean the published chunk map cannot be trusted.
-/// Without a tracker, the registry runs that fall to `me`: the blocks of
-/// `block` chunks that [`registry_fetcher`] gives it among `fetchers` (it
-/// and the members still reachable), less the chunks `held` here or by a
-/// peer, in index order.
-fn dht_runs<'a>(
-    digest: &BlobDigest,
-    me: &str,
-    fetchers: impl Iterator<Item = &'a str>,
-    held: &Bitfield,
-    block: u32,
-) -> Vec<(u32, u32)> {
-    let fetchers: Vec<&str> = fetchers.collect();
-    let (block, count) = (block.max(1), held.len());
-    let mut runs = Vec::new();
-    for b in 0..count.div_ceil(block) {
-        if registry_fetcher(digest, b, fetchers.iter().copied()) != Some(me) {
-            continue;
-        }
-        let end = ((b + 1) * block).min(count);
-        let mut i = b * block;
-        while i < end {
-            if held.get(i) {
-                i += 1;
-                continue;
-            }
-            let first = i;
-            while i < end && !held.get(i) {
-                i += 1;
-            }
-            runs.push((first, i - first));
-        }
-    }
-    runs
-}
-
 /// Aborts a task when dropped.
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
 
@@ -1271,38 +1275,6 @@ mod tests {
             complete,
             last_used: SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000 - age_s),
         }
-    }
-
-    #[test]
-    fn dht_runs_split_the_blocks_among_members_and_skip_held_chunks() {
-        let d = BlobDigest::of(b"blob");
-        let members = ["a", "b", "c"];
-        let none = Bitfield::new(40);
-        let mut all = Vec::new();
-        for m in members {
-            let runs = dht_runs(&d, m, members.iter().copied(), &none, 4);
-            for (first, count) in runs {
-                // Whole blocks of 4, the last one short only at the end.
-                assert_eq!(first % 4, 0);
-                assert_eq!(count, 4);
-                all.extend(first..first + count);
-            }
-        }
-        all.sort();
-        assert_eq!(
-            all,
-            (0..40).collect::<Vec<_>>(),
-            "each chunk falls to one member"
-        );
-        // Held chunks split a run; a member alone takes everything unheld.
-        let mut held = Bitfield::new(10);
-        for i in [1, 2, 9] {
-            held.set(i);
-        }
-        assert_eq!(
-            dht_runs(&d, "a", ["a"].into_iter(), &held, 4),
-            [(0, 1), (3, 1), (4, 4), (8, 1)]
-        );
     }
 
     #[test]

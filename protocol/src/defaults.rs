@@ -46,6 +46,16 @@ pub struct SwarmDefaults {
     pub busy_backoff_ms: u64,
     /// The tracker's ticker period: stalled assignments are taken back on it.
     pub tracker_tick_ms: u64,
+    /// Without a tracker: how long a pull gathers the blob's other pullers
+    /// from the DHT before it fetches its share from the registry
+    /// (`swarm.dht.settle`).
+    pub dht_settle_ms: u64,
+    /// Without a tracker: how often a pull asks the DHT who holds or pulls
+    /// its blob (`swarm.dht.lookup`).
+    pub dht_lookup_ms: u64,
+    /// Providers a DHT store keeps per blob, the first to come: the most
+    /// members of a blob any node sees.
+    pub dht_max_providers: usize,
 }
 
 /// The defaults dray ships.
@@ -63,6 +73,9 @@ pub const DEFAULTS: SwarmDefaults = SwarmDefaults {
     max_watchers_per_blob: 256,
     busy_backoff_ms: 200,
     tracker_tick_ms: 500,
+    dht_settle_ms: 200,
+    dht_lookup_ms: 200,
+    dht_max_providers: 256,
 };
 
 /// The wait before a node's next announce: `period` spread ±10% by `unit`

@@ -8,13 +8,15 @@
 //! TOML settings into typed structs with one-line errors; [`local_api`] holds
 //! the local API messages that the agent and the snapshotter shim share;
 //! [`defaults`] the swarm's timings and limits, which the agent, the tracker
-//! and the simulator all read; [`pull`] the fallback rules of a pull and
-//! [`peers`] its peer rotation and the watcher cap, which the agent and the
-//! simulator both run; [`preheat`] the tracker's preheat API.
+//! and the simulator all read; [`pull`] the fallback rules of a pull,
+//! [`peers`] its peer rotation and the watcher cap, and [`dht`] its registry
+//! coordination without a tracker, which the agent and the simulator both
+//! run; [`preheat`] the tracker's preheat API.
 
 pub mod bitfield;
 pub mod chunkmap;
 pub mod defaults;
+pub mod dht;
 pub mod digest;
 pub mod framing;
 pub mod identity;

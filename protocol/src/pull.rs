@@ -15,31 +15,7 @@
 //!   can give come from the registry, until the tracker answers again; then
 //!   its runs take over and the fallback's fetches are dropped.
 
-use crate::BlobDigest;
 use std::time::{Duration, Instant};
-
-/// Without a tracker, who fetches a block of a blob from the registry: the
-/// member that wins a rendezvous hash of (blob, block, member). Every node
-/// that sees the same members picks the same one, so each block leaves the
-/// registry once; a member joining or leaving moves only the blocks it
-/// wins or held. None for no members.
-pub fn registry_fetcher<'a>(
-    digest: &BlobDigest,
-    block: u32,
-    members: impl IntoIterator<Item = &'a str>,
-) -> Option<&'a str> {
-    members.into_iter().max_by_key(|m| {
-        let mut h = blake3::Hasher::new();
-        h.update(digest.to_string().as_bytes());
-        h.update(&block.to_be_bytes());
-        h.update(m.as_bytes());
-        let out = h.finalize();
-        (
-            u64::from_be_bytes(out.as_bytes()[..8].try_into().expect("8 bytes")),
-            *m,
-        )
-    })
-}
 
 /// What a pull fetches from the registry on its own, mildest first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -165,32 +141,6 @@ impl FallbackRule {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn registry_fetchers_spread_blocks_and_move_few_when_a_member_joins() {
-        let d = BlobDigest::of(b"blob");
-        let four = ["a", "b", "c", "d"];
-        let five = ["a", "b", "c", "d", "e"];
-        let mut per = std::collections::HashMap::new();
-        let mut moved = 0;
-        for block in 0..1000 {
-            let f = registry_fetcher(&d, block, four).unwrap();
-            *per.entry(f).or_insert(0) += 1;
-            // The order members are listed in does not matter.
-            assert_eq!(
-                registry_fetcher(&d, block, four.iter().rev().copied()),
-                Some(f)
-            );
-            let g = registry_fetcher(&d, block, five).unwrap();
-            if g != f {
-                assert_eq!(g, "e", "a block moved to an old member");
-                moved += 1;
-            }
-        }
-        assert!(per.values().all(|&n| (180..320).contains(&n)), "{per:?}");
-        assert!((130..280).contains(&moved), "{moved}");
-        assert_eq!(registry_fetcher(&d, 0, []), None);
-    }
 
     const GRACE: Duration = Duration::from_secs(3);
     const STALL: Duration = Duration::from_secs(30);

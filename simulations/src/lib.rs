@@ -2,7 +2,10 @@
 //! pulling one image at once) that drive the tracker's real scheduling core
 //! ([`dray_protocol::scheduler::Scheduler`]) and the agent's real chunk picker
 //! ([`dray_protocol::picker::ChunkPicker`]), and compare dray with simplified
-//! models of the alternatives under the same bandwidth model.
+//! models of the alternatives under the same bandwidth model. The
+//! `dray-dht` strategy runs dray without a tracker: the agent's rules for
+//! that case ([`dray_protocol::dht`]) over a model of the DHT's lookups
+//! (`kademlia`), whose join time and traffic it reports.
 //!
 //! # What it is
 //!
@@ -83,6 +86,7 @@
 //! fills the BUSY back-off after a refusal (the agent's refused lane sleeps
 //! it, the peer's other lanes carry on).
 
+mod kademlia;
 mod net;
 mod queue;
 mod report;
@@ -90,7 +94,7 @@ mod scenario;
 mod sim;
 mod tracker;
 
-pub use report::{EgressBucket, SimReport, write_svg};
+pub use report::{DhtReport, EgressBucket, SimReport, write_svg};
 pub use scenario::{
     CHUNK_BYTES, Churn, Emulated, LateJoiners, Outage, Racks, SCENARIOS, Scenario, scenario,
 };
@@ -102,6 +106,9 @@ use serde::Serialize;
 pub enum Strategy {
     /// The real scheduler and picker: registry runs striped once over the swarm.
     Dray,
+    /// dray with no tracker: members found through the DHT, registry runs
+    /// split by the agent's rendezvous rule (`dray_protocol::dht`).
+    DrayDht,
     /// Every node pulls every blob from the registry.
     Direct,
     /// One origin per blob downloads it whole from the registry, then seeds a
@@ -115,8 +122,9 @@ pub enum Strategy {
 
 impl Strategy {
     /// Every strategy, dray first, as `--compare` runs them.
-    pub const ALL: [Strategy; 4] = [
+    pub const ALL: [Strategy; 5] = [
         Strategy::Dray,
+        Strategy::DrayDht,
         Strategy::Direct,
         Strategy::KrakenLike,
         Strategy::SpegelLike,
@@ -125,6 +133,7 @@ impl Strategy {
     pub fn name(self) -> &'static str {
         match self {
             Strategy::Dray => "dray",
+            Strategy::DrayDht => "dray-dht",
             Strategy::Direct => "direct",
             Strategy::KrakenLike => "kraken-like",
             Strategy::SpegelLike => "spegel-like",
@@ -148,7 +157,9 @@ impl std::str::FromStr for Strategy {
 pub enum SimError {
     #[error("unknown scenario {name:?}; valid scenarios: {valid}")]
     UnknownScenario { name: String, valid: String },
-    #[error("unknown strategy {0:?}; valid strategies: dray, direct, kraken-like, spegel-like")]
+    #[error(
+        "unknown strategy {0:?}; valid strategies: dray, dray-dht, direct, kraken-like, spegel-like"
+    )]
     UnknownStrategy(String),
     #[error("invalid scenario {0}")]
     InvalidScenario(String),

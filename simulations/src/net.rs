@@ -44,6 +44,12 @@ pub(crate) enum Ev {
     Churn,
     OutageStart,
     OutageEnd,
+    /// A `dray-dht` node's provider records land.
+    Provided(u32),
+    /// A `dray-dht` node asks the DHT for its blobs' members.
+    Lookup(u32),
+    /// The DHT's answers to a `dray-dht` node's lookups arrive.
+    Found(u32),
 }
 
 /// Where a flow's bytes come from.

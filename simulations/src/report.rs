@@ -92,6 +92,32 @@ pub struct SimReport {
     /// (seconds, fraction of completed nodes done by then).
     pub completion_cdf: Vec<(f64, f64)>,
     pub registry_egress: Vec<EgressBucket>,
+    /// What the DHT cost (`dray-dht` only).
+    pub dht: Option<DhtReport>,
+}
+
+/// The DHT's own cost in a `dray-dht` run (see `kademlia`): counted, not
+/// sent through the links.
+#[derive(Clone, Debug, Serialize)]
+pub struct DhtReport {
+    /// Rounds of a new node's lookup of its own id, median and most of 64.
+    pub join_rounds_p50: u32,
+    pub join_rounds_max: u32,
+    /// The median join's time: three round trips a round (TCP, TLS, the request).
+    pub join_s_p50: f64,
+    /// What the median join (its whole bootstrap) sends and receives.
+    pub join_bytes_p50: u64,
+    /// Provider lookups of the storm (one per blob per node per `dht.lookup`).
+    pub lookups: u64,
+    /// The storm's DHT traffic, every node's, inside TLS.
+    pub bytes: f64,
+    pub bytes_per_node: f64,
+    /// The busiest key's stores: lookups each answers per second, and the
+    /// bytes of those answers.
+    pub hottest_store_requests_per_s: f64,
+    pub hottest_store_bytes_per_s: f64,
+    /// The most members any node saw of a blob (the stores' cap).
+    pub max_members: usize,
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -114,6 +140,7 @@ pub(crate) struct Outcome {
     pub events: u64,
     pub samples: Samples,
     pub wall_s: f64,
+    pub dht: Option<DhtReport>,
 }
 
 impl SimReport {
@@ -128,6 +155,7 @@ impl SimReport {
             events,
             samples,
             wall_s,
+            dht,
         } = o;
         times.sort_by(f64::total_cmp);
         let completed = times.len() as u32;
@@ -179,6 +207,7 @@ impl SimReport {
             wall_s,
             completion_cdf: cdf,
             registry_egress,
+            dht,
         }
     }
 }

@@ -10,7 +10,10 @@
 //!   blob its store holds when it starts; a record lives [`RECORD_TTL`]
 //!   unless republished. A puller stops counting a node the DHT names once
 //!   that node answers that its store does not know the blob (see
-//!   [`crate::peer::PeerNode::bitfield_with_hashes`]).
+//!   [`crate::peer::PeerNode::bitfield_with_hashes`]). A store keeps the
+//!   first 256 providers of a key; a node a blob's list left out provides
+//!   it in one of the blob's overflow lists instead, where the others left
+//!   out find it ([`dray_protocol::dht::overflow_list`]).
 //! - **Node records**, one per node: its dray peer id and the peer-plane
 //!   address(es) to dial, as an announce to the tracker carries them. A node
 //!   stores another's record only when that node sent it itself (the TLS
@@ -30,6 +33,8 @@ pub mod tls;
 use crate::error::{Error, Result};
 use crate::identity::Identity;
 use dray_protocol::BlobDigest;
+use dray_protocol::defaults::DEFAULTS;
+use dray_protocol::dht::counts_itself;
 use dray_protocol::settings::duration;
 use futures_util::StreamExt;
 use libp2p::core::ConnectedPoint;
@@ -71,8 +76,11 @@ const ENOUGH_PEERS: usize = 16;
 const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest node record taken (a peer id and two addresses need far less).
 const MAX_NODE_RECORD: usize = 1024;
-/// Providers one node keeps per blob: the swarm's members for it.
-const MAX_PROVIDERS_PER_BLOB: usize = 256;
+/// Largest DHT message: a full provider list (`dht_max_providers`
+/// entries of an id and a few addresses, about 60-200 bytes each) and 20
+/// closer peers. libp2p's 16 KiB would cut a full list off on a dual-stack
+/// node, failing the answer.
+const MAX_PACKET: usize = 64 << 10;
 
 /// The DHT's metrics, registered with the agent's others.
 #[derive(Clone, Debug, Default)]
@@ -145,8 +153,8 @@ impl Default for DhtConfig {
         Self {
             listen: None,
             bootstrap: Vec::new(),
-            settle: Duration::from_millis(200),
-            lookup: Duration::from_millis(200),
+            settle: Duration::from_millis(DEFAULTS.dht_settle_ms),
+            lookup: Duration::from_millis(DEFAULTS.dht_lookup_ms),
         }
     }
 }
@@ -172,6 +180,10 @@ fn blob_key(digest: &BlobDigest) -> kad::RecordKey {
     kad::RecordKey::new(&format!("dray/blob/{digest}"))
 }
 
+fn overflow_key(digest: &BlobDigest, list: u32) -> kad::RecordKey {
+    kad::RecordKey::new(&format!("dray/blob/{digest}/overflow/{list}"))
+}
+
 /// The node record `record` holds, if it is a well-formed record of `peer`.
 fn node_record(peer: &PeerId, record: &Record) -> Option<NodeRecord> {
     if record.key != node_key(peer) || record.value.len() > MAX_NODE_RECORD {
@@ -190,9 +202,30 @@ enum Listening {
     Closed(String),
 }
 
+/// What a provider query found: the providers, and each store's answer as
+/// [`counts_itself`] reads it.
+#[derive(Debug, Default)]
+struct Providers {
+    ids: HashSet<PeerId>,
+    answers: Vec<(usize, bool)>,
+}
+
+/// A blob's members as the DHT lists them.
+#[derive(Debug, Default)]
+pub struct Members {
+    /// The other nodes of the blob's own list, with their records: the
+    /// registry's fetchers.
+    pub others: Vec<NodeRecord>,
+    /// Those of this node's overflow list, if it looked one up: peers only.
+    pub overflow: Vec<NodeRecord>,
+    /// Whether the DHT lists this node too: only then does it take blocks
+    /// of the registry's work.
+    pub listed: bool,
+}
+
 enum Command {
     Provide(kad::RecordKey),
-    Providers(kad::RecordKey, oneshot::Sender<HashSet<PeerId>>),
+    Providers(kad::RecordKey, oneshot::Sender<Providers>),
     Record(PeerId, oneshot::Sender<Option<NodeRecord>>),
     Routing(oneshot::Sender<usize>),
 }
@@ -247,13 +280,14 @@ impl Dht {
             // so copies from other nodes would be refused anyway.
             .set_replication_interval(None)
             .set_publication_interval(Some(REFRESH_EVERY * 10))
-            .set_periodic_bootstrap_interval(Some(REFRESH_EVERY));
+            .set_periodic_bootstrap_interval(Some(REFRESH_EVERY))
+            .set_max_packet_size(MAX_PACKET);
         let store = MemoryStore::with_config(
             local,
             MemoryStoreConfig {
                 max_records: 16 << 10,
                 max_value_bytes: MAX_NODE_RECORD,
-                max_providers_per_key: MAX_PROVIDERS_PER_BLOB,
+                max_providers_per_key: DEFAULTS.dht_max_providers,
                 max_provided_keys: 16 << 10,
             },
         );
@@ -331,18 +365,50 @@ impl Dht {
     }
 
     /// The other nodes that hold or pull `digest`, with their records
-    /// (nodes whose record cannot be found are left out).
-    pub async fn members(&self, digest: &BlobDigest) -> Vec<NodeRecord> {
+    /// (nodes whose record cannot be found are left out), and whether the
+    /// DHT lists this node among them ([`counts_itself`]); with `overflow`,
+    /// also those of that overflow list ([`Dht::provide_overflow`]).
+    pub async fn members(&self, digest: &BlobDigest, overflow: Option<u32>) -> Members {
+        let more = async {
+            match overflow {
+                Some(list) => self.providers(overflow_key(digest, list)).await,
+                None => Providers::default(),
+            }
+        };
+        let (own, more) = futures_util::future::join(self.providers(blob_key(digest)), more).await;
+        let listed = counts_itself(own.answers, DEFAULTS.dht_max_providers);
+        let extra: Vec<PeerId> = more.ids.difference(&own.ids).copied().collect();
+        Members {
+            others: self.records_of(own.ids).await,
+            overflow: self.records_of(extra).await,
+            listed,
+        }
+    }
+
+    /// Tells the DHT this node pulls `digest`, in its overflow list `list`
+    /// ([`dray_protocol::dht::overflow_list`]): for a node the blob's own
+    /// list left out.
+    pub async fn provide_overflow(&self, digest: &BlobDigest, list: u32) {
+        let key = overflow_key(digest, list);
+        let _ = self.commands.send(Command::Provide(key)).await;
+    }
+
+    /// What the stores of `key` answer.
+    async fn providers(&self, key: kad::RecordKey) -> Providers {
         let (tx, rx) = oneshot::channel();
         if self
             .commands
-            .send(Command::Providers(blob_key(digest), tx))
+            .send(Command::Providers(key, tx))
             .await
             .is_err()
         {
-            return Vec::new();
+            return Providers::default();
         }
-        let ids = rx.await.unwrap_or_default();
+        rx.await.unwrap_or_default()
+    }
+
+    /// The node records of `ids` (this node and those not found left out).
+    async fn records_of(&self, ids: impl IntoIterator<Item = PeerId>) -> Vec<NodeRecord> {
         let mut found = Vec::new();
         let mut missing = Vec::new();
         {
@@ -411,7 +477,7 @@ struct Runner {
     bootstrap: Vec<String>,
     /// The address listened on, once bound.
     bound: watch::Sender<Listening>,
-    providers: HashMap<QueryId, (HashSet<PeerId>, oneshot::Sender<HashSet<PeerId>>)>,
+    providers: HashMap<QueryId, (Providers, oneshot::Sender<Providers>)>,
     records: HashMap<QueryId, (PeerId, oneshot::Sender<Option<NodeRecord>>)>,
     /// Whether the own record went out since the routing table was empty.
     published: bool,
@@ -455,7 +521,7 @@ impl Runner {
             }
             Command::Providers(key, tx) => {
                 let id = self.kad().get_providers(key);
-                self.providers.insert(id, (HashSet::new(), tx));
+                self.providers.insert(id, (Providers::default(), tx));
             }
             Command::Record(peer, tx) => {
                 let id = self.kad().get_record(node_key(&peer));
@@ -589,11 +655,14 @@ impl Runner {
                 id, result, step, ..
             } => match result {
                 QueryResult::GetProviders(found) => {
+                    let local = *self.swarm.local_peer_id();
                     let Some((seen, _)) = self.providers.get_mut(&id) else {
                         return;
                     };
                     if let Ok(GetProvidersOk::FoundProviders { providers, .. }) = found {
-                        seen.extend(providers);
+                        let me = providers.contains(&local);
+                        seen.answers.push((providers.len() - usize::from(me), me));
+                        seen.ids.extend(providers);
                     }
                     if step.last
                         && let Some((seen, tx)) = self.providers.remove(&id)

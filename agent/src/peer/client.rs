@@ -56,10 +56,7 @@ impl PeerNode {
                 "answered as {:?} speaking version {}, expected {peer_id:?} speaking {PROTOCOL_VERSION}",
                 h.peer_id, h.version
             ))),
-            Some(Body::Reject(r)) => Err(Error::Rejected {
-                peer: peer_id.into(),
-                reason: reject_text(&r),
-            }),
+            Some(Body::Reject(r)) => Err(rejected(peer_id, &r)),
             _ => Err(failed("did not answer hello".into())),
         }
     }
@@ -193,10 +190,7 @@ impl PeerNode {
                 Ok(Some((bits, b.hashes)))
             }
             Some(Body::Reject(r)) if r.reason() == Reason::NotHeld => Ok(None),
-            Some(Body::Reject(r)) => Err(Error::Rejected {
-                peer: peer.clone(),
-                reason: reject_text(&r),
-            }),
+            Some(Body::Reject(r)) => Err(rejected(peer, &r)),
             _ => Err(peer_violation(
                 peer,
                 "answered a bitfield request with something else",
@@ -236,10 +230,7 @@ impl PeerNode {
                         p.index, p.length
                     ),
                 )),
-                Some(Body::Reject(r)) => Err(Error::Rejected {
-                    peer: peer.clone(),
-                    reason: reject_text(&r),
-                }),
+                Some(Body::Reject(r)) => Err(rejected(peer, &r)),
                 _ => Err(peer_violation(
                     peer,
                     "answered a chunk request with something else",

@@ -450,6 +450,16 @@ fn reject_text(r: &pb::Reject) -> String {
     format!("{:?}: {}", r.reason(), r.detail)
 }
 
+/// The error for `peer`'s refusal `r`: [`Error::Busy`] for a refusal for
+/// capacity, which says nothing against the peer.
+fn rejected(peer: &str, r: &pb::Reject) -> Error {
+    let (peer, reason) = (peer.to_string(), reject_text(r));
+    match r.reason() {
+        Reason::Busy => Error::Busy { peer, reason },
+        _ => Error::Rejected { peer, reason },
+    }
+}
+
 async fn write_frame<M: prost::Message>(
     send: &mut quinn::SendStream,
     msg: &M,
@@ -596,13 +606,15 @@ mod tests {
         let err = b
             .bitfield_after(&link, &map, 1, Duration::from_secs(1))
             .await
-            .unwrap_err()
-            .to_string();
+            .unwrap_err();
         assert!(
             t.elapsed() < Duration::from_millis(500),
             "{:?}",
             t.elapsed()
         );
+        // A refusal for capacity, which says nothing against the peer.
+        assert!(matches!(err, Error::Busy { .. }), "{err:?}");
+        let err = err.to_string();
         assert!(
             err.contains("1 watchers of") && err.contains("the most this node serves"),
             "{err}"

@@ -98,6 +98,9 @@ impl World<'_> {
                 self.net.after(tick_s(), Ev::Tick);
             }
             Ev::Sample => self.sample(),
+            Ev::Provided(n) => self.dht_provided(n),
+            Ev::Lookup(n) => self.dht_lookup(n),
+            Ev::Found(n) => self.dht_found(n),
             Ev::Churn => self.churn(),
             Ev::OutageStart => self.tracker_up = false,
             Ev::OutageEnd => {

@@ -154,30 +154,38 @@ impl World<'_> {
             self.release_run(n, run);
         }
         for (b, first, count) in wanted {
-            if self.nodes[nu]
-                .runs
-                .iter()
-                .any(|r| r.blob == b && r.first == first)
-            {
-                continue;
-            }
-            let nb = &mut self.nodes[nu].blobs[b as usize];
-            let chunks = match nb.picker.as_mut() {
-                Some(p) => (first..first.saturating_add(count))
-                    .filter(|&c| p.claim(c))
-                    .collect(),
-                None => Vec::new(),
-            };
-            self.nodes[nu].runs.push(RunState {
-                blob: b,
-                first,
-                chunks,
-                next: 0,
-                flow: None,
-            });
-            let k = self.nodes[nu].runs.len() - 1;
-            self.advance_run(n, k);
+            self.start_run(n, b, first, count);
         }
+    }
+
+    /// `n` fetches chunks `[first, first + count)` of blob `b` from the
+    /// registry, less those it holds or has on their way, unless it runs
+    /// that run already.
+    pub(super) fn start_run(&mut self, n: u32, b: u16, first: u32, count: u32) {
+        let nu = n as usize;
+        if self.nodes[nu]
+            .runs
+            .iter()
+            .any(|r| r.blob == b && r.first == first)
+        {
+            return;
+        }
+        let nb = &mut self.nodes[nu].blobs[b as usize];
+        let chunks = match nb.picker.as_mut() {
+            Some(p) => (first..first.saturating_add(count))
+                .filter(|&c| p.claim(c))
+                .collect(),
+            None => Vec::new(),
+        };
+        self.nodes[nu].runs.push(RunState {
+            blob: b,
+            first,
+            chunks,
+            next: 0,
+            flow: None,
+        });
+        let k = self.nodes[nu].runs.len() - 1;
+        self.advance_run(n, k);
     }
 
     pub(super) fn learn_peer(&mut self, n: u32, b: usize, p: u32) {
@@ -248,7 +256,8 @@ impl World<'_> {
             // Only a run that fetched something has news for the tracker; an
             // empty one (its chunks already arriving from peers) announcing at
             // once would be handed the same run again at the same instant.
-            if !run.chunks.is_empty() {
+            // Without a tracker the next lookup hands out the next run.
+            if !run.chunks.is_empty() && self.strategy == Strategy::Dray {
                 // The agent announces as it publishes the last hash; the
                 // answer (the next run) comes a round trip later.
                 self.schedule_announce(n, self.sc.rtt_s);
@@ -262,7 +271,7 @@ impl World<'_> {
         if !self.nodes[nu].alive || self.nodes[nu].done_at.is_some() {
             return;
         }
-        if self.strategy == Strategy::Dray {
+        if matches!(self.strategy, Strategy::Dray | Strategy::DrayDht) {
             let at = self.instant();
             let node = &mut self.nodes[nu];
             if node.downloads > 0

@@ -10,12 +10,13 @@ impl World<'_> {
             return;
         }
         node.started = true;
-        node.fallback = fallback_rule(sc, instant);
+        node.fallback = fallback_rule(sc, self.strategy, instant);
         match self.strategy {
             Strategy::Dray => {
                 self.nodes[n as usize].need_full = true;
                 self.announce(n);
             }
+            Strategy::DrayDht => self.dht_start(n),
             Strategy::KrakenLike => self.try_fill(n),
             Strategy::Direct | Strategy::SpegelLike => {
                 for b in 0..self.blobs.len() as u16 {
@@ -157,7 +158,9 @@ impl World<'_> {
             }
             Purpose::RunChunk => {
                 // The fetcher publishes the chunk's hash to the tracker.
-                self.publish(p.blob as usize, p.chunk);
+                if self.strategy == Strategy::Dray {
+                    self.publish(p.blob as usize, p.chunk);
+                }
                 self.receive(to, p.blob, Some(p.chunk));
                 if let Some(k) = self.nodes[to as usize]
                     .runs
@@ -180,7 +183,10 @@ impl World<'_> {
                 self.continue_fallback(to);
             }
         }
-        if matches!(self.strategy, Strategy::Dray | Strategy::KrakenLike) {
+        if matches!(
+            self.strategy,
+            Strategy::Dray | Strategy::DrayDht | Strategy::KrakenLike
+        ) {
             self.try_fill(to);
         }
     }

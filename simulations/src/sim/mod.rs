@@ -15,9 +15,12 @@
 //! This module holds the world (links, nodes, the tracker thread, the event
 //! loop) and sets a run up; [`lifecycle`] starts and finishes nodes,
 //! [`transfers`] moves chunks between peers, [`dray`] is the dray node model
-//! (announces, runs, fallback), [`disturbances`] the churn and outages a
-//! scenario injects, [`kraken`] the Kraken-like baseline's peer graph.
+//! (announces, runs, fallback), [`dht`] the dray node without a tracker
+//! (DHT lookups, the shared rules of `dray_protocol::dht`), [`disturbances`]
+//! the churn and outages a scenario injects, [`kraken`] the Kraken-like
+//! baseline's peer graph.
 
+mod dht;
 mod disturbances;
 mod dray;
 mod kraken;
@@ -54,12 +57,17 @@ struct RunState {
     flow: Option<FlowId>,
 }
 
-/// A node's fallback rules as the agent runs them, starting at `now`.
-fn fallback_rule(sc: &Scenario, now: Instant) -> FallbackRule {
+/// A node's fallback rules as the agent runs them, starting at `now`
+/// (without a tracker configured, no tracker-silence rule).
+fn fallback_rule(sc: &Scenario, strategy: Strategy, now: Instant) -> FallbackRule {
     FallbackRule::new(
         now,
         false,
-        Duration::from_secs_f64(sc.tracker_grace_s),
+        if strategy == Strategy::DrayDht {
+            Duration::MAX
+        } else {
+            Duration::from_secs_f64(sc.tracker_grace_s)
+        },
         Duration::from_secs_f64(sc.stall_s),
         DEFAULTS.fetching_patience,
     )
@@ -144,6 +152,8 @@ struct World<'a> {
     pending: u32,
     samples: Samples,
     registry_link: LinkId,
+    /// The DHT of a `dray-dht` run.
+    dht: Option<dht::DhtWorld>,
 }
 
 impl World<'_> {
@@ -375,7 +385,13 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
     } else {
         DEFAULT_WINDOW
     };
-    let uses_pickers = matches!(strategy, Strategy::Dray | Strategy::KrakenLike);
+    let uses_pickers = matches!(
+        strategy,
+        Strategy::Dray | Strategy::DrayDht | Strategy::KrakenLike
+    );
+    // dray without a tracker: its nodes take chunk hashes from peers, and
+    // watch `max_peers_per_blob` as with a tracker.
+    let swarming = matches!(strategy, Strategy::Dray | Strategy::DrayDht);
     let base = Instant::now();
     let nodes: Vec<Node> = (0..total)
         .map(|_| Node {
@@ -396,9 +412,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
                         known
                     },
                     picker: uses_pickers.then(|| ChunkPicker::new(Bitfield::new(chunks), window)),
-                    peers: Roster::new(
-                        (strategy == Strategy::Dray).then_some(sc.max_peers_per_blob),
-                    ),
+                    peers: Roster::new(swarming.then_some(sc.max_peers_per_blob)),
                     unlooked: false,
                     watchers: Vec::new(),
                     added: Vec::new(),
@@ -410,7 +424,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             out_flows: Vec::new(),
             announce_gen: 0,
             poll_at: None,
-            fallback: fallback_rule(sc, base),
+            fallback: fallback_rule(sc, strategy, base),
             need_full: true,
             runs: Vec::new(),
             fallback_flows: Vec::new(),
@@ -434,7 +448,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
         blobs,
         sched: Tracker::new(sched_config.clone()),
         sched_config,
-        tracker_up: true,
+        tracker_up: strategy != Strategy::DrayDht,
         base,
         names: (0..total).map(|n| format!("n{n}")).collect(),
         seeds: vec![Vec::new(); layers],
@@ -443,6 +457,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
         uploads: vec![0; total as usize],
         samples: Samples::new(lower / 64.0),
         registry_link,
+        dht: (strategy == Strategy::DrayDht).then(|| dht::DhtWorld::new(total, layers, &mut rng)),
     };
 
     // Late joiners are a random subset; everyone else starts at 0.
@@ -481,7 +496,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
     // swarming strategies get a generous multiple before we call them stuck.
     let limit = match strategy {
         Strategy::Direct | Strategy::SpegelLike => lower * (2.0 * f64::from(pullers) + 100.0),
-        Strategy::Dray | Strategy::KrakenLike => lower * 100.0 + 600.0,
+        Strategy::Dray | Strategy::DrayDht | Strategy::KrakenLike => lower * 100.0 + 600.0,
     } + last_start;
     let limit_ns = (limit * 1e9).min(u64::MAX as f64) as u64;
     while w.pending > 0 {
@@ -518,6 +533,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             events: w.net.events,
             samples: w.samples,
             wall_s: wall.elapsed().as_secs_f64(),
+            dht: w.dht.as_ref().map(|d| d.report(sc)),
         },
     )
 }

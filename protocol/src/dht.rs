@@ -1,0 +1,278 @@
+//! Registry coordination without a tracker: the rules a pull follows when
+//! the DHT, not the tracker, tells it who else holds or pulls its blob. The
+//! agent's swarm engine and the simulator's `dray-dht` nodes both run them,
+//! so a simulated storm without a tracker splits the registry's work as the
+//! agents would.
+//!
+//! - [`registry_fetcher`]: each block of a blob belongs to one member, the
+//!   winner of a rendezvous hash; every node that sees the same members
+//!   picks the same one.
+//! - [`counts_itself`]: whether the DHT lists this node among the members.
+//!   A store keeps at most `dht_max_providers` per blob (the first to
+//!   come); a node past that is seen by nobody, and must not take blocks
+//!   the others give to someone else.
+//! - [`overflow_list`]: where a node the blob's list left out provides the
+//!   blob instead, so that such nodes find each other (and not only the
+//!   listed few, who could not serve them all).
+//! - [`dht_runs`]: the runs a member fetches from the registry.
+//! - [`watch_order`]: which of the members a pull watches as its peers.
+//! - [`lookup_after`]: how often a pull asks the DHT again.
+
+use crate::{Bitfield, BlobDigest};
+use std::time::Duration;
+
+/// Overflow lists per blob: with up to `dht_max_providers` (256) each,
+/// room for 65,536 pullers of a blob past its own list.
+pub const OVERFLOW_LISTS: u32 = 256;
+
+/// The overflow list of a blob a node provides it in, and looks up besides
+/// the blob's own, once the blob's own list is full without it: one of
+/// [`OVERFLOW_LISTS`], by a BLAKE3 hash of its id. The nodes of one list
+/// find each other there and swarm among themselves and with the listed
+/// members they watch; without them, every node past the first 256 could
+/// only watch those 256 (in a simulated storm of 10,000 nodes, a p99 of 65
+/// times the bound, and most nodes falling back to the registry).
+pub fn overflow_list(peer_id: &str) -> u32 {
+    let h = blake3::hash(peer_id.as_bytes());
+    u32::from_be_bytes(h.as_bytes()[..4].try_into().expect("4 bytes")) % OVERFLOW_LISTS
+}
+
+/// Doublings of `dht.lookup` at most: 6.4 s between lookups at the default.
+const MAX_LOOKUP_DOUBLINGS: u32 = 5;
+
+/// How long a pull without a tracker waits before it asks the DHT for a
+/// blob's members again, after `unchanged` answers in a row that named the
+/// same members: `lookup`, doubled for each, at most 32 times. The `k`
+/// nodes that store a blob's provider list answer every puller's lookups:
+/// in a simulated storm of 10,000 pullers asking every 200 ms, each answered
+/// 32,000 lookups a second (450 MB/s). Between lookups the pull keeps the
+/// members it has, and its runs still follow the chunks that arrive.
+pub fn lookup_after(lookup: Duration, unchanged: u32) -> Duration {
+    lookup * (1 << unchanged.min(MAX_LOOKUP_DOUBLINGS))
+}
+
+/// Without a tracker, who fetches a block of a blob from the registry: the
+/// member that wins a rendezvous hash of (blob, block, member). Every node
+/// that sees the same members picks the same one, so each block leaves the
+/// registry once; a member joining or leaving moves only the blocks it
+/// wins or held. None for no members.
+pub fn registry_fetcher<'a>(
+    digest: &BlobDigest,
+    block: u32,
+    members: impl IntoIterator<Item = &'a str>,
+) -> Option<&'a str> {
+    let mut prefix = blake3::Hasher::new();
+    prefix.update(digest.to_string().as_bytes());
+    prefix.update(&block.to_be_bytes());
+    members.into_iter().max_by_key(|m| {
+        let out = prefix.clone().update(m.as_bytes()).finalize();
+        (
+            u64::from_be_bytes(out.as_bytes()[..8].try_into().expect("8 bytes")),
+            *m,
+        )
+    })
+}
+
+/// Whether the DHT lists the asking node among a blob's members, from the
+/// provider lists the stores answered with: each as (providers other than
+/// the asker, whether it names the asker). A store leaves the asker out of
+/// its answer, and keeps no more than `max_providers` (the first to come):
+/// an answer of `max_providers` others is a full list without the asker.
+/// Listed unless every non-empty answer is such a list (no answer: nobody
+/// can be full yet).
+pub fn counts_itself(
+    answers: impl IntoIterator<Item = (usize, bool)>,
+    max_providers: usize,
+) -> bool {
+    !answers
+        .into_iter()
+        .filter(|&(others, me)| others > 0 || me)
+        .fold(None, |all_full, (others, me)| {
+            Some(all_full.unwrap_or(true) && !me && others >= max_providers)
+        })
+        .unwrap_or(false)
+}
+
+/// The registry runs that fall to `me`: the blocks of `block` chunks that
+/// [`registry_fetcher`] gives it among `fetchers` (it, if it
+/// [`counts_itself`], and the members still reachable), less the chunks
+/// `held` here or by a peer, in index order.
+pub fn dht_runs<'a>(
+    digest: &BlobDigest,
+    me: &str,
+    fetchers: impl Iterator<Item = &'a str>,
+    held: &Bitfield,
+    block: u32,
+) -> Vec<(u32, u32)> {
+    let mine = dht_blocks(digest, me, fetchers, held.len(), block);
+    runs_in(&mine, held, block)
+}
+
+/// The blocks of `block` chunks, of a blob of `chunks`, that
+/// [`registry_fetcher`] gives `me` among `fetchers`: the first half of
+/// [`dht_runs`], which changes only when the members do.
+pub fn dht_blocks<'a>(
+    digest: &BlobDigest,
+    me: &str,
+    fetchers: impl Iterator<Item = &'a str>,
+    chunks: u32,
+    block: u32,
+) -> Vec<u32> {
+    let fetchers: Vec<&str> = fetchers.collect();
+    if !fetchers.contains(&me) {
+        return Vec::new();
+    }
+    (0..chunks.div_ceil(block.max(1)))
+        .filter(|&b| registry_fetcher(digest, b, fetchers.iter().copied()) == Some(me))
+        .collect()
+}
+
+/// The runs of `blocks` (of `block` chunks) less the chunks `held`: the
+/// second half of [`dht_runs`].
+pub fn runs_in(blocks: &[u32], held: &Bitfield, block: u32) -> Vec<(u32, u32)> {
+    let (block, count) = (block.max(1), held.len());
+    let mut runs = Vec::new();
+    for &b in blocks {
+        let end = ((b + 1) * block).min(count);
+        let mut i = b * block;
+        while i < end {
+            if held.get(i) {
+                i += 1;
+                continue;
+            }
+            let first = i;
+            while i < end && !held.get(i) {
+                i += 1;
+            }
+            runs.push((first, i - first));
+        }
+    }
+    runs
+}
+
+/// Of a blob's members, those a pull watches: at most `max`, in an order of
+/// `me`'s own (a BLAKE3 hash of both ids), so that each node watches a
+/// different few of a large swarm, and the same few at every lookup.
+pub fn watch_order<T>(me: &str, members: &mut Vec<T>, id: impl Fn(&T) -> &str, max: usize) {
+    members.sort_by_cached_key(|m| {
+        *blake3::Hasher::new()
+            .update(me.as_bytes())
+            .update(id(m).as_bytes())
+            .finalize()
+            .as_bytes()
+    });
+    members.truncate(max.max(1));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registry_fetchers_spread_blocks_and_move_few_when_a_member_joins() {
+        let d = BlobDigest::of(b"blob");
+        let four = ["a", "b", "c", "d"];
+        let five = ["a", "b", "c", "d", "e"];
+        let mut per = std::collections::HashMap::new();
+        let mut moved = 0;
+        for block in 0..1000 {
+            let f = registry_fetcher(&d, block, four).unwrap();
+            *per.entry(f).or_insert(0) += 1;
+            // The order members are listed in does not matter.
+            assert_eq!(
+                registry_fetcher(&d, block, four.iter().rev().copied()),
+                Some(f)
+            );
+            let g = registry_fetcher(&d, block, five).unwrap();
+            if g != f {
+                assert_eq!(g, "e", "a block moved to an old member");
+                moved += 1;
+            }
+        }
+        assert!(per.values().all(|&n| (180..320).contains(&n)), "{per:?}");
+        assert!((130..280).contains(&moved), "{moved}");
+        assert_eq!(registry_fetcher(&d, 0, []), None);
+    }
+
+    #[test]
+    fn a_node_counts_itself_unless_every_list_is_full_without_it() {
+        // Nobody stored anything yet, or only empty answers.
+        assert!(counts_itself([], 4));
+        assert!(counts_itself([(0, false), (0, false)], 4));
+        // Lists with room: this node's record went in (stores leave the asker out).
+        assert!(counts_itself([(3, false), (0, false)], 4));
+        // Full lists without it: nobody sees it.
+        assert!(!counts_itself([(4, false), (0, false), (4, false)], 4));
+        // One store has it (its own store names it), or one has room.
+        assert!(counts_itself([(4, false), (4, true)], 4));
+        assert!(counts_itself([(4, false), (3, false)], 4));
+    }
+
+    #[test]
+    fn dht_runs_split_the_blocks_among_members_and_skip_held_chunks() {
+        let d = BlobDigest::of(b"blob");
+        let members = ["a", "b", "c"];
+        let none = Bitfield::new(40);
+        let mut all = Vec::new();
+        for m in members {
+            let runs = dht_runs(&d, m, members.iter().copied(), &none, 4);
+            for (first, count) in runs {
+                // Whole blocks of 4, the last one short only at the end.
+                assert_eq!(first % 4, 0);
+                assert_eq!(count, 4);
+                all.extend(first..first + count);
+            }
+        }
+        all.sort();
+        assert_eq!(
+            all,
+            (0..40).collect::<Vec<_>>(),
+            "each chunk falls to one member"
+        );
+        // Held chunks split a run; a member alone takes everything unheld.
+        let mut held = Bitfield::new(10);
+        for i in [1, 2, 9] {
+            held.set(i);
+        }
+        assert_eq!(
+            dht_runs(&d, "a", ["a"].into_iter(), &held, 4),
+            [(0, 1), (3, 1), (4, 4), (8, 1)]
+        );
+        // A node that does not count itself fetches nothing.
+        assert!(dht_runs(&d, "z", members.iter().copied(), &none, 4).is_empty());
+    }
+
+    #[test]
+    fn overflow_lists_spread_nodes_evenly() {
+        let mut per = vec![0u32; OVERFLOW_LISTS as usize];
+        for i in 0..25_600 {
+            per[overflow_list(&format!("node-{i}")) as usize] += 1;
+        }
+        assert!(per.iter().all(|&n| (50..160).contains(&n)), "{per:?}");
+        assert_eq!(overflow_list("a"), overflow_list("a"));
+    }
+
+    #[test]
+    fn lookups_slow_down_while_the_members_stay_the_same() {
+        let base = Duration::from_millis(200);
+        assert_eq!(lookup_after(base, 0), base);
+        assert_eq!(lookup_after(base, 1), base * 2);
+        assert_eq!(lookup_after(base, 5), Duration::from_millis(6400));
+        assert_eq!(lookup_after(base, 50), Duration::from_millis(6400));
+    }
+
+    #[test]
+    fn each_node_watches_its_own_few_the_same_at_every_lookup() {
+        let members: Vec<String> = (0..100).map(|i| format!("n{i}")).collect();
+        let pick = |me: &str, mut m: Vec<String>| {
+            watch_order(me, &mut m, |s| s.as_str(), 16);
+            m
+        };
+        let a = pick("a", members.clone());
+        assert_eq!(a.len(), 16);
+        let mut reversed = members.clone();
+        reversed.reverse();
+        assert_eq!(pick("a", reversed), a, "the order listed does not matter");
+        assert_ne!(pick("b", members), a, "another node watches others");
+    }
+}
