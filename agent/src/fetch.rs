@@ -808,7 +808,8 @@ async fn run_peer(t: Arc<Transfer>, p: PeerAddr, retired: CancellationToken) {
 }
 
 /// Follows a peer's bitfield with long polls, starting from `seen` chunks,
-/// until the transfer is over, the peer holds every chunk or it is retired
+/// until the transfer is over, the peer holds every chunk (and, once the
+/// pull takes peers' word for hashes, has told them all) or it is retired
 /// (which drops the open poll). An error means the peer stopped answering.
 async fn watch_peer(
     t: &Transfer,
@@ -822,7 +823,25 @@ async fn watch_peer(
     // taking peers' word, none was asked for yet (a peer holding every
     // chunk already would otherwise never be asked). Then ask at once.
     let mut more_hashes = t.peer_hashes.load(Ordering::Acquire);
-    while (seen < map.chunk_count() || more_hashes) && !t.is_over() {
+    while !t.is_over() {
+        if seen >= map.chunk_count() && !more_hashes {
+            // The peer holds every chunk and has told the hashes asked for.
+            // A pull that does not take peers' word for hashes has nothing
+            // more to ask; if it comes to (every tracker replica went down),
+            // the peer is asked for its hashes then.
+            if t.peer_hashes.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            let hash_mode = async {
+                while !t.peer_hashes.load(Ordering::Acquire) && !t.is_over() {
+                    tokio::time::sleep(IDLE_RECHECK).await;
+                }
+            };
+            if retired.run_until_cancelled(hash_mode).await.is_none() || t.is_over() {
+                return Ok(());
+            }
+            more_hashes = true;
+        }
         let asked = tokio::time::Instant::now();
         let peer_hashes = t.peer_hashes.load(Ordering::Acquire);
         let above = if more_hashes { 0 } else { seen };
@@ -1124,6 +1143,36 @@ mod tests {
             report.bad_peers.is_empty(),
             "a slow peer is not a liar: {report:?}"
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_complete_peer_is_asked_for_hashes_once_the_pull_takes_peers_word() {
+        let dir = tempfile::tempdir().unwrap();
+        let nodes = fast_and_slow(dir.path(), PeerConfig::default());
+        let m = &nodes.map;
+        // As a tracker's pull starts: the blob's geometry, no hash yet.
+        let unhashed = ChunkMap::unhashed(m.digest(), m.size(), m.chunk_size()).unwrap();
+        let t = Transfer::start(&nodes.leech, &unhashed, true)
+            .await
+            .unwrap();
+        t.add_peer(addr_of(&nodes.fast));
+        // The peer holds every chunk, but none can be verified: its watcher
+        // has seen it all and waits.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(t.blob().held().count(), 0);
+        // Every tracker replica went down: the pull takes peers' word.
+        t.take_hashes_from_peers();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !t.blob().is_complete() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "held {} of {} chunks",
+                t.blob().held().count(),
+                m.chunk_count()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        t.finish().await.unwrap();
     }
 
     #[tokio::test]

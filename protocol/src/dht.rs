@@ -74,21 +74,19 @@ pub fn registry_fetcher<'a>(
 }
 
 /// Whether the DHT lists the asking node among a blob's members, from the
-/// provider lists the stores answered with: each as (providers other than
-/// the asker, whether it names the asker). A store leaves the asker out of
-/// its answer, and keeps no more than `max_providers` (the first to come):
-/// an answer of `max_providers` others is a full list without the asker.
-/// Listed unless every non-empty answer is such a list (no answer: nobody
-/// can be full yet).
-pub fn counts_itself(
-    answers: impl IntoIterator<Item = (usize, bool)>,
-    max_providers: usize,
-) -> bool {
+/// sizes of the provider lists other nodes' stores answered with. A store
+/// leaves the asker out of its answer, and keeps no more than
+/// `max_providers` (the first to come): an answer of `max_providers` is a
+/// full list without the asker. Listed unless every non-empty answer is
+/// such a list (no answer: nobody can be full yet). The asker's own store
+/// is no witness: it takes the asker's record whenever it has room, so the
+/// caller leaves out an answer that names the asker.
+pub fn counts_itself(answers: impl IntoIterator<Item = usize>, max_providers: usize) -> bool {
     !answers
         .into_iter()
-        .filter(|&(others, me)| others > 0 || me)
-        .fold(None, |all_full, (others, me)| {
-            Some(all_full.unwrap_or(true) && !me && others >= max_providers)
+        .filter(|&others| others > 0)
+        .fold(None, |all_full, others| {
+            Some(all_full.unwrap_or(true) && others >= max_providers)
         })
         .unwrap_or(false)
 }
@@ -198,14 +196,13 @@ mod tests {
     fn a_node_counts_itself_unless_every_list_is_full_without_it() {
         // Nobody stored anything yet, or only empty answers.
         assert!(counts_itself([], 4));
-        assert!(counts_itself([(0, false), (0, false)], 4));
+        assert!(counts_itself([0, 0], 4));
         // Lists with room: this node's record went in (stores leave the asker out).
-        assert!(counts_itself([(3, false), (0, false)], 4));
+        assert!(counts_itself([3, 0], 4));
         // Full lists without it: nobody sees it.
-        assert!(!counts_itself([(4, false), (0, false), (4, false)], 4));
-        // One store has it (its own store names it), or one has room.
-        assert!(counts_itself([(4, false), (4, true)], 4));
-        assert!(counts_itself([(4, false), (3, false)], 4));
+        assert!(!counts_itself([4, 0, 4], 4));
+        // One store has room.
+        assert!(counts_itself([4, 3], 4));
     }
 
     #[test]

@@ -202,12 +202,12 @@ enum Listening {
     Closed(String),
 }
 
-/// What a provider query found: the providers, and each store's answer as
-/// [`counts_itself`] reads it.
+/// What a provider query found: the providers, and the size of each other
+/// store's answer, as [`counts_itself`] reads them.
 #[derive(Debug, Default)]
 struct Providers {
     ids: HashSet<PeerId>,
-    answers: Vec<(usize, bool)>,
+    answers: Vec<usize>,
 }
 
 /// A blob's members as the DHT lists them.
@@ -660,8 +660,11 @@ impl Runner {
                         return;
                     };
                     if let Ok(GetProvidersOk::FoundProviders { providers, .. }) = found {
-                        let me = providers.contains(&local);
-                        seen.answers.push((providers.len() - usize::from(me), me));
+                        // Other stores leave this node out: one that names
+                        // it is its own, no witness (see `counts_itself`).
+                        if !providers.contains(&local) {
+                            seen.answers.push(providers.len());
+                        }
                         seen.ids.extend(providers);
                     }
                     if step.last

@@ -291,10 +291,7 @@ impl World<'_> {
         });
         let mine = list.contains(&n);
         // A store leaves the asker out of its answer.
-        let listed = counts_itself(
-            [(list.len() - usize::from(mine), false)],
-            DEFAULTS.dht_max_providers,
-        );
+        let listed = counts_itself([list.len() - usize::from(mine)], DEFAULTS.dht_max_providers);
         let others: Vec<u32> = list
             .iter()
             .copied()
