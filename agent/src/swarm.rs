@@ -929,10 +929,12 @@ impl Swarm {
     /// come first). Every `dht.lookup` it hands the transfer the blob's
     /// other holders and pullers as peers, whose word it takes for chunk
     /// hashes; it asks the DHT for them again at that pace while they
-    /// change, and less often while they stay the same ([`lookup_after`]). After `dht.settle` (time for the other
-    /// pullers of a storm to show up), it also hands the pull its registry
-    /// runs ([`dht_runs`]). A member's blocks that never come are fetched
-    /// by the stall fallback.
+    /// change, and less often while they stay the same ([`lookup_after`]).
+    /// A node the blob's list leaves out joins an overflow list
+    /// ([`overflow_list`]), whose members are peers, not fetchers. After
+    /// `dht.settle` (time for the other pullers of a storm to show up), it
+    /// also hands the pull its registry runs ([`dht_runs`]). A member's
+    /// blocks that never come are fetched by the stall fallback.
     async fn coordinate(
         self: Arc<Self>,
         dht: Arc<Dht>,
