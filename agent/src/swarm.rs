@@ -44,7 +44,7 @@ use crate::registry::RegistryClient;
 use crate::store::{Blob, Holding, PutOutcome};
 use crate::tracker_client::TrackerClient;
 use dray_protocol::defaults::{DEFAULTS, announce_spread};
-use dray_protocol::dht::{dht_runs, lookup_after, overflow_list, watch_order};
+use dray_protocol::dht::{dht_runs, lookup_after, overflow_list, pick_peers};
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::preheat;
 use dray_protocol::pull::{Fallback, FallbackRule};
@@ -1036,7 +1036,7 @@ impl Swarm {
                         tracker_ok: true,
                         fetching: false,
                         // Its overflow list's members are peers, not fetchers.
-                        peers: self.dht_peers(peers.into_iter().chain(more).collect(), &t),
+                        peers: self.dht_peers(peers, more, &t),
                         runs,
                         map: None,
                     });
@@ -1047,20 +1047,24 @@ impl Swarm {
     }
 
     /// Of a blob's members, the peers a pull without a tracker hands its
-    /// transfer: those that have not failed there nor refused to be
-    /// watched (at their watcher cap), at most
-    /// `peer.max_peers_per_blob`, in an order of this node's own (a hash of
-    /// both ids), so that each node watches a different few of a large
-    /// swarm, and the same few at every lookup.
-    fn dht_peers(&self, mut members: Vec<PeerAddr>, t: &Transfer) -> Vec<PeerAddr> {
-        members.retain(|p| !t.is_gone(&p.peer_id) && !t.is_refused(&p.peer_id));
-        watch_order(
+    /// transfer: those of the blob's list (`own`) and of its overflow list
+    /// (`more`) that have not failed there nor refused to be watched (at
+    /// their watcher cap), at most `peer.max_peers_per_blob`, half from each
+    /// list if it can ([`pick_peers`]), in an order of this node's own (a
+    /// hash of both ids), so that each node watches a different few of a
+    /// large swarm, and the same few at every lookup.
+    fn dht_peers(&self, own: Vec<PeerAddr>, more: Vec<PeerAddr>, t: &Transfer) -> Vec<PeerAddr> {
+        let fit = |mut v: Vec<PeerAddr>| {
+            v.retain(|p| !t.is_gone(&p.peer_id) && !t.is_refused(&p.peer_id));
+            v
+        };
+        pick_peers(
             self.node.peer_id(),
-            &mut members,
+            fit(own),
+            fit(more),
             |p| p.peer_id.as_str(),
             self.node.config.max_peers_per_blob,
-        );
-        members
+        )
     }
 
     async fn publish(&self, blob: &Blob) {

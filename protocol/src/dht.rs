@@ -148,6 +148,29 @@ pub fn runs_in(blocks: &[u32], held: &Bitfield, block: u32) -> Vec<(u32, u32)> {
     runs
 }
 
+/// The members a pull watches: at most `max`, half of them (if it has so
+/// many) from its overflow list, `more`, the rest from the blob's own list,
+/// `own`, each in [`watch_order`]. Without its overflow list's members a
+/// node left out would watch only listed ones, whose uploads all the
+/// others share (`kraken-2600` in the simulator: p99 10 times the bound);
+/// with only those, its list would have no way to the first chunks.
+pub fn pick_peers<T>(
+    me: &str,
+    mut own: Vec<T>,
+    mut more: Vec<T>,
+    id: impl Fn(&T) -> &str,
+    max: usize,
+) -> Vec<T> {
+    let max = max.max(1);
+    watch_order(me, &mut own, &id, max);
+    watch_order(me, &mut more, &id, max);
+    let from_more = more.len().min(max / 2).max(max.saturating_sub(own.len()));
+    more.truncate(from_more);
+    own.truncate(max - more.len());
+    more.extend(own);
+    more
+}
+
 /// Of a blob's members, those a pull watches: at most `max`, in an order of
 /// `me`'s own (a BLAKE3 hash of both ids), so that each node watches a
 /// different few of a large swarm, and the same few at every lookup.
@@ -256,6 +279,21 @@ mod tests {
         assert_eq!(lookup_after(base, 1), base * 2);
         assert_eq!(lookup_after(base, 5), Duration::from_millis(6400));
         assert_eq!(lookup_after(base, 50), Duration::from_millis(6400));
+    }
+
+    #[test]
+    fn a_node_in_an_overflow_list_watches_half_there_half_in_the_blobs_list() {
+        let list = |n: usize, p: &str| (0..n).map(|i| format!("{p}{i}")).collect::<Vec<_>>();
+        let count = |v: &[String], p: &str| v.iter().filter(|m| m.starts_with(p)).count();
+        let picked = pick_peers("a", list(256, "own"), list(40, "more"), |s| s.as_str(), 16);
+        assert_eq!((count(&picked, "own"), count(&picked, "more")), (8, 8));
+        // Short of one kind, the other fills the places.
+        let picked = pick_peers("a", list(256, "own"), list(3, "more"), |s| s.as_str(), 16);
+        assert_eq!((count(&picked, "own"), count(&picked, "more")), (13, 3));
+        let picked = pick_peers("a", list(5, "own"), list(40, "more"), |s| s.as_str(), 16);
+        assert_eq!((count(&picked, "own"), count(&picked, "more")), (5, 11));
+        let picked = pick_peers("a", list(5, "own"), Vec::new(), |s| s.as_str(), 16);
+        assert_eq!(picked.len(), 5);
     }
 
     #[test]

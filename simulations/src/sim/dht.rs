@@ -5,7 +5,7 @@
 //! peers by the rules of [`dray_protocol::dht`], the agent's own code:
 //! [`counts_itself`], `dht_runs` (as its halves [`dht_blocks`], kept while
 //! the members stay the same, and [`runs_in`]; truncated to
-//! `registry_parallel`, as the agent does) and [`watch_order`]. Chunk hashes come from peers (the
+//! `registry_parallel`, as the agent does) and [`pick_peers`]. Chunk hashes come from peers (the
 //! blob's digest judges at the end), so a node can fetch any chunk a peer
 //! holds; with no tracker, only the stall rule sends it to the registry.
 //!
@@ -20,7 +20,7 @@ use super::*;
 use crate::kademlia::{ANSWER_BYTES, Join, K, Kademlia, PEER_BYTES, REQUEST_BYTES};
 use crate::report::DhtReport;
 use dray_protocol::dht::{
-    counts_itself, dht_blocks, lookup_after, overflow_list, runs_in, watch_order,
+    counts_itself, dht_blocks, lookup_after, overflow_list, pick_peers, runs_in,
 };
 
 /// A node's DHT state.
@@ -310,13 +310,14 @@ impl World<'_> {
             DEFAULTS.run_chunks,
         );
         // Its overflow list's members are peers, not fetchers.
-        let mut watch: Vec<(u32, &str)> = others
-            .iter()
-            .chain(extra.iter().filter(|&&m| m != n && !gone.contains(&m)))
-            .filter(|m| !refused.contains(m))
-            .map(|&m| (m, self.names[m as usize].as_str()))
-            .collect();
-        watch_order(me, &mut watch, |m| m.1, self.sc.max_peers_per_blob);
+        let named = |v: &mut dyn Iterator<Item = &u32>| -> Vec<(u32, &str)> {
+            v.filter(|m| !refused.contains(m))
+                .map(|&m| (m, self.names[m as usize].as_str()))
+                .collect()
+        };
+        let own = named(&mut others.iter());
+        let mates = named(&mut extra.iter().filter(|&&m| m != n && !gone.contains(&m)));
+        let watch = pick_peers(me, own, mates, |m| m.1, self.sc.max_peers_per_blob);
         View {
             members,
             more,
