@@ -30,8 +30,8 @@ pub const OVERFLOW_LISTS: u32 = 256;
 /// [`OVERFLOW_LISTS`], by a BLAKE3 hash of its id. The nodes of one list
 /// find each other there and swarm among themselves and with the listed
 /// members they watch; without them, every node past the first 256 could
-/// only watch those 256 (in a simulated storm of 10,000 nodes, a p99 of 65
-/// times the bound, and most nodes falling back to the registry).
+/// only watch those 256 (what that cost a simulated storm is in
+/// `docs/results.md`).
 pub fn overflow_list(peer_id: &str) -> u32 {
     let h = blake3::hash(peer_id.as_bytes());
     u32::from_be_bytes(h.as_bytes()[..4].try_into().expect("4 bytes")) % OVERFLOW_LISTS
@@ -43,9 +43,9 @@ const MAX_LOOKUP_DOUBLINGS: u32 = 5;
 /// How long a pull without a tracker waits before it asks the DHT for a
 /// blob's members again, after `unchanged` answers in a row that named the
 /// same members: `lookup`, doubled for each, at most 32 times. The `k`
-/// nodes that store a blob's provider list answer every puller's lookups:
-/// in a simulated storm of 10,000 pullers asking every 200 ms, each answered
-/// 32,000 lookups a second (450 MB/s). Between lookups the pull keeps the
+/// nodes that store a blob's provider list answer every puller's lookups
+/// (their load in a simulated storm is in `docs/results.md`). Between
+/// lookups the pull keeps the
 /// members it has, and its runs still follow the chunks that arrive.
 pub fn lookup_after(lookup: Duration, unchanged: u32) -> Duration {
     lookup * (1 << unchanged.min(MAX_LOOKUP_DOUBLINGS))
@@ -82,13 +82,12 @@ pub fn registry_fetcher<'a>(
 /// is no witness: it takes the asker's record whenever it has room, so the
 /// caller leaves out an answer that names the asker.
 pub fn counts_itself(answers: impl IntoIterator<Item = usize>, max_providers: usize) -> bool {
-    !answers
+    answers
         .into_iter()
         .filter(|&others| others > 0)
-        .fold(None, |all_full, others| {
-            Some(all_full.unwrap_or(true) && others >= max_providers)
-        })
-        .unwrap_or(false)
+        .map(|others| others < max_providers)
+        .reduce(|a, b| a || b)
+        .unwrap_or(true)
 }
 
 /// The registry runs that fall to `me`: the blocks of `block` chunks that
@@ -152,8 +151,8 @@ pub fn runs_in(blocks: &[u32], held: &Bitfield, block: u32) -> Vec<(u32, u32)> {
 /// many) from its overflow list, `more`, the rest from the blob's own list,
 /// `own`, each in [`watch_order`]. Without its overflow list's members a
 /// node left out would watch only listed ones, whose uploads all the
-/// others share (`kraken-2600` in the simulator: p99 10 times the bound);
-/// with only those, its list would have no way to the first chunks.
+/// others share; with only those, its list would have no way to the first
+/// chunks.
 pub fn pick_peers<T>(
     me: &str,
     mut own: Vec<T>,

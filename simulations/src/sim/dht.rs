@@ -31,15 +31,14 @@ pub(super) struct DhtNode {
     /// When its provider records landed.
     provided_at: Option<f64>,
     /// Per blob: the provider list's length when its last lookup went out,
-    /// and its overflow list's, if it joined one.
+    /// and its overflow list's, if it joined one: the members whose node
+    /// records it has looked up.
     asked: Vec<usize>,
     asked_more: Vec<Option<usize>>,
     /// When its last lookup went out, and how many answers in a row named
     /// the same members.
     asked_at: Option<f64>,
     unchanged: u32,
-    /// Per blob: members whose node records it has looked up.
-    seen: Vec<usize>,
     /// Watched members that turned out gone: no longer counted as fetchers.
     gone: Vec<u32>,
     /// Per blob: members that refused to be watched (their watcher cap):
@@ -180,7 +179,6 @@ impl World<'_> {
         node.costs = costs;
         node.asked = vec![0; blobs];
         node.asked_more = vec![None; blobs];
-        node.seen = vec![0; blobs];
         node.views = (0..blobs).map(|_| View::default()).collect();
         node.refused = vec![Vec::new(); blobs];
         self.net
@@ -239,14 +237,14 @@ impl World<'_> {
             let listed = dht.providers[b].len().min(cap);
             let (rounds, bytes) = dht.nodes[nu].costs[b];
             let mut wait = rounds;
-            let new = listed.saturating_sub(dht.nodes[nu].seen[b]);
+            // The list only grows: what is past the last answer is new.
+            let new = listed.saturating_sub(dht.nodes[nu].asked[b]);
             if new > 0 {
                 // One node-record lookup per new member, all at once.
                 wait += rounds;
                 dht.bytes += (new as u64 * (bytes + RECORD_BYTES)) as f64;
-                dht.nodes[nu].seen[b] = listed;
             }
-            changed |= dht.nodes[nu].asked[b] != listed;
+            changed |= new > 0;
             dht.nodes[nu].asked[b] = listed;
             if let Some(was) = dht.nodes[nu].asked_more[b] {
                 // Its overflow list too, at about the same cost.
