@@ -7,8 +7,17 @@
 //! mixed. In the same run the same bytes go over plain TCP, TCP with rustls
 //! (the fair peer for an encrypted transport) and a bare quinn stream, and are
 //! written to a new file (`write_floor`: what landing the bytes in the page
-//! cache costs, whoever does it). Transfers are repeated `--rounds` times,
-//! interleaved, and each figure is the median of its rounds.
+//! cache costs, whoever does it). TCP with rustls is also run into a file,
+//! hashed with SHA-256 as it lands (`tls_tcp_to_disk`: what a plain HTTPS
+//! download of a blob costs, the fair peer for a node that keeps what it
+//! receives). Transfers are repeated `--rounds` times, interleaved, and each
+//! figure is the median of its rounds.
+//!
+//! The floor is written right after the agent's transfer, before the agent's
+//! store is deleted: on a VM that hands freed memory back to its host (free
+//! page reporting), writing into memory freed a moment ago costs a twentieth
+//! of writing into memory the host took back, so a floor written just after
+//! a deletion would be no floor at all (`docs/results.md`).
 
 use crate::bench::{emit, parse_size, write_random};
 use anyhow::{Context, Result, bail};
@@ -16,11 +25,10 @@ use clap::{Args, ValueEnum};
 use dray_agent::fetch::{PeerAddr, fetch_from_peers};
 use dray_agent::identity::{ClusterCa, Identity};
 use dray_agent::peer::{PeerConfig, PeerNode, TransportTuning};
-use dray_agent::store::ChunkStore;
+use dray_agent::store::{ChunkStore, write_in_pieces};
 use dray_protocol::DEFAULT_CHUNK_SIZE;
 use serde::Serialize;
 use std::io::{BufRead, Read, Write};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -29,6 +37,10 @@ use std::time::Instant;
 /// Bytes per write or read of the baselines.
 const BLOCK: usize = 1 << 20;
 const GIB: f64 = (1u64 << 30) as f64;
+/// The wait before each round: on the test VM, memory freed 10 s ago costs
+/// about two thirds as much to write into as memory never used, memory
+/// freed 1 s ago a twentieth (`docs/results.md`).
+const SETTLE: std::time::Duration = std::time::Duration::from_secs(10);
 const SENDER_ID: &str = "bench-a";
 const RECEIVER_ID: &str = "bench-b";
 
@@ -157,9 +169,13 @@ struct PeerResult {
     agent_mb_s: f64,
     tcp_mb_s: f64,
     tls_tcp_mb_s: f64,
+    /// TCP with rustls into a new file, hashed as it lands.
+    tls_tcp_to_disk_mb_s: f64,
     raw_quic_mb_s: f64,
     /// agent_mb_s / tls_tcp_mb_s: the goal is at least 0.8.
     agent_vs_tls_tcp: f64,
+    /// agent_mb_s / tls_tcp_to_disk_mb_s.
+    agent_vs_tls_tcp_to_disk: f64,
     agent_vs_tcp: f64,
     agent_vs_raw_quic: f64,
     /// CPU seconds (user + system) per GiB moved, each side its own process.
@@ -175,6 +191,7 @@ struct PeerResult {
     tcp_receiver_cpu_s_per_gib: f64,
     tls_tcp_sender_cpu_s_per_gib: f64,
     tls_tcp_receiver_cpu_s_per_gib: f64,
+    tls_tcp_to_disk_receiver_cpu_s_per_gib: f64,
     raw_quic_sender_cpu_s_per_gib: f64,
     raw_quic_receiver_cpu_s_per_gib: f64,
     /// Peak resident memory of the receiving process during the agent
@@ -375,12 +392,14 @@ pub async fn run(b: PeerBench) -> Result<()> {
     };
 
     let size = b.size;
-    let (mut floor, mut tcp, mut tls, mut quic, mut agent) =
-        (vec![], vec![], vec![], vec![], vec![]);
+    let (mut floor, mut tcp, mut tls, mut tls_disk, mut quic, mut agent) =
+        (vec![], vec![], vec![], vec![], vec![], vec![]);
     let (mut path_mtu, mut receiver_rss, mut sender_rss) = (0, 0.0f64, 0.0f64);
     let mut rss_before = 0.0f64;
     for round in 0..b.rounds {
-        floor.push(write_floor(&dir.path().join("floor"), size, chunk_size)?);
+        // What the last round (or the setup) freed goes back to the host
+        // first, so the three writes of the round all land in memory alike.
+        tokio::time::sleep(SETTLE).await;
         tcp.push(
             transfer(Mode::Tcp, dir.path(), size, &b.tuning, |a| {
                 blocking(move || receive_tcp(a, size))
@@ -440,7 +459,20 @@ pub async fn run(b: PeerBench) -> Result<()> {
         receiver_rss = receiver_rss.max(peak_rss_mib("self")?);
         sender_rss = sender_rss.max(rss);
         agent.push(sample);
+        let floor_file = dir.path().join("floor");
+        floor.push(write_floor(&floor_file, size, chunk_size)?);
+        let (id, disk_file) = (receiver_id.clone(), dir.path().join("tls-to-disk"));
+        let to = disk_file.clone();
+        tls_disk.push(
+            transfer(Mode::Tls, dir.path(), size, &b.tuning, |a| {
+                blocking(move || receive_tls_to_disk(a, size, &id, &to))
+            })
+            .await?
+            .0,
+        );
         std::fs::remove_dir_all(&store_dir)?;
+        std::fs::remove_file(&floor_file)?;
+        std::fs::remove_file(&disk_file)?;
     }
 
     let per_gib = |s: f64| s / (size as f64 / GIB);
@@ -455,6 +487,7 @@ pub async fn run(b: PeerBench) -> Result<()> {
         agent_mb_s: mb_s(&agent),
         tcp_mb_s: mb_s(&tcp),
         tls_tcp_mb_s: mb_s(&tls),
+        tls_tcp_to_disk_mb_s: mb_s(&tls_disk),
         raw_quic_mb_s: mb_s(&quic),
         sender_cpu_s_per_gib: cpu(&agent, sender),
         receiver_cpu_s_per_gib: cpu(&agent, receiver),
@@ -465,6 +498,7 @@ pub async fn run(b: PeerBench) -> Result<()> {
         tcp_receiver_cpu_s_per_gib: cpu(&tcp, receiver),
         tls_tcp_sender_cpu_s_per_gib: cpu(&tls, sender),
         tls_tcp_receiver_cpu_s_per_gib: cpu(&tls, receiver),
+        tls_tcp_to_disk_receiver_cpu_s_per_gib: cpu(&tls_disk, receiver),
         raw_quic_sender_cpu_s_per_gib: cpu(&quic, sender),
         raw_quic_receiver_cpu_s_per_gib: cpu(&quic, receiver),
         receiver_peak_rss_mib: receiver_rss,
@@ -474,6 +508,7 @@ pub async fn run(b: PeerBench) -> Result<()> {
         ..PeerResult::default()
     };
     r.agent_vs_tls_tcp = r.agent_mb_s / r.tls_tcp_mb_s;
+    r.agent_vs_tls_tcp_to_disk = r.agent_mb_s / r.tls_tcp_to_disk_mb_s;
     r.agent_vs_tcp = r.agent_mb_s / r.tcp_mb_s;
     r.agent_vs_raw_quic = r.agent_mb_s / r.raw_quic_mb_s;
     r.receiver_above_floor_cpu_s_per_gib = r.receiver_cpu_s_per_gib - r.write_floor_cpu_s_per_gib;
@@ -508,6 +543,12 @@ fn print_table(r: &PeerResult) {
         r.tls_tcp_receiver_cpu_s_per_gib,
     );
     row(
+        "TCP+rustls disk",
+        r.tls_tcp_to_disk_mb_s,
+        r.tls_tcp_sender_cpu_s_per_gib,
+        r.tls_tcp_to_disk_receiver_cpu_s_per_gib,
+    );
+    row(
         "plain TCP",
         r.tcp_mb_s,
         r.tcp_sender_cpu_s_per_gib,
@@ -528,8 +569,8 @@ fn print_table(r: &PeerResult) {
     );
     println!("path MTU {} bytes (agents)", r.path_mtu);
     println!(
-        "agent / TCP+TLS {:.2}   agent / TCP {:.2}   agent / quinn {:.2}",
-        r.agent_vs_tls_tcp, r.agent_vs_tcp, r.agent_vs_raw_quic
+        "agent / TCP+TLS {:.2}   agent / TCP+TLS to disk {:.2}   agent / TCP {:.2}   agent / quinn {:.2}",
+        r.agent_vs_tls_tcp, r.agent_vs_tls_tcp_to_disk, r.agent_vs_tcp, r.agent_vs_raw_quic
     );
 }
 
@@ -538,7 +579,7 @@ async fn blocking(f: impl FnOnce() -> Result<()> + Send + 'static) -> Result<()>
 }
 
 /// CPU seconds of writing `size` bytes chunk by chunk to a new file `path`,
-/// as the store writes a blob; the file is removed after.
+/// as the store writes a blob ([`write_in_pieces`]); the caller removes it.
 fn write_floor(path: &Path, size: u64, chunk_size: u32) -> Result<f64> {
     let mut buf = vec![0u8; chunk_size as usize];
     crate::bench::RandomBytes::new(7).read_exact(&mut buf)?;
@@ -547,17 +588,20 @@ fn write_floor(path: &Path, size: u64, chunk_size: u32) -> Result<f64> {
     let mut off = 0;
     while off < size {
         let n = (size - off).min(buf.len() as u64) as usize;
-        f.write_all_at(&buf[..n], off)?;
+        write_in_pieces(&f, &buf[..n], off)?;
         off += n as u64;
     }
     drop(f);
-    let cpu = total(diff(before, own_cpu()));
-    std::fs::remove_file(path)?;
-    Ok(cpu)
+    Ok(total(diff(before, own_cpu())))
 }
 
-/// Reads until `size` bytes have come, into one reused buffer.
-fn drain(r: &mut impl Read, size: u64) -> Result<()> {
+/// Reads until `size` bytes have come, into one reused buffer, handing each
+/// read to `sink` with its offset.
+fn drain(
+    r: &mut impl Read,
+    size: u64,
+    mut sink: impl FnMut(&[u8], u64) -> Result<()>,
+) -> Result<()> {
     let mut buf = vec![0u8; BLOCK];
     let mut got = 0u64;
     while got < size {
@@ -565,8 +609,13 @@ fn drain(r: &mut impl Read, size: u64) -> Result<()> {
         if n == 0 {
             bail!("stream ended after {got} of {size} bytes");
         }
+        sink(&buf[..n], got)?;
         got += n as u64;
     }
+    Ok(())
+}
+
+fn discard(_: &[u8], _: u64) -> Result<()> {
     Ok(())
 }
 
@@ -584,14 +633,42 @@ fn pour(w: &mut impl Write, size: u64) -> Result<()> {
 }
 
 fn receive_tcp(addr: std::net::SocketAddr, size: u64) -> Result<()> {
-    drain(&mut std::net::TcpStream::connect(addr)?, size)
+    drain(&mut std::net::TcpStream::connect(addr)?, size, discard)
+}
+
+fn tls_stream(
+    addr: std::net::SocketAddr,
+    id: &Identity,
+) -> Result<rustls::StreamOwned<rustls::ClientConnection, std::net::TcpStream>> {
+    let name = rustls::pki_types::ServerName::try_from(SENDER_ID.to_string())?;
+    let conn = rustls::ClientConnection::new(Arc::new(id.client_tls()?), name)?;
+    Ok(rustls::StreamOwned::new(
+        conn,
+        std::net::TcpStream::connect(addr)?,
+    ))
 }
 
 fn receive_tls(addr: std::net::SocketAddr, size: u64, id: &Identity) -> Result<()> {
-    let name = rustls::pki_types::ServerName::try_from(SENDER_ID.to_string())?;
-    let conn = rustls::ClientConnection::new(Arc::new(id.client_tls()?), name)?;
-    let mut tls = rustls::StreamOwned::new(conn, std::net::TcpStream::connect(addr)?);
-    drain(&mut tls, size)
+    drain(&mut tls_stream(addr, id)?, size, discard)
+}
+
+/// Receives over TCP with rustls into a new file `path` (the caller removes it),
+/// hashing with SHA-256 what it writes, as a plain HTTPS download of a blob.
+fn receive_tls_to_disk(
+    addr: std::net::SocketAddr,
+    size: u64,
+    id: &Identity,
+    path: &Path,
+) -> Result<()> {
+    use sha2::Digest as _;
+    let file = std::fs::File::create(path)?;
+    let mut sha = sha2::Sha256::new();
+    drain(&mut tls_stream(addr, id)?, size, |bytes, at| {
+        sha.update(bytes);
+        Ok(write_in_pieces(&file, bytes, at)?)
+    })?;
+    std::hint::black_box(sha.finalize());
+    Ok(())
 }
 
 async fn receive_quic(addr: std::net::SocketAddr, size: u64, id: &Identity) -> Result<()> {

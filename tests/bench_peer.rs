@@ -16,6 +16,8 @@ fn bench_peer_reports_each_sides_cpu_and_every_baseline_in_one_json_object() {
         "agent_mb_s",
         "tcp_mb_s",
         "tls_tcp_mb_s",
+        "tls_tcp_to_disk_mb_s",
+        "tls_tcp_to_disk_receiver_cpu_s_per_gib",
         "raw_quic_mb_s",
         "sender_cpu_s_per_gib",
         "receiver_cpu_s_per_gib",
