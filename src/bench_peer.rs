@@ -220,7 +220,7 @@ impl Sample {
     }
 }
 
-fn total((u, s): (f64, f64)) -> f64 {
+pub(crate) fn total((u, s): (f64, f64)) -> f64 {
     u + s
 }
 
@@ -230,7 +230,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// This process's (user, system) CPU seconds.
-fn own_cpu() -> (f64, f64) {
+pub(crate) fn own_cpu() -> (f64, f64) {
     // SAFETY: getrusage fills the struct we pass.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
@@ -239,7 +239,7 @@ fn own_cpu() -> (f64, f64) {
 }
 
 /// A child's (user, system) CPU seconds so far, from `/proc/<pid>/stat`.
-fn child_cpu(pid: u32) -> Result<(f64, f64)> {
+pub(crate) fn child_cpu(pid: u32) -> Result<(f64, f64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .with_context(|| format!("reading /proc/{pid}/stat"))?;
     // Fields after the command name (which may hold spaces) start at `state`;
@@ -261,7 +261,7 @@ fn child_cpu(pid: u32) -> Result<(f64, f64)> {
     Ok((field(11)?, field(12)?))
 }
 
-fn diff(a: (f64, f64), b: (f64, f64)) -> (f64, f64) {
+pub(crate) fn diff(a: (f64, f64), b: (f64, f64)) -> (f64, f64) {
     (b.0 - a.0, b.1 - a.1)
 }
 

@@ -4,6 +4,7 @@
 //! real registry straight into the unpacker.
 
 use crate::bench::emit;
+use crate::bench_peer::{child_cpu, diff, own_cpu, total};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use dray_agent::unpack::{Compression, unpack_layer};
@@ -51,6 +52,18 @@ struct CompressionResult {
     pull_unpack_s: f64,
     /// pull_unpack_s / max(download_s, unpack_s): 1 is perfect overlap.
     overlap_ratio: f64,
+    /// CPU seconds (user + system) of the timed download (this process and
+    /// the registry's), of the unpack from local files (`unpack_s`), and of
+    /// the pull streamed into the unpacker.
+    download_cpu_s: f64,
+    unpack_cpu_s: f64,
+    pull_unpack_cpu_s: f64,
+    /// (download_cpu_s + unpack_cpu_s) / parallel: the least time both can
+    /// take together on this machine's cores, however well they overlap.
+    cpu_floor_s: f64,
+    /// pull_unpack_s / max(download_s, unpack_s, cpu_floor_s): overlap
+    /// lost to anything but a lack of cores.
+    overlap_vs_cpu_floor: f64,
     rate_bytes_s: u64,
 }
 
@@ -156,6 +169,17 @@ pub async fn run(b: UnpackBench) -> Result<()> {
                 c.overlap_ratio
             );
         }
+        for c in &r.results {
+            println!(
+                "{}: CPU s download {:.2}, unpack {:.2}, pull+unpack {:.2}; cores allow {:.2} s at best: pull+unpack {:.2}x that",
+                c.compression,
+                c.download_cpu_s,
+                c.unpack_cpu_s,
+                c.pull_unpack_cpu_s,
+                c.cpu_floor_s,
+                c.overlap_vs_cpu_floor
+            );
+        }
     })
 }
 
@@ -182,12 +206,14 @@ async fn measure(
         let (blobs, ids, out) = (blobs.to_vec(), diff_ids.to_vec(), w.join("dray"));
         tokio::task::spawn_blocking(move || {
             settle(None)?;
+            let before = own_cpu();
             let secs = unpack_files(&blobs, &ids, compression, &out, parallel)?;
+            let cpu = total(diff(before, own_cpu()));
             settle(Some(&out))?;
-            anyhow::Ok(secs)
+            anyhow::Ok((secs, cpu))
         })
     };
-    let dray_first_s = dray().await??;
+    let dray_first_s = dray().await??.0;
 
     // Serial tar.
     let tar_s = tokio::task::spawn_blocking({
@@ -214,7 +240,9 @@ async fn measure(
     for blob in blobs {
         digests.push(registry.push(repo, blob));
     }
-    let unpack_s = dray().await??;
+    let (unpack_s, unpack_cpu_s) = dray().await??;
+    // This process's CPU seconds and the registry's.
+    let cpu = || -> Result<f64> { Ok(total(own_cpu()) + total(child_cpu(registry.pid())?)) };
     let dray_s = dray_first_s.max(unpack_s);
     let rate = ((compressed_bytes as f64 / unpack_s) as u64).max(1);
     registry.throttle(rate);
@@ -223,7 +251,7 @@ async fn measure(
         None,
     )?);
     settle(None)?;
-    let start = Instant::now();
+    let (start, cpu0) = (Instant::now(), cpu()?);
     let mut tasks = Vec::new();
     for (i, d) in digests.iter().enumerate() {
         let (client, d, path) = (client.clone(), d.parse()?, w.join(format!("dl-{i}")));
@@ -236,12 +264,12 @@ async fn measure(
     for t in tasks {
         t.await??;
     }
-    let download_s = start.elapsed().as_secs_f64();
+    let (download_s, download_cpu_s) = (start.elapsed().as_secs_f64(), cpu()? - cpu0);
     let out = w.join("pulled");
     std::fs::create_dir_all(&out)?;
     let limit = std::sync::Arc::new(tokio::sync::Semaphore::new(parallel));
     settle(None)?;
-    let start = Instant::now();
+    let (start, cpu0) = (Instant::now(), cpu()?);
     let mut tasks = Vec::new();
     for (i, (d, id)) in digests.iter().zip(diff_ids).enumerate() {
         let (client, d, id, target, limit) = (
@@ -259,7 +287,8 @@ async fn measure(
     for t in tasks {
         t.await??;
     }
-    let pull_unpack_s = start.elapsed().as_secs_f64();
+    let (pull_unpack_s, pull_unpack_cpu_s) = (start.elapsed().as_secs_f64(), cpu()? - cpu0);
+    let cpu_floor_s = (download_cpu_s + unpack_cpu_s) / parallel as f64;
     registry.throttle(0);
     settle(Some(&out))?;
     Ok(CompressionResult {
@@ -275,6 +304,11 @@ async fn measure(
         unpack_s,
         pull_unpack_s,
         overlap_ratio: pull_unpack_s / download_s.max(unpack_s),
+        download_cpu_s,
+        unpack_cpu_s,
+        pull_unpack_cpu_s,
+        cpu_floor_s,
+        overlap_vs_cpu_floor: pull_unpack_s / download_s.max(unpack_s).max(cpu_floor_s),
         rate_bytes_s: rate,
     })
 }

@@ -1317,8 +1317,6 @@ fn recover(blob: &Blob) -> Result<Bitfield> {
     Ok(held)
 }
 
-/// Allocates the blob's blocks up front, so a full disk fails here with ENOSPC
-/// rather than halfway through a transfer.
 /// Reads exactly `len` bytes at `offset` into `buf`'s spare capacity, not
 /// zeroed first: zeroing each 4 MiB chunk served to a peer was 13% of the
 /// sender's CPU in `dray bench peer` (perf).
@@ -1359,6 +1357,8 @@ fn read_exact_uninit_at(
     Ok(())
 }
 
+/// Allocates the blob's blocks up front, so a full disk fails here with ENOSPC
+/// rather than halfway through a transfer.
 fn reserve(file: &File, size: u64) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     if size == 0 {

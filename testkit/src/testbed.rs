@@ -95,6 +95,11 @@ impl Registry {
         }
     }
 
+    /// The registry process's id (to read its CPU time).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Base URL through the counting relay (what agents use).
     pub fn url(&self) -> String {
         format!("http://127.0.0.1:{}", self.relay.port)
