@@ -1,7 +1,8 @@
 //! `dray bench unpack`: dray's layer unpacker against containerd 1.6's own
 //! unpack and against serial `tar -x`, on the same 4-layer image (gzip and
-//! zstd), and the overlap of download and unpack when layers stream from the
-//! real registry straight into the unpacker.
+//! zstd), and the overlap of download and unpack when an agent pulls the
+//! layers from the real registry and unpacks them from its store as the
+//! chunks arrive, as its local API does for the snapshotter.
 
 use crate::bench::emit;
 use crate::bench_peer::{child_cpu, diff, own_cpu, total};
@@ -10,7 +11,7 @@ use clap::Args;
 use dray_agent::unpack::{Compression, unpack_layer};
 use dray_testkit::oci_image::{Containerd, LayerBlob, write_oci_archive};
 use serde::Serialize;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -48,7 +49,9 @@ struct CompressionResult {
     download_s: f64,
     /// The 4 layers unpacked from local files again, just before the pull.
     unpack_s: f64,
-    /// The 4 blobs streamed from the registry into the unpacker.
+    /// The 4 blobs pulled by an agent (in this process, alone in its swarm)
+    /// and unpacked from its store as they arrive, at most `parallel` at a
+    /// time, all pulls started at once: the agent's local API's path.
     pull_unpack_s: f64,
     /// pull_unpack_s / max(download_s, unpack_s): 1 is perfect overlap.
     overlap_ratio: f64,
@@ -267,21 +270,31 @@ async fn measure(
     let (download_s, download_cpu_s) = (start.elapsed().as_secs_f64(), cpu()? - cpu0);
     let out = w.join("pulled");
     std::fs::create_dir_all(&out)?;
+    let cluster = crate::cluster::LocalCluster::start(
+        &w.join(format!("agent-{name}")),
+        1,
+        Default::default(),
+        &Default::default(),
+    )
+    .await?;
+    let pulls = cluster.pulls(0).clone();
     let limit = std::sync::Arc::new(tokio::sync::Semaphore::new(parallel));
     settle(None)?;
     let (start, cpu0) = (Instant::now(), cpu()?);
     let mut tasks = Vec::new();
-    for (i, (d, id)) in digests.iter().zip(diff_ids).enumerate() {
-        let (client, d, id, target, limit) = (
-            client.clone(),
-            d.clone(),
-            id.clone(),
-            out.join(i.to_string()),
-            limit.clone(),
-        );
+    for (i, ((d, id), blob)) in digests.iter().zip(diff_ids).zip(blobs).enumerate() {
+        let layer = Layer {
+            digest: d.parse()?,
+            size: std::fs::metadata(blob)?.len(),
+            diff_id: id.clone(),
+        };
+        // As the agent's local API does: every download starts now, and an
+        // unpack waits for a slot, then catches up with what has arrived.
+        let pull = pulls.ensure(client.clone(), repo, layer.digest, layer.size);
+        let (pulls, target, limit) = (pulls.clone(), out.join(i.to_string()), limit.clone());
         tasks.push(tokio::spawn(async move {
             let _permit = limit.acquire_owned().await?;
-            pull_and_unpack(&client, repo, &d, compression, &target, &id).await
+            unpack_from_store(&pulls, pull, &layer, compression, &target).await
         }));
     }
     for t in tasks {
@@ -290,6 +303,7 @@ async fn measure(
     let (pull_unpack_s, pull_unpack_cpu_s) = (start.elapsed().as_secs_f64(), cpu()? - cpu0);
     let cpu_floor_s = (download_cpu_s + unpack_cpu_s) / parallel as f64;
     registry.throttle(0);
+    drop(cluster);
     settle(Some(&out))?;
     Ok(CompressionResult {
         compression: name,
@@ -361,66 +375,37 @@ fn unpack_files(
 }
 
 /// A blocking reader over the chunks a download task sends.
-struct ChannelReader {
-    rx: tokio::sync::mpsc::Receiver<bytes::Bytes>,
-    cur: bytes::Bytes,
+/// A layer blob to pull and unpack.
+struct Layer {
+    digest: dray_protocol::BlobDigest,
+    size: u64,
+    diff_id: String,
 }
 
-impl Read for ChannelReader {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        while self.cur.is_empty() {
-            match self.rx.blocking_recv() {
-                Some(b) => self.cur = b,
-                None => return Ok(0),
-            }
-        }
-        let n = buf.len().min(self.cur.len());
-        buf[..n].copy_from_slice(&self.cur[..n]);
-        self.cur = self.cur.slice(n..);
-        Ok(n)
-    }
-}
-
-/// GETs a blob and unpacks it while it arrives, on a blocking thread.
-async fn pull_and_unpack(
-    client: &dray_agent::registry::RegistryClient,
-    repo: &str,
-    digest: &str,
+/// Unpacks `layer` from the agent's store as its pull brings the chunks in,
+/// through the bridge the agent's local API uses (verified 1 MiB frames read
+/// from the store, handed to the unpacker's blocking thread); then waits for
+/// the blob's digest to hold.
+async fn unpack_from_store(
+    pulls: &std::sync::Arc<dray_agent::pulls::Pulls>,
+    pull: tokio::sync::watch::Receiver<dray_agent::pulls::PullState>,
+    layer: &Layer,
     compression: Compression,
     target: &Path,
-    diff_id: &str,
 ) -> Result<()> {
-    let mut resp = client
-        .request(
-            repo,
-            &format!("blobs/{digest}"),
-            reqwest::Method::GET,
-            Default::default(),
-        )
-        .await?;
-    if !resp.status().is_success() {
-        bail!("GET {digest}: {}", resp.status());
-    }
-    let (tx, rx) = tokio::sync::mpsc::channel(64);
-    let unpack = tokio::task::spawn_blocking({
-        let (target, diff_id) = (target.to_path_buf(), diff_id.to_string());
-        move || {
-            let reader = ChannelReader {
-                rx,
-                cur: bytes::Bytes::new(),
-            };
-            unpack_layer(reader, compression, &target, Some(&diff_id))
-        }
-    });
-    while let Some(chunk) = resp.chunk().await? {
-        if tx.send(chunk).await.is_err() {
-            break; // the unpacker stopped; its error is reported below
-        }
-    }
-    drop(tx);
-    unpack
+    let (digest, size) = (layer.digest, layer.size);
+    let reader = pulls.open(digest, size, 0, size, pull.clone()).await?;
+    let bridge =
+        tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(reader.into_stream()));
+    let (target, diff_id) = (target.to_path_buf(), layer.diff_id.clone());
+    tokio::task::spawn_blocking(move || unpack_layer(bridge, compression, &target, Some(&diff_id)))
         .await?
         .with_context(|| format!("unpacking {digest}"))?;
+    pulls
+        .open(digest, size, size, size, pull)
+        .await?
+        .verified()
+        .await?;
     Ok(())
 }
 

@@ -143,6 +143,11 @@ impl LocalCluster {
         Ok(swarm)
     }
 
+    /// Member `i`'s pulls, which its mirror and local API read through.
+    pub fn pulls(&self, i: usize) -> &Arc<dray_agent::pulls::Pulls> {
+        self.members[i].pulls()
+    }
+
     /// Agent `i`'s peer id.
     pub fn node_id(i: usize) -> String {
         format!("node-{i}")

@@ -361,8 +361,13 @@ async fn a_kill_9_during_eviction_leaves_no_half_deleted_blob_and_the_accounting
             &["agent", "-c", cfg.to_str().unwrap()],
             &dir.path().join(format!("agent-{round}.log")),
         );
-        // From the banner (the store is open) the collector starts within 1 ms.
-        std::thread::sleep(Duration::from_millis(2 + 4 * round));
+        // From the banner (the store is open) the collector starts within 1 ms
+        // and, on an idle machine, evicts every blob within about 2 ms: the
+        // kills land from 0 to 32 ms after the banner, doubling, so that
+        // some land during the eviction on a fast machine and a slow one
+        // (the last stop's CI, 2 + 4 * round ms: every kill came after it).
+        let after_us = [0, 100, 250, 500, 1_000, 2_000, 4_000, 8_000, 16_000, 32_000];
+        std::thread::sleep(Duration::from_micros(after_us[round as usize]));
         drop(agent); // SIGKILL, then wait
 
         let files = blob_files(&state);
