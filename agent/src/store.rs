@@ -75,10 +75,9 @@ const MAX_ORIGINS: usize = 8;
 
 /// Bytes per `pwrite` of a chunk into its blob file. Kernels with large page
 /// cache folios size a new folio by the write that creates it, and a large
-/// folio costs far more to fault in on a VM that hands free memory back to
-/// its host (free page reporting): on this project's test VM a GiB written
-/// in 4 MiB writes cost 5.8-6.9 CPU-seconds of kernel time, in 1 MiB writes
-/// 2.5-2.8 and in 64 KiB writes 0.25-0.28 (`docs/results.md`).
+/// folio can cost far more to fault in on a VM that hands free memory back
+/// to its host (free page reporting); on this project's test VM 4 MiB writes
+/// cost up to twenty times what 64 KiB writes did (`docs/results.md`).
 const WRITE_PIECE: usize = 64 << 10;
 
 /// Writes `bytes` at `offset` of `file` in [`WRITE_PIECE`]s, as the store
