@@ -57,7 +57,7 @@ struct CompressionResult {
     overlap_ratio: f64,
     /// CPU seconds (user + system) of the timed download (this process and
     /// the registry's), of the unpack from local files (`unpack_s`), and of
-    /// the pull streamed into the unpacker.
+    /// the agent's pull and unpack together (`pull_unpack_s`).
     download_cpu_s: f64,
     unpack_cpu_s: f64,
     pull_unpack_cpu_s: f64,
@@ -374,7 +374,6 @@ fn unpack_files(
     Ok(start.elapsed().as_secs_f64())
 }
 
-/// A blocking reader over the chunks a download task sends.
 /// A layer blob to pull and unpack.
 struct Layer {
     digest: dray_protocol::BlobDigest,
