@@ -83,6 +83,19 @@ async fn an_agent_holding_600_blobs_keeps_its_files_and_its_announce_within_boun
     let started = Instant::now();
     let maps: Vec<ChunkMap> = {
         let store = ChunkStore::open(&node("node-a", "state")).unwrap();
+        // This test is about open files, not eviction: under the default
+        // watermarks a host disk past 80% full (counted as kubelet counts
+        // it, from the space available to users) had every import evict
+        // the blob before it, and 600 imports left one file.
+        store.gc().configure(
+            dray_agent::gc::GcConfig {
+                high_watermark: 1.0,
+                low_watermark: 1.0,
+                critical_watermark: 1.0,
+                ..Default::default()
+            },
+            false,
+        );
         let src = dir.path().join("src");
         (0..BLOBS)
             .map(|i| {
@@ -129,7 +142,8 @@ async fn an_agent_holding_600_blobs_keeps_its_files_and_its_announce_within_boun
              cert = {:?}\nkey = {:?}\nca = {:?}\nmax_open_idle_blobs = {MAX_OPEN_IDLE}\n\
              [swarm]\ntrackers = [{tracker_url:?}]\nidle_announce_ms = 300\n\
              max_announce_blobs = {TRACKER_MAX_BLOBS}\n\
-             [local_api]\nsocket = {:?}\n[mirror]\nlisten = \"127.0.0.1:0\"\n",
+             [local_api]\nsocket = {:?}\n[mirror]\nlisten = \"127.0.0.1:0\"\n\
+             [gc]\nhigh_watermark = 1.0\nlow_watermark = 1.0\ncritical_watermark = 1.0\n",
             node("node-a", "state"),
             node("node-a", "agent.crt"),
             node("node-a", "agent.key"),
