@@ -40,8 +40,19 @@ pub struct SchedulerConfig {
     /// Chunks per registry assignment. One chunk per node spreads the first
     /// copies over as many uplinks as possible (measured in `simulations`).
     pub stripe_chunks: u32,
-    /// Registry assignments a node may hold at once, over all blobs.
+    /// Registry assignments a node may hold at once, over all blobs, in a
+    /// crowd; a swarm of few members gets more each (`min_blob_runs`).
     pub max_outstanding: usize,
+    /// Registry assignments a blob's swarm of few members keeps going at
+    /// once: each member that holds a chunk of it may hold up to
+    /// `min_blob_runs` divided by the members (rounded up), if that is more
+    /// than `max_outstanding`. One run per node spreads a storm's first
+    /// copies over many uplinks, but a node pulling alone fetched an image
+    /// one 4 MiB chunk at a time, at what one request moves
+    /// (`docs/results.md`, "A node pulling alone"). Only past its first
+    /// chunk: at a storm's start every swarm has one member for a moment.
+    /// Within the origin's budget (`max_runs_per_origin`) like every run.
+    pub min_blob_runs: usize,
     /// Live registry assignments per origin (the registry its pullers fetch a
     /// blob from), over all its blobs and nodes (0: no limit). Few concurrent
     /// registry fetches finish (and can be forwarded) soon; many share the
@@ -98,6 +109,7 @@ impl Default for SchedulerConfig {
             peer_sample: 64,
             stripe_chunks: 1,
             max_outstanding: 1,
+            min_blob_runs: 4,
             max_runs_per_origin: 24,
             min_fetch_rate: 1 << 20,
             min_fetch_timeout: Duration::from_secs(5),
@@ -405,6 +417,8 @@ struct Member {
     /// Peers the tracker named to it for this blob, at most `NAMED_KEPT`.
     named: Vec<PeerKey>,
     wants: bool,
+    /// When it joined: a node's runs go to its blobs oldest first.
+    joined: u64,
     /// Position in `Swarm::sources` while it holds anything.
     source_slot: Option<usize>,
     /// Position in `Swarm::roster`.
@@ -546,8 +560,9 @@ impl Swarm {
         self.origin_runs = runs;
     }
 
-    /// Makes `key` a member (holding nothing) if it is not one yet.
-    fn join(&mut self, key: PeerKey) -> &mut Member {
+    /// Makes `key` a member (holding nothing) if it is not one yet, joined
+    /// at `now` (a count of the scheduler's joins).
+    fn join(&mut self, key: PeerKey, now: u64) -> &mut Member {
         let roster = &mut self.roster;
         let chunk_count = self.chunk_count;
         self.members.entry(key).or_insert_with(|| {
@@ -556,6 +571,7 @@ impl Swarm {
                 held: Bitfield::new(chunk_count),
                 named: Vec::new(),
                 wants: false,
+                joined: now,
                 source_slot: None,
                 roster_slot: roster.len() - 1,
             }
@@ -876,6 +892,8 @@ pub struct Scheduler {
     runs_assigned: u64,
     /// Chunks over all swarms, against `max_total_chunks`.
     total_chunks: u64,
+    /// Members that joined a swarm so far: each member's join time.
+    joins: u64,
 }
 
 /// The run count shared by the swarms of `origin`; forgets origins no swarm has.
@@ -913,6 +931,7 @@ impl Scheduler {
             records: HashMap::new(),
             runs_assigned: 0,
             total_chunks: 0,
+            joins: 0,
         }
     }
 
@@ -1316,7 +1335,11 @@ impl Scheduler {
         if swarm.chunk_size == 0 {
             swarm.chunk_size = blob.chunk_size;
         }
-        swarm.join(key).wants = blob.wanted;
+        let member = swarm.join(key, self.joins);
+        member.wants = blob.wanted;
+        if member.joined == self.joins {
+            self.joins += 1;
+        }
         if blob.wanted && !blob.origin.is_empty() && blob.origin != swarm.origin {
             swarm.set_origin(&blob.origin, origin_budget(&mut self.origins, &blob.origin));
         }
@@ -1385,23 +1408,36 @@ impl Scheduler {
         }
     }
 
-    /// Gives `key` registry runs up to its outstanding limit.
+    /// Gives `key` registry runs up to its outstanding limit, to the blobs it
+    /// wants in the order it joined their swarms: a node pulling an image
+    /// alone gets its layers in the order it asked for them.
     fn top_up(&mut self, key: PeerKey, now: Instant) {
         let Some(peer) = peer_mut(&mut self.slots, key) else {
             return;
         };
-        let blobs: Vec<BlobDigest> = peer.blobs.iter().copied().collect();
-        for digest in blobs {
-            if peer.runs.len() >= self.config.max_outstanding {
-                return;
-            }
+        let mut blobs: Vec<(u64, BlobDigest)> = peer
+            .blobs
+            .iter()
+            .filter_map(|digest| {
+                let swarm = self.swarms.get(digest)?;
+                let m = swarm.members.get(&key)?;
+                swarm.runs_for(m).then_some((m.joined, *digest))
+            })
+            .collect();
+        blobs.sort_unstable();
+        for (_, digest) in blobs {
             let Some(swarm) = self.swarms.get_mut(&digest) else {
                 continue;
             };
-            if !swarm.members.get(&key).is_some_and(|m| swarm.runs_for(m)) {
-                continue;
-            }
-            while peer.runs.len() < self.config.max_outstanding
+            let fetched = swarm.members.get(&key).is_some_and(|m| m.held.count() > 0);
+            let limit = match fetched {
+                true => self
+                    .config
+                    .max_outstanding
+                    .max(self.config.min_blob_runs.div_ceil(swarm.members.len())),
+                false => self.config.max_outstanding,
+            };
+            while peer.runs.len() < limit
                 && (self.config.max_runs_per_origin == 0
                     || swarm.origin_runs.load(Ordering::Relaxed) < self.config.max_runs_per_origin)
             {
@@ -1828,15 +1864,54 @@ mod tests {
 
     const CHUNK: u64 = 4 << 20;
 
-    /// Runs of 4 chunks, 2 per node, no run budget: the layout most
-    /// tests below spell out.
+    /// Runs of 4 chunks, 2 per node however few pull, no run budget: the
+    /// layout most tests below spell out.
     fn striped() -> SchedulerConfig {
         SchedulerConfig {
             stripe_chunks: 4,
             max_outstanding: 2,
+            min_blob_runs: 0,
             max_runs_per_origin: 0,
             ..SchedulerConfig::default()
         }
+    }
+
+    #[test]
+    fn a_node_pulling_alone_gets_more_runs_past_its_first_chunk_for_the_blob_it_asked_for_first() {
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        let now = Instant::now();
+        // Two layers, asked for in the opposite order to their digests'.
+        let mut layers = [BlobDigest::of(b"layer 0"), BlobDigest::of(b"layer 1")];
+        layers.sort();
+        layers.reverse();
+        let layer = |digest: BlobDigest, held: Held| BlobAnnounce {
+            digest,
+            ..entry(8, held, true)
+        };
+        let runs = |d: AnnounceDecision| -> Vec<(BlobDigest, u32)> {
+            let mut r: Vec<_> = d.assignments.iter().map(|a| (a.digest, a.first)).collect();
+            r.sort();
+            r
+        };
+        let first = layers.map(|d| layer(d, Held::Bits(bits(8, []))));
+        // Its first announce: one run, as in a storm's first moment.
+        let d = s.announce(announce("a", true, first.to_vec()), now);
+        assert_eq!(runs(d), vec![(layers[0], 0)]);
+        // Its first chunk landed and nobody else pulls: four runs at once,
+        // all of the layer it asked for first.
+        s.hash_settled(&layers[0], 0, now);
+        let got = layer(layers[0], Held::Added(vec![0]));
+        let d = s.announce(announce("a", false, vec![got]), now);
+        assert_eq!(runs(d), (1..5).map(|i| (layers[0], i)).collect::<Vec<_>>());
+        // A second puller gets one run; the first, past its share (two of
+        // four each), keeps the three it has and gets no new one as its
+        // next chunk lands (an answer lists every run the node holds).
+        let d = s.announce(announce("b", true, first.to_vec()), now);
+        assert_eq!(runs(d), vec![(layers[0], 5)]);
+        s.hash_settled(&layers[0], 1, now);
+        let got = layer(layers[0], Held::Added(vec![1]));
+        let d = s.announce(announce("a", false, vec![got]), now);
+        assert_eq!(runs(d), (2..5).map(|i| (layers[0], i)).collect::<Vec<_>>());
     }
 
     #[test]
@@ -2101,7 +2176,10 @@ mod tests {
     fn runs_as_slow_as_the_blobs_finished_ones_are_kept_past_their_deadline() {
         // One chunk per run and per node: a registry that takes 20 s a chunk
         // (5 s deadlines) is slow for everyone, not a stalled fetcher.
-        let mut s = Scheduler::new(SchedulerConfig::default());
+        let mut s = Scheduler::new(SchedulerConfig {
+            min_blob_runs: 0,
+            ..SchedulerConfig::default()
+        });
         let t0 = Instant::now();
         let all = |s: &mut Scheduler, at: Instant, a_has: Vec<u32>| {
             let mut got = Vec::new();

@@ -112,8 +112,13 @@ pub struct TrackerConfig {
     pub peers_per_blob: usize,
     /// Chunks per registry-fetch assignment.
     pub stripe_chunks: u32,
-    /// Registry-fetch assignments one agent may hold at once.
+    /// Registry-fetch assignments one agent may hold at once, in a crowd.
     pub max_outstanding: usize,
+    /// Registry-fetch assignments a blob's swarm of few agents keeps going
+    /// at once: each may hold this many divided by the members, rounded up,
+    /// when that is more than `max_outstanding` (an agent pulling alone
+    /// fetches this many chunks at once).
+    pub min_blob_runs: usize,
     /// Live registry-fetch assignments per origin (the registry the agents
     /// pull from), over all its blobs and agents (0: no limit). Per tracker
     /// replica: a sharded tracker's registry sees up to replicas times this.
@@ -152,6 +157,7 @@ impl Default for TrackerConfig {
             peers_per_blob: s.peers_per_blob,
             stripe_chunks: s.stripe_chunks,
             max_outstanding: s.max_outstanding,
+            min_blob_runs: s.min_blob_runs,
             max_runs_per_origin: s.max_runs_per_origin,
             min_fetch_bytes_per_s: s.min_fetch_rate,
             min_fetch_timeout: s.min_fetch_timeout,
@@ -182,6 +188,7 @@ impl TrackerConfig {
             peers_per_blob: self.peers_per_blob,
             stripe_chunks: self.stripe_chunks,
             max_outstanding: self.max_outstanding,
+            min_blob_runs: self.min_blob_runs,
             max_runs_per_origin: self.max_runs_per_origin,
             min_fetch_rate: self.min_fetch_bytes_per_s,
             min_fetch_timeout: self.min_fetch_timeout,
