@@ -11,11 +11,17 @@ mod common;
 
 use common::*;
 use dray_agent::peer::PeerConfig;
-use dray_agent::swarm::PullReport;
+use dray_agent::swarm::{PullReport, SwarmConfig};
 use dray_protocol::BlobDigest;
+use std::time::Duration;
 
 /// `honest` agents named `{prefix}-{i}` pull `digest` of `repo` at once;
-/// every one must complete. Returns their reports.
+/// every one must complete. Returns their reports. Their `swarm.stall` is
+/// 15 s, not the quick 4 s: a blob that failed its digest waits at most one
+/// stall for the recheck to find the wrong chunk (an eighth of the blob per
+/// round, up to eight rounds), and on a busy CI host eight rounds took over
+/// 4 s, so every node gave up at once and pulled the blob alone (9.00x the
+/// blob from the registry). The agent's default is 30 s.
 async fn storm(
     tracker: &TrackerProc,
     registry: &Registry,
@@ -31,7 +37,10 @@ async fn storm(
                 &cluster_ca(),
                 &format!("{prefix}-{i}"),
                 dir,
-                quick_swarm(vec![tracker.url()]),
+                SwarmConfig {
+                    stall: Duration::from_secs(15),
+                    ..quick_swarm(vec![tracker.url()])
+                },
                 PeerConfig::default(),
             )
         })
