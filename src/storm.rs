@@ -708,9 +708,8 @@ impl Cluster {
                 // 10 ms of the rate, and at least two frames (a bucket
                 // smaller than a frame never lets it through). With two
                 // frames alone, a link lost the tokens of every moment its
-                // vCPU was descheduled: on a host stealing 10-30% of the CPU
-                // four direct pulls took up to 1.43x their bound (10.1-15.4 s
-                // against 10.74); with 10 ms, 0.97-1.03x.
+                // vCPU was descheduled (`docs/results.md`, "The emulated
+                // links and the host's steal").
                 let burst = (*mbit * 1_250).max(u64::from(2 * mtu_bytes)).to_string();
                 let tbf = [
                     "root", "tbf", "rate", &rate, "burst", &burst, "latency", "50ms",

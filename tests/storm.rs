@@ -15,10 +15,9 @@ const TOLERANCE: f64 = 0.20;
 /// adds time to an emulated run, so the least disturbed run is the one that
 /// tests the model; a prediction slower than every run fails at once. How
 /// much the host disturbs a run is its `swarm_cpu_steal` (the share of CPU
-/// time the hypervisor took): in one hour, at 1-6% the last node took
-/// 8.5-9.6 s against 7.39 predicted, at 13% 9.6 s, and in an earlier spell
-/// (two-frame tbf buckets, steal not yet measured) 9.3-12.7 s with the
-/// fastest of three 25% off, which failed a CI run.
+/// time the hypervisor took; figures in `docs/results.md`, "The emulated
+/// links and the host's steal": the fastest of three runs was once 25% off
+/// and failed a CI run).
 const MAX_RUNS: usize = 5;
 
 /// One `dray bench storm` run at 4 nodes and 64 MiB, as its JSON result.
