@@ -14,165 +14,9 @@
 
 mod common;
 
+use common::cluster::*;
 use common::*;
-use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
-
-/// The blob bytes an agent received from `source` so far.
-fn received(dir: &Path, admin: &str, source: &str) -> f64 {
-    metric(
-        dir,
-        admin,
-        &format!("dray_agent_received_bytes_total{{source=\"{source}\"}}"),
-    )
-}
-
-fn admin_of(agent: &DrayProc) -> String {
-    let a = format!("http://{}", agent.banner_field("metrics on http://"));
-    a.trim_end_matches("/metrics").to_string()
-}
-
-/// GETs `digest` through `agent`'s mirror into `out` on a thread.
-fn pull_through(
-    agent: &DrayProc,
-    registry: &Registry,
-    repo: &str,
-    digest: &str,
-    out: std::path::PathBuf,
-) -> std::thread::JoinHandle<std::path::PathBuf> {
-    let mirror = agent.banner_field("registry mirror on ");
-    let url = format!("{mirror}/v2/{repo}/blobs/{digest}?ns={}", registry.host());
-    std::thread::spawn(move || {
-        let got = Command::new("curl")
-            .args(["-sSf", "--max-time", "180", "-o"])
-            .arg(&out)
-            .arg(&url)
-            .output()
-            .unwrap();
-        ok(&got, &format!("GET {url}"));
-        out
-    })
-}
-
-/// A cluster of `dray agent` processes under `dir` (their certificates
-/// from [`issue_certificates`] there), each mirroring `registry`, announcing to `tracker`
-/// (none if empty) and, with `dht`, joined in one DHT on loopback: the
-/// first bootstraps from the addresses `dht` names, the rest from those and
-/// the first (a seed: Kademlia's bootstrap finds them the others).
-fn start_agents(
-    dir: &Path,
-    ids: &[String],
-    tracker: &str,
-    registry: &Registry,
-    dht: Option<&[String]>,
-) -> Vec<DrayProc> {
-    // The first agent is the others' seed (with the addresses `dht` names).
-    let mut bootstrap: Vec<String> = dht.unwrap_or_default().to_vec();
-    let mut agents: Vec<DrayProc> = Vec::new();
-    for id in ids {
-        let cfg = dir.join(format!("{id}.toml"));
-        let extra = if dht.is_some() {
-            format!("[swarm.dht]\nlisten = \"127.0.0.1:0\"\nbootstrap = {bootstrap:?}\n")
-        } else {
-            String::new()
-        };
-        std::fs::write(&cfg, agent_toml(dir, id, tracker, registry, &extra)).unwrap();
-        let agent = DrayProc::start(
-            &["agent", "-c", cfg.to_str().unwrap()],
-            &dir.join(format!("{id}.log")),
-        );
-        if dht.is_some() && agents.is_empty() {
-            bootstrap.push(agent.banner_field("DHT on "));
-        }
-        agents.push(agent);
-    }
-    if dht.is_some() {
-        // Until each has the others in its routing table.
-        let admins: Vec<String> = agents.iter().map(admin_of).collect();
-        let want = (ids.len() - 1) as f64;
-        let started = Instant::now();
-        while admins
-            .iter()
-            .any(|a| metric(dir, a, "dray_agent_dht_peers") < want)
-        {
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "the agents did not all join the DHT"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        if ids.len() > 1 {
-            eprintln!(
-                "{} agents joined the DHT {:.1} s after the last one started; DHT traffic so far {:.0} KiB",
-                ids.len(),
-                started.elapsed().as_secs_f64(),
-                dht_bytes(dir, &agents) / 1024.0
-            );
-        }
-    }
-    agents
-}
-
-/// The bytes all `agents` sent on DHT connections so far.
-fn dht_bytes(dir: &Path, agents: &[DrayProc]) -> f64 {
-    agents
-        .iter()
-        .map(|a| {
-            metric(
-                dir,
-                &admin_of(a),
-                "dray_agent_dht_bytes_total{direction=\"out\"}",
-            )
-        })
-        .sum()
-}
-
-/// What a storm did: seconds to the last node, registry egress and blob
-/// bytes received from peers, in copies of the blob.
-struct Storm {
-    seconds: f64,
-    registry_copies: f64,
-    peer_copies: f64,
-    /// Bytes the agents sent on DHT connections during the storm.
-    dht_bytes: f64,
-}
-
-/// Every agent GETs `digest` (of `size` bytes) through its mirror at once;
-/// each copy must hash to it.
-fn storm(dir: &Path, agents: &[DrayProc], registry: &Registry, digest: &str, size: u64) -> Storm {
-    let admins: Vec<String> = agents.iter().map(admin_of).collect();
-    let peers_before: f64 = admins.iter().map(|a| received(dir, a, "peer")).sum();
-    let egress_before = registry.egress();
-    let dht_before = dht_bytes(dir, agents);
-    let took = Instant::now();
-    let pulls: Vec<_> = agents
-        .iter()
-        .enumerate()
-        .map(|(i, a)| {
-            pull_through(
-                a,
-                registry,
-                "test/dht",
-                digest,
-                dir.join(format!("out-{i}")),
-            )
-        })
-        .collect();
-    for p in pulls {
-        let out = p.join().unwrap();
-        assert_eq!(file_digest(&out), digest, "{}", out.display());
-    }
-    let seconds = took.elapsed().as_secs_f64();
-    let egress = registry.egress() - egress_before;
-    let peers: f64 = admins.iter().map(|a| received(dir, a, "peer")).sum::<f64>() - peers_before;
-    Storm {
-        seconds,
-        registry_copies: egress as f64 / size as f64,
-        peer_copies: peers / size as f64,
-        dht_bytes: dht_bytes(dir, agents) - dht_before,
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_agents_without_a_tracker_find_each_other_in_the_dht_and_leave_the_registry_about_once()
@@ -189,7 +33,7 @@ async fn eight_agents_without_a_tracker_find_each_other_in_the_dht_and_leave_the
     certified.push("node-late");
     issue_certificates(dir.path(), &certified);
     let agents = start_agents(dir.path(), &ids, "", &registry, Some(&[]));
-    let s = storm(dir.path(), &agents, &registry, &digest, SIZE);
+    let s = storm(dir.path(), &agents, &registry, "test/dht", &digest, SIZE);
     eprintln!(
         "no tracker, {NODES} nodes, {} MiB: all done in {:.1} s; registry egress {:.3} copies; {:.2} copies moved between peers; DHT traffic {:.0} KiB",
         SIZE >> 20,
@@ -238,7 +82,8 @@ async fn eight_agents_without_a_tracker_find_each_other_in_the_dht_and_leave_the
         dir.path().join("late"),
     )
     .join()
-    .unwrap();
+    .unwrap()
+    .0;
     assert_eq!(file_digest(&out), digest);
     let (late_registry, late_peers) = (
         received(dir.path(), &late_admin, "registry"),
@@ -271,7 +116,8 @@ async fn eight_agents_without_a_tracker_find_each_other_in_the_dht_and_leave_the
         other.path().join("out"),
     )
     .join()
-    .unwrap();
+    .unwrap()
+    .0;
     assert_eq!(file_digest(&out), digest);
     let admin = admin_of(outsider);
     assert_eq!(
@@ -339,7 +185,7 @@ async fn a_storm_whose_tracker_dies_as_it_starts_finds_its_peers_in_the_dht() {
         }
         // Every replica gone (SIGKILL) as the storm starts.
         drop(tracker);
-        let s = storm(dir.path(), &agents, &registry, &digest, SIZE);
+        let s = storm(dir.path(), &agents, &registry, "test/dht", &digest, SIZE);
         eprintln!(
             "tracker killed, {NODES} nodes, {} MiB, {}: last node after {:.1} s; registry egress {:.2} copies; {:.2} copies from peers; DHT traffic {:.0} KiB",
             SIZE >> 20,

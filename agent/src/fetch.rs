@@ -41,8 +41,12 @@
 //! chunk already requested from another peer, when every missing chunk is in
 //! flight or that request has taken [`RESCUE_FACTOR`] times the median chunk
 //! time; whichever copy lands first is kept and the other request
-//! cancelled. A peer whose request was overtaken by one sent after it is far
-//! slower than the others: a swarm transfer drops it too.
+//! cancelled. Being overtaken so costs a peer nothing: on a loaded node a
+//! request sent later often lands first (a peer serving three others while
+//! it fetches its own registry run), and dropping the overtaken peer, as
+//! the agent once did, left nodes of a four-node swarm with no peer at all
+//! and waiting `swarm.stall` (issue 36's "30 s hole"). Only a missed
+//! deadline, 8 times the swarm's median chunk time, drops a peer.
 //!
 //! The swarm engine adds registry fetches to a transfer; [`fetch_from_peers`]
 //! is the plain case of a known map and a fixed list of peers.
@@ -114,8 +118,8 @@ pub struct FetchReport {
     pub bytes_from_registry: u64,
     /// UDP payload size each peer's path reached (MTU discovery), at the end.
     pub path_mtu_by_peer: BTreeMap<String, u16>,
-    /// Peers dropped as too slow (a chunk past its deadline, or overtaken by
-    /// a later request to another peer), with that chunk's index.
+    /// Peers dropped as too slow (a chunk past its deadline), with that
+    /// chunk's index.
     pub slow_peers: BTreeMap<String, u32>,
     /// Chunks requested from a second peer while the first request was
     /// still under way (the endgame).
@@ -634,14 +638,8 @@ impl Transfer {
     /// the other request for it; a failed one is released to the picker
     /// once no other request for it is under way.
     fn end_request(&self, index: u32, peer: &str, ended: Ended) {
-        let mut overtaken = Vec::new();
         {
             let mut sh = self.lock();
-            let mine = sh
-                .requests
-                .get(&index)
-                .and_then(|reqs| reqs.iter().find(|r| r.peer == peer))
-                .map(|r| r.started);
             let left = sh.requests.get_mut(&index).map_or(0, |reqs| {
                 reqs.retain(|r| r.peer != peer);
                 reqs.len()
@@ -650,9 +648,6 @@ impl Transfer {
                 Ended::Held(rate) => {
                     for other in sh.requests.remove(&index).into_iter().flatten() {
                         other.cancel.cancel();
-                        if mine.is_some_and(|m| other.started < m) {
-                            overtaken.push(other.peer);
-                        }
                     }
                     sh.picker.completed(index);
                     if let Some(rate) = rate {
@@ -670,13 +665,6 @@ impl Transfer {
             }
         }
         self.released.notify_waiters();
-        for slow in overtaken {
-            self.too_slow(
-                &slow,
-                index,
-                "a request for the chunk sent after its own finished first",
-            );
-        }
     }
 
     /// `peer` was too slow with chunk `index`: a swarm transfer drops it

@@ -56,6 +56,9 @@ label_values! {
         TrackerSilent => "tracker_silent",
         /// Nothing arrived or was in flight for `swarm.stall`.
         Stall => "stall",
+        /// The tracker answered but nothing arrived or was in flight for
+        /// `swarm.tracker_grace`: chunks no live peer gives, from the registry.
+        Starved => "starved",
         /// The blob failed its digest twice in one pull, or its recheck found
         /// nothing wrong: pulled again from the registry alone.
         MapFailure => "map_failure",

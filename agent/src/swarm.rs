@@ -9,7 +9,9 @@
 //!
 //! Never worse than a direct pull: if no chunk arrives for a while, the agent
 //! keeps the peers it has and fetches every unclaimed chunk from the registry
-//! itself. While the tracker is silent it fetches only the chunks no known
+//! itself. Sooner, if the tracker answers but reports no registry fetch of
+//! the blob while nothing arrives, it fetches the chunks no live peer can
+//! give it (the rules: [`dray_protocol::pull`]). While the tracker is silent it fetches only the chunks no known
 //! peer can give it, and stops (dropping those fetches) once the tracker
 //! answers again: in a large storm every node falls back at once, and
 //! fetching everything would turn the outage into a registry stampede that
@@ -165,6 +167,10 @@ struct Update {
     fetching: bool,
     peers: Vec<PeerAddr>,
     runs: Vec<(u32, u32)>,
+    /// `runs` lists every live run of this node for the blob (a tracker's
+    /// answer does; the DHT coordinator hands out only the next few), so a
+    /// run of ours missing from it was taken back.
+    runs_complete: bool,
     map: Option<ChunkMap>,
 }
 
@@ -607,6 +613,7 @@ impl Swarm {
                 fetching: resp.fetching.contains(&key),
                 peers,
                 runs,
+                runs_complete: true,
                 map,
             };
             if let Some(w) = lock(&self.wanted).get(d) {
@@ -766,8 +773,10 @@ impl Swarm {
     ) -> Result<()> {
         let digest = t.blob().digest();
         let mut runs = tokio::task::JoinSet::new();
-        // The tracker's runs under way, by first chunk.
-        let mut assigned: HashMap<u32, tokio::task::AbortHandle> = HashMap::new();
+        // The tracker's runs under way, by first chunk, each with the token
+        // that stops it.
+        let mut assigned: HashMap<u32, (tokio::task::AbortHandle, CancellationToken)> =
+            HashMap::new();
         // Alone, every chunk comes from the registry. With no tracker
         // configured (the DHT's mode), no tracker can fall silent.
         let tracker_grace = match self.tracker.is_configured() {
@@ -845,15 +854,30 @@ impl Swarm {
                     for p in u.peers {
                         t.add_peer(p);
                     }
+                    assigned.retain(|_, (handle, _)| !handle.is_finished());
+                    if u.runs_complete {
+                        // Taken back (the tracker found it stalled and gave
+                        // it to another node): fetching on would send its
+                        // chunks from the registry twice. The chunk in
+                        // flight and the rest become pickable again.
+                        assigned.retain(|first, (_, stop)| {
+                            let kept = u.runs.iter().any(|(f, _)| f == first);
+                            if !kept {
+                                tracing::info!(%digest, first, "the tracker took a registry run back; stopping it");
+                                stop.cancel();
+                            }
+                            kept
+                        });
+                    }
                     for (first, count) in u.runs {
                         // A run handed out again after ours ended is fetched
                         // again: ours may have skipped a chunk then in flight
                         // from a peer that has since gone (a stopping node).
-                        if assigned.get(&first).is_none_or(|r| r.is_finished()) {
-                            let handle = runs.spawn(
-                                run(first, count, CancellationToken::new()).in_current_span(),
-                            );
-                            assigned.insert(first, handle);
+                        if !assigned.contains_key(&first) {
+                            let stop = CancellationToken::new();
+                            let handle =
+                                runs.spawn(run(first, count, stop.clone()).in_current_span());
+                            assigned.insert(first, (handle, stop));
                         }
                     }
                 }
@@ -889,6 +913,7 @@ impl Swarm {
                 }
                 let reason = match mode {
                     Fallback::All => FallbackReason::Stall,
+                    Fallback::Starved => FallbackReason::Starved,
                     _ => FallbackReason::TrackerSilent,
                 };
                 tracing::warn!(%digest, ?reason, tracker_silent_s = fallback.tracker_silent_for(now).as_secs_f64(), "falling back to the registry");
@@ -901,6 +926,7 @@ impl Swarm {
                 _ if runs.len() >= self.config.registry_parallel => None,
                 Fallback::Off => None,
                 Fallback::Unavailable => Some((t.unavailable(), silent_runs.clone())),
+                Fallback::Starved => Some((t.unavailable(), CancellationToken::new())),
                 Fallback::All => Some((t.unclaimed(), CancellationToken::new())),
             };
             if let Some((chunks, cancel)) = todo {
@@ -1035,6 +1061,7 @@ impl Swarm {
                     updates.send_replace(Update {
                         tracker_ok: true,
                         fetching: false,
+                        runs_complete: false,
                         // Its overflow list's members are peers, not fetchers.
                         peers: self.dht_peers(peers, more, &t),
                         runs,

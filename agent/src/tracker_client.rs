@@ -4,6 +4,16 @@
 //! replica in that blob's order takes over (and rebuilds its state from the full
 //! announces that follow).
 //!
+//! A replica is down for routing for a while after a request to it failed;
+//! for a pull deciding whether the DHT stands in ([`TrackerClient::all_down`])
+//! it stays down until it answers again, and a replica whose request has
+//! been outstanding for [`HUNG_AFTER`] counts as down at once. A tracker
+//! that hangs (a stopped process: connections accepted, nothing answered)
+//! otherwise held every pull for the request's whole timeout and then
+//! flapped back to "up" between retries, so each node's tracker-silence
+//! fallback fetched from the registry alone before the DHT took over (2.4
+//! to 3.2 copies of the blob for 4 to 8 nodes, issue 36).
+//!
 //! Requests go over TLS: the client presents the node's certificate (the
 //! tracker reads the caller's peer id from it) and checks the tracker's
 //! against the cluster CA (see [`Identity::tracker_client_tls`]). An
@@ -22,6 +32,46 @@ use std::time::{Duration, Instant};
 /// How long a replica that failed is skipped.
 const DOWN_FOR: Duration = Duration::from_secs(3);
 
+/// A request outstanding this long means its replica hangs. An announce's
+/// answer takes milliseconds; this is half the default
+/// `swarm.tracker_grace`, so the DHT stands in before a pull's
+/// tracker-silence fallback would go to the registry.
+pub const HUNG_AFTER: Duration = Duration::from_millis(1_500);
+
+/// What the client knows of one replica's health.
+#[derive(Default)]
+struct Health {
+    /// Skipped for routing until then, after a failure.
+    down_until: Option<Instant>,
+    /// Its last request failed and none has succeeded since.
+    failing: bool,
+    /// Requests outstanding, by number, with when each was sent.
+    pending: HashMap<u64, Instant>,
+}
+
+impl Health {
+    fn hung(&self, now: Instant) -> bool {
+        self.pending
+            .values()
+            .any(|sent| now.saturating_duration_since(*sent) >= HUNG_AFTER)
+    }
+}
+
+/// A request outstanding at a replica, for as long as it lives.
+struct Pending<'a> {
+    client: &'a TrackerClient,
+    replica: &'a str,
+    id: u64,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if let Some(h) = self.client.health().get_mut(self.replica) {
+            h.pending.remove(&self.id);
+        }
+    }
+}
+
 /// Why no replica answered.
 #[derive(Debug, thiserror::Error)]
 #[error("no tracker replica answered: {0}")]
@@ -31,7 +81,8 @@ pub struct TrackerUnavailable(pub String);
 pub struct TrackerClient {
     http: reqwest::Client,
     replicas: Vec<String>,
-    down_until: Mutex<HashMap<String, Instant>>,
+    health: Mutex<HashMap<String, Health>>,
+    next_request: std::sync::atomic::AtomicU64,
 }
 
 impl TrackerClient {
@@ -57,7 +108,29 @@ impl TrackerClient {
                 .into_iter()
                 .map(|r| r.trim_end_matches('/').to_string())
                 .collect(),
-            down_until: Mutex::new(HashMap::new()),
+            health: Mutex::new(HashMap::new()),
+            next_request: Default::default(),
+        }
+    }
+
+    fn health(&self) -> std::sync::MutexGuard<'_, HashMap<String, Health>> {
+        self.health.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records a request to `replica` as outstanding until the guard drops.
+    fn pending<'a>(&'a self, replica: &'a str) -> Pending<'a> {
+        let id = self
+            .next_request
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.health()
+            .entry(replica.to_string())
+            .or_default()
+            .pending
+            .insert(id, Instant::now());
+        Pending {
+            client: self,
+            replica,
+            id,
         }
     }
 
@@ -92,10 +165,17 @@ impl TrackerClient {
     }
 
     fn mark_down(&self, replica: &str) {
-        self.down_until
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(replica.to_string(), Instant::now() + DOWN_FOR);
+        let mut health = self.health();
+        let h = health.entry(replica.to_string()).or_default();
+        h.down_until = Some(Instant::now() + DOWN_FOR);
+        h.failing = true;
+    }
+
+    fn mark_answered(&self, replica: &str) {
+        self.health()
+            .entry(replica.to_string())
+            .or_default()
+            .failing = false;
     }
 
     /// Sends one request to `replica`; a failure marks it down for a while.
@@ -130,6 +210,7 @@ impl TrackerClient {
         url: &str,
         request: reqwest::RequestBuilder,
     ) -> Result<bytes::Bytes, TrackerUnavailable> {
+        let _pending = self.pending(replica);
         let result = async {
             let resp = request
                 .send()
@@ -152,12 +233,12 @@ impl TrackerClient {
             Ok(bytes)
         }
         .await;
-        result.map_err(|(refused, e)| {
-            if !refused {
-                self.mark_down(replica);
-            }
-            TrackerUnavailable(e)
-        })
+        match &result {
+            Err((false, _)) => self.mark_down(replica),
+            // A refusal is an answer.
+            _ => self.mark_answered(replica),
+        }
+        result.map_err(|(_, e)| TrackerUnavailable(e))
     }
 
     /// Starts a preheat job at the replica that coordinates them (see
@@ -192,15 +273,27 @@ impl TrackerClient {
         preheat_job(&url, &body)
     }
 
-    /// Whether every replica failed lately (none configured: false).
+    /// Whether no replica answers now (none configured: false): each one's
+    /// last request failed with none answered since, or one has been
+    /// outstanding for [`HUNG_AFTER`].
     pub fn all_down(&self) -> bool {
-        self.is_configured() && self.replicas.iter().all(|r| self.is_down(r))
+        let now = Instant::now();
+        let health = self.health();
+        self.is_configured()
+            && self.replicas.iter().all(|r| {
+                health
+                    .get(r)
+                    .is_some_and(|h| h.failing || h.hung(now) || h.down_until > Some(now))
+            })
     }
 
+    /// Whether `replica` is skipped for routing now: it failed within
+    /// [`DOWN_FOR`], or it hangs.
     fn is_down(&self, replica: &str) -> bool {
-        let down = self.down_until.lock().unwrap_or_else(|p| p.into_inner());
-        down.get(replica)
-            .is_some_and(|until| *until > Instant::now())
+        let now = Instant::now();
+        self.health()
+            .get(replica)
+            .is_some_and(|h| h.down_until > Some(now) || h.hung(now))
     }
 
     /// Sends a request about `digest` to its owner, failing over along its order.
@@ -270,6 +363,41 @@ mod tests {
         assert!(
             owned.values().all(|&n| n > 60),
             "ownership is spread: {owned:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_replica_that_accepts_and_never_answers_is_down_once_a_request_hangs_until_it_answers()
+     {
+        // A stopped tracker's kernel still accepts connections; nothing answers.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let replica = format!("https://{}", listener.local_addr().unwrap());
+        let _held = tokio::spawn(async move {
+            let mut conns = Vec::new();
+            while let Ok((c, _)) = listener.accept().await {
+                conns.push(c);
+            }
+        });
+        let id = crate::identity::ClusterCa::generate()
+            .unwrap()
+            .issue("node-a")
+            .unwrap();
+        let client = std::sync::Arc::new(TrackerClient::new(vec![replica.clone()], &id));
+        assert!(!client.all_down(), "never asked: not down");
+        let c = client.clone();
+        let leave = Body::Leave(pb::Leave {
+            peer_id: "node-a".into(),
+        });
+        let request = tokio::spawn(async move { c.send(&replica, leave).await });
+        tokio::time::sleep(HUNG_AFTER / 3).await;
+        assert!(!client.all_down(), "a request just sent is no hang");
+        tokio::time::sleep(HUNG_AFTER).await;
+        assert!(client.all_down(), "a request outstanding past HUNG_AFTER");
+        assert!(request.await.unwrap().is_err(), "the request times out");
+        tokio::time::sleep(DOWN_FOR).await;
+        assert!(
+            client.all_down(),
+            "a replica whose last request failed stays down for the DHT until it answers"
         );
     }
 }

@@ -3,7 +3,7 @@
 //! passed in. The agent's swarm engine and the simulator's nodes both run
 //! it, so a simulated storm falls back when and as an agent would.
 //!
-//! Two rules, checked in this order:
+//! Three rules, checked in this order:
 //! - **Stall**: nothing arrived and nothing was in flight for `stall`: every
 //!   unclaimed chunk comes from the registry, to the end of the pull. A
 //!   tracker reporting a registry fetch of the blob under way keeps the rule
@@ -14,6 +14,16 @@
 //! - **Tracker silence**: no answer for `tracker_grace`: chunks no known peer
 //!   can give come from the registry, until the tracker answers again; then
 //!   its runs take over and the fallback's fetches are dropped.
+//! - **Starved**: the tracker answers, reports no registry fetch of the blob
+//!   under way, and yet nothing arrived and nothing was in flight for
+//!   `tracker_grace`: the pull has chunks left that none of its peers can
+//!   give it (their holders dropped from this transfer, say) and that the
+//!   tracker will not assign, since someone holds them. Those chunks, and
+//!   only those, come from the registry, to the end of the pull. Without
+//!   this rule such a pull waited the whole `stall` (30 s) and then fetched
+//!   everything it lacked: the "30 s hole" of issue 36, where a node that
+//!   dropped its peers early sat idle while a direct pull takes a second.
+//!   It costs at most the chunks the pull cannot get from a live peer.
 
 use std::time::{Duration, Instant};
 
@@ -22,6 +32,9 @@ use std::time::{Duration, Instant};
 pub enum Fallback {
     /// Only the tracker's runs.
     Off,
+    /// The tracker answers but nothing comes: chunks no live peer can give,
+    /// to the end of the pull.
+    Starved,
     /// The tracker is silent: chunks no known peer can give, until it answers.
     Unavailable,
     /// No tracker, or the swarm stalled: every unclaimed chunk, to the end.
@@ -124,10 +137,13 @@ impl FallbackRule {
     /// The mode the rules want at `now`, if it is past the current one: the
     /// pull takes it (the rule's mode is that from now on).
     pub fn escalate(&mut self, now: Instant) -> Option<Fallback> {
-        let wanted = if now.saturating_duration_since(self.progress) > self.stall {
+        let quiet = now.saturating_duration_since(self.progress);
+        let wanted = if quiet > self.stall {
             Fallback::All
         } else if self.tracker_silent_for(now) > self.tracker_grace {
             Fallback::Unavailable
+        } else if quiet > self.tracker_grace && !self.fetching {
+            Fallback::Starved
         } else {
             return None;
         };
@@ -173,7 +189,8 @@ mod tests {
         for at in (1..=31).step_by(2) {
             r.tracker_answered(t0 + s(at), false);
         }
-        assert_eq!(r.escalate(t0 + s(30)), None);
+        // Starved first (see the next tests), everything only past `stall`.
+        assert_eq!(r.escalate(t0 + s(30)), Some(Fallback::Starved));
         assert_eq!(r.escalate(t0 + s(31)), Some(Fallback::All));
         assert!(!r.tracker_answered(t0 + s(32), false));
         assert_eq!(r.mode(), Fallback::All);
@@ -189,7 +206,7 @@ mod tests {
         let mut r = rule(t0);
         r.busy(t0 + s(20));
         r.tracker_answered(t0 + s(49), false);
-        assert_eq!(r.escalate(t0 + s(50)), None);
+        assert_eq!(r.escalate(t0 + s(50)), Some(Fallback::Starved), "not All");
         r.arrived(t0 + s(45));
         r.tracker_answered(t0 + s(76), false);
         assert_eq!(r.escalate(t0 + s(76)), Some(Fallback::All));
@@ -211,6 +228,39 @@ mod tests {
         assert_eq!(r.escalate(t0 + s(150)), Some(Fallback::All));
         r.tracker_failed();
         assert!(!r.tracker_fetching());
+    }
+
+    #[test]
+    fn a_pull_the_tracker_answers_but_nothing_reaches_takes_what_no_peer_gives_after_the_grace() {
+        let t0 = Instant::now();
+        let mut r = rule(t0);
+        r.arrived(t0 + s(1));
+        for at in 2..=4 {
+            r.tracker_answered(t0 + s(at), false);
+            assert_eq!(r.escalate(t0 + s(at)), None, "at {at} s");
+        }
+        assert_eq!(r.escalate(t0 + s(5)), Some(Fallback::Starved));
+        // A tracker answer does not end it: the tracker has nothing to give.
+        assert!(!r.tracker_answered(t0 + s(6), false));
+        assert_eq!(r.mode(), Fallback::Starved);
+        // The stall rule still takes over past `stall`.
+        assert_eq!(r.escalate(t0 + s(32)), Some(Fallback::All));
+    }
+
+    #[test]
+    fn a_registry_fetch_under_way_or_a_request_in_flight_is_not_starvation() {
+        let t0 = Instant::now();
+        let mut r = rule(t0);
+        for at in 1..20 {
+            r.tracker_answered(t0 + s(at), true);
+            assert_eq!(r.escalate(t0 + s(at)), None, "at {at} s");
+        }
+        let mut r = rule(t0);
+        for at in 1..20 {
+            r.tracker_answered(t0 + s(at), false);
+            r.busy(t0 + s(at));
+            assert_eq!(r.escalate(t0 + s(at)), None, "at {at} s");
+        }
     }
 
     #[test]
