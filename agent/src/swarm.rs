@@ -873,12 +873,12 @@ impl Swarm {
                         // A run handed out again after ours ended is fetched
                         // again: ours may have skipped a chunk then in flight
                         // from a peer that has since gone (a stopping node).
-                        if !assigned.contains_key(&first) {
+                        assigned.entry(first).or_insert_with(|| {
                             let stop = CancellationToken::new();
                             let handle =
                                 runs.spawn(run(first, count, stop.clone()).in_current_span());
-                            assigned.insert(first, (handle, stop));
-                        }
+                            (handle, stop)
+                        });
                     }
                 }
             }
