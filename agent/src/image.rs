@@ -96,7 +96,8 @@ pub struct Image {
 }
 
 impl Image {
-    /// The layer with `digest`, if the image has it.
+    /// The layer with `digest`, if the image has it ([`resolve`] refuses an
+    /// image that lists one digest with two diffIDs, so it is one layer).
     pub fn layer(&self, digest: &BlobDigest) -> Option<&Layer> {
         self.layers.iter().find(|l| &l.digest == digest)
     }
@@ -256,12 +257,34 @@ pub async fn resolve(
             })
         })
         .collect::<Result<Vec<_>, ImageError>>()?;
+    one_diff_id_per_digest(&layers)
+        .map_err(|detail| invalid(&format!("manifest {digest} with config {config}"), detail))?;
     Ok(Image {
         manifest_digest: digest,
         config,
         config_size: config_body.len() as u64,
         layers,
     })
+}
+
+/// Refuses a manifest that lists one blob twice with two different diffIDs:
+/// one blob unpacks to one tar, so one of them is a lie, and which layer a
+/// digest stands for (what the unpack checks the tar against) would depend
+/// on the order of the list. The same digest twice with one diffID is fine.
+fn one_diff_id_per_digest(layers: &[Layer]) -> Result<(), String> {
+    for (i, layer) in layers.iter().enumerate() {
+        if let Some((j, first)) = layers[..i]
+            .iter()
+            .enumerate()
+            .find(|(_, l)| l.digest == layer.digest && l.diff_id != layer.diff_id)
+        {
+            return Err(format!(
+                "layer {} is listed twice with two diffIDs: {} (layer {j}) and {} (layer {i}); one blob cannot unpack to two different tars, so the image is refused",
+                layer.digest, first.diff_id, layer.diff_id
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Whether a manifest body without a telling content type is an index.
@@ -296,5 +319,29 @@ mod tests {
         let e = "UPPER/Case::".parse::<ImageRef>().unwrap_err().to_string();
         assert!(e.starts_with("image reference \"UPPER/Case::\""), "{e}");
         assert!(body_is_index(br#"{"manifests":[]}"#) && !body_is_index(br#"{"layers":[]}"#));
+    }
+
+    #[test]
+    fn one_digest_listed_with_two_diff_ids_is_refused() {
+        let digest = |c: char| format!("sha256:{}", c.to_string().repeat(64));
+        let layer = |d: char, diff: char| Layer {
+            digest: digest(d).parse().unwrap(),
+            size: 1,
+            media_type: "application/vnd.oci.image.layer.v1.tar+gzip".into(),
+            diff_id: digest(diff),
+        };
+        // The same blob twice with one diffID (an empty layer repeated) is fine.
+        one_diff_id_per_digest(&[layer('a', '1'), layer('b', '2'), layer('a', '1')]).unwrap();
+        let e = one_diff_id_per_digest(&[layer('a', '1'), layer('b', '2'), layer('a', '3')])
+            .unwrap_err();
+        assert_eq!(
+            e,
+            format!(
+                "layer {} is listed twice with two diffIDs: {} (layer 0) and {} (layer 2); one blob cannot unpack to two different tars, so the image is refused",
+                digest('a'),
+                digest('1'),
+                digest('3')
+            )
+        );
     }
 }

@@ -11,6 +11,7 @@
 //! to a plain `Prepare`, and containerd pulls the layer itself.
 
 pub mod agent;
+mod chain;
 pub mod config;
 mod error;
 pub mod filter;

@@ -9,6 +9,14 @@
 //! parents are all known and final, in whatever order the layers were
 //! unpacked), each marked directory takes the attributes of the nearest
 //! lower layer that has the same path, and loses the mark.
+//!
+//! The lookup in a lower layer never follows a symlink: a lower layer is
+//! a tenant's tar, and its `usr -> /` would otherwise lead the lookup of
+//! `usr/x` onto the host and copy a host directory's owner, mode and xattrs
+//! into the layer. Each component is looked at with `lstat`; a lower layer
+//! whose component is anything but a directory (a symlink, a file, a
+//! whiteout) hides that path in the layers below it, as in the overlay, and
+//! the marked directory keeps the 0755 root-owned default.
 
 use crate::error::SnapshotError;
 use std::ffi::CString;
@@ -29,10 +37,7 @@ pub fn inherit_implicit_parents(layer: &Path, lowers: &[PathBuf]) -> Result<(), 
     while let Some(rel) = stack.pop() {
         let dir = layer.join(&rel);
         if take_mark(&dir).map_err(SnapshotError::io("reading the xattrs of", &dir))?
-            && let Some(lower) = lowers
-                .iter()
-                .map(|l| l.join(&rel))
-                .find(|p| std::fs::symlink_metadata(p).is_ok())
+            && let Some(lower) = lower_entry(lowers, &rel)
         {
             copy_dir_attributes(&lower, &dir)
                 .map_err(SnapshotError::io("copying the attributes of", &lower))?;
@@ -49,6 +54,50 @@ pub fn inherit_implicit_parents(layer: &Path, lowers: &[PathBuf]) -> Result<(), 
         }
     }
     Ok(())
+}
+
+/// What one lower layer holds at a relative path, looked up without
+/// following any symlink.
+enum Lookup {
+    /// The entry (of any type) at that path, every component above it a
+    /// real directory of the layer.
+    Found(PathBuf),
+    /// Nothing there: the layers below may have it.
+    Missing,
+    /// A component above it is not a directory (a symlink, a file, a
+    /// whiteout): the path is hidden in this layer and the ones below.
+    Hidden,
+}
+
+fn lookup_nofollow(lower: &Path, rel: &Path) -> Lookup {
+    let mut at = lower.to_path_buf();
+    let mut components = rel.components().peekable();
+    while let Some(c) = components.next() {
+        let std::path::Component::Normal(name) = c else {
+            return Lookup::Hidden;
+        };
+        at.push(name);
+        match std::fs::symlink_metadata(&at) {
+            Err(_) => return Lookup::Missing,
+            Ok(_) if components.peek().is_none() => return Lookup::Found(at),
+            Ok(m) if m.file_type().is_dir() => {}
+            Ok(_) => return Lookup::Hidden,
+        }
+    }
+    // The layer's root itself (`rel` empty).
+    Lookup::Found(at)
+}
+
+/// The nearest lower layer's entry at `rel`, found without following symlinks.
+fn lower_entry(lowers: &[PathBuf], rel: &Path) -> Option<PathBuf> {
+    for lower in lowers {
+        match lookup_nofollow(lower, rel) {
+            Lookup::Found(p) => return Some(p),
+            Lookup::Missing => continue,
+            Lookup::Hidden => return None,
+        }
+    }
+    None
 }
 
 fn c_path(p: &Path) -> std::io::Result<CString> {
@@ -222,5 +271,82 @@ mod tests {
         for d in ["tmp", "home", "home/app", "new"] {
             assert!(!take_mark(&top.join(d)).unwrap(), "{d} still marked");
         }
+    }
+
+    #[test]
+    fn a_lower_layers_symlinks_are_never_followed_onto_the_host() {
+        use std::os::unix::fs::PermissionsExt;
+        let w = tempfile::tempdir().unwrap();
+        let (host, mid, base, top) = (
+            w.path().join("host"),
+            w.path().join("mid"),
+            w.path().join("base"),
+            w.path().join("top"),
+        );
+        // A host directory the lower layer's symlinks point at: owner,
+        // mode and an xattr that must not reach the layer.
+        std::fs::create_dir_all(host.join("secret")).unwrap();
+        std::os::unix::fs::lchown(host.join("secret"), Some(4242), Some(4242)).unwrap();
+        std::fs::set_permissions(host.join("secret"), std::fs::Permissions::from_mode(0o700))
+            .unwrap();
+        let c = c_path(&host.join("secret")).unwrap();
+        // SAFETY: valid C strings and buffer.
+        unsafe {
+            libc::lsetxattr(
+                c.as_ptr(),
+                c"user.host".as_ptr(),
+                b"host".as_ptr().cast(),
+                4,
+                0,
+            )
+        };
+        std::fs::create_dir_all(&mid).unwrap();
+        // An absolute symlink, and a relative one climbing out of the layer.
+        std::os::unix::fs::symlink(&host, mid.join("abs")).unwrap();
+        std::os::unix::fs::symlink("../host", mid.join("rel")).unwrap();
+        // `deep` is a symlink in mid: the real directory below it in base
+        // is hidden, as it is in the overlay.
+        std::os::unix::fs::symlink(&host, mid.join("deep")).unwrap();
+        std::fs::create_dir_all(base.join("deep/secret")).unwrap();
+        std::fs::set_permissions(
+            base.join("deep/secret"),
+            std::fs::Permissions::from_mode(0o750),
+        )
+        .unwrap();
+        // A file in the way is no directory either.
+        std::fs::write(mid.join("file"), b"x").unwrap();
+        std::fs::create_dir_all(base.join("file/secret")).unwrap();
+        std::fs::set_permissions(
+            base.join("file/secret"),
+            std::fs::Permissions::from_mode(0o711),
+        )
+        .unwrap();
+        for d in ["abs/secret", "rel/secret", "deep/secret", "file/secret"] {
+            std::fs::create_dir_all(top.join(d)).unwrap();
+            mark(&top.join(d));
+        }
+        mark(&top.join("abs"));
+
+        inherit_implicit_parents(&top, &[mid.clone(), base.clone()]).unwrap();
+        for d in ["abs/secret", "rel/secret", "deep/secret", "file/secret"] {
+            let m = std::fs::symlink_metadata(top.join(d)).unwrap();
+            assert_eq!(
+                (m.uid(), m.gid(), m.mode() & 0o7777),
+                (0, 0, 0o755),
+                "{d} took attributes from outside its lower layer"
+            );
+            let xattrs = list_xattrs(&c_path(&top.join(d)).unwrap()).unwrap();
+            assert!(
+                !xattrs.iter().any(|x| x.as_bytes() == b"user.host"),
+                "{d}: {xattrs:?}"
+            );
+            assert!(!take_mark(&top.join(d)).unwrap(), "{d} still marked");
+        }
+        // The symlinks themselves are entries of the lower layer: the marked
+        // `abs` takes nothing from one (it is no directory).
+        assert_eq!(
+            std::fs::symlink_metadata(top.join("abs")).unwrap().mode() & 0o7777,
+            0o755
+        );
     }
 }

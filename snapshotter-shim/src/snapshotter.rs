@@ -1,16 +1,20 @@
 //! The snapshotter: containerd's overlayfs rules (kinds, parents, mounts,
 //! usage, cleanup) over [`MetaStore`] and [`Layout`], and the remote-layer
 //! path that asks the agent to unpack a layer and commits it under the chain
-//! ID that containerd's `containerd.io/snapshot.ref` label names.
+//! ID that containerd's `containerd.io/snapshot.ref` label names, once that
+//! chain ID is the one the parent's chain ID and the diffID the agent
+//! verified the layer's tar against make ([`crate::chain`]).
 
 use crate::agent::{LayerSource, UnpackRequest};
+use crate::chain::{chain_id, parent_chain_id};
 use crate::error::SnapshotError;
 use crate::filter::{Fields, FilterSet};
 use crate::layout::{Layout, NewDir, disk_usage, remove_tree};
 use crate::meta::{Kind, MetaStore, Record, Usage};
 use crate::parents::inherit_implicit_parents;
 use crate::pb::types::Mount;
-use crate::prefetch::Prefetcher;
+use crate::prefetch::{Prefetcher, StageKey};
+use dray_protocol::BlobDigest;
 use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -110,7 +114,55 @@ enum RemoteMiss {
     #[error("agent could not unpack layer {layer}: {reason}")]
     Agent { layer: String, reason: String },
     #[error(transparent)]
+    Chain(Box<ChainMismatch>),
+    #[error(transparent)]
     Local(#[from] SnapshotError),
+}
+
+/// A layer whose verified diffID does not make the chain ID it was asked for.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "layer {layer} of manifest {manifest} was verified as diffID {diff_id}; on parent chain {parent} that makes chain ID {made}, not {target}, the chain ID containerd asked to commit it under, so it is not committed there"
+)]
+struct ChainMismatch {
+    layer: String,
+    manifest: String,
+    diff_id: String,
+    parent: String,
+    made: String,
+    target: String,
+}
+
+/// What a remote commit writes: the chain ID containerd asked for, on the
+/// parent's chain ID (none for an image's first layer).
+struct Chain {
+    parent: Option<BlobDigest>,
+    target: BlobDigest,
+}
+
+impl Chain {
+    /// Whether a layer verified as `diff_id` belongs under the target.
+    fn check(&self, layer: &RemoteLayer, diff_id: &str) -> Result<(), RemoteMiss> {
+        let made = diff_id
+            .parse::<BlobDigest>()
+            .map(|d| chain_id(self.parent.as_ref(), &d));
+        if made.as_ref() == Ok(&self.target) {
+            return Ok(());
+        }
+        Err(RemoteMiss::Chain(Box::new(ChainMismatch {
+            layer: layer.layer_digest.clone(),
+            manifest: layer.manifest_digest.clone(),
+            diff_id: diff_id.to_string(),
+            parent: self
+                .parent
+                .map_or_else(|| "(none: the first layer)".to_string(), |p| p.to_string()),
+            made: made.map_or_else(
+                |_| "(none: not a sha256 diffID)".to_string(),
+                |c| c.to_string(),
+            ),
+            target: self.target.to_string(),
+        })))
+    }
 }
 
 impl<A: LayerSource> Snapshotter<A> {
@@ -155,6 +207,10 @@ impl<A: LayerSource> Snapshotter<A> {
                         layer.target
                     )));
                 }
+                Err(miss @ RemoteMiss::Chain(_)) => tracing::warn!(
+                    key,
+                    "{miss}; containerd pulls the layer and checks it against the image's diffID itself"
+                ),
                 Err(miss) => tracing::warn!(
                     key,
                     target = %layer.target,
@@ -272,8 +328,19 @@ impl<A: LayerSource> Snapshotter<A> {
                 "parent {parent:?} is not a committed snapshot"
             )));
         }
+        let parent_chain = parent_chain_id(parent).map_err(RemoteMiss::NotApplicable)?;
+        let target: BlobDigest = layer.target.parse().map_err(|_| {
+            RemoteMiss::NotApplicable(format!(
+                "the target {:?} is not a sha256 chain ID",
+                layer.target
+            ))
+        })?;
+        let chain = Chain {
+            parent: parent_chain,
+            target,
+        };
         let dir = self.layout.new_dir(false, false)?;
-        self.fetch_layer(layer, &dir.fs()).await?;
+        self.fetch_layer(layer, &chain, &dir.fs()).await?;
         let fs = dir.fs();
         let lowers = self.lower_dirs(parent)?;
         let usage = blocking(move || {
@@ -306,19 +373,35 @@ impl<A: LayerSource> Snapshotter<A> {
         Ok(ids.into_iter().map(|id| self.layout.fs(id)).collect())
     }
 
-    /// Puts the unpacked layer at `target`: the prefetched copy if there is
-    /// one that succeeded, else a fresh agent request.
-    async fn fetch_layer(&self, layer: &RemoteLayer, target: &Path) -> Result<(), RemoteMiss> {
-        if let Some(staged) = self.prefetch.claim(&layer.layer_digest) {
+    /// Puts the unpacked layer at `target`: the copy staged for this layer
+    /// of this manifest if there is one that succeeded and its verified
+    /// diffID makes `chain`'s target, else a fresh agent request, whose
+    /// verified diffID must make it too.
+    async fn fetch_layer(
+        &self,
+        layer: &RemoteLayer,
+        chain: &Chain,
+        target: &Path,
+    ) -> Result<(), RemoteMiss> {
+        let key = StageKey::new(&layer.manifest_digest, &layer.layer_digest);
+        if let Some(staged) = self.prefetch.claim(&key) {
             let outcome = staged.await;
             let moved = outcome
                 .map_err(|e| format!("prefetch failed: {e}"))
-                .and_then(|dir| {
-                    std::fs::rename(&dir, target).map_err(|e| {
-                        format!("moving {} to {}: {e}", dir.display(), target.display())
-                    })
+                .and_then(|unpacked| match chain.check(layer, &unpacked.diff_id) {
+                    Ok(()) => std::fs::rename(&unpacked.dir, target).map_err(|e| {
+                        format!(
+                            "moving {} to {}: {e}",
+                            unpacked.dir.display(),
+                            target.display()
+                        )
+                    }),
+                    Err(miss) => {
+                        remove_tree(&unpacked.dir);
+                        Err(miss.to_string())
+                    }
                 });
-            self.prefetch.release(&layer.layer_digest);
+            self.prefetch.release(&key);
             match moved {
                 Ok(()) => return Ok(()),
                 Err(e) => {
@@ -332,14 +415,15 @@ impl<A: LayerSource> Snapshotter<A> {
             layer_digest: layer.layer_digest.clone(),
             target: target.to_path_buf(),
         };
-        self.agent
+        let report = self
+            .agent
             .unpack(&request)
             .await
-            .map(drop)
             .map_err(|e| RemoteMiss::Agent {
                 layer: layer.layer_digest.clone(),
                 reason: e.to_string(),
-            })
+            })?;
+        chain.check(layer, &report.diff_id)
     }
 
     /// `Mounts` of an active snapshot or view.
@@ -493,10 +577,29 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     /// Writes `/layer` (holding the layer digest) into the target, or fails.
+    /// A layer's tar has the diffID [`diff`] of its digest; a manifest's
+    /// config states that unless `configs` says otherwise, and, as the real
+    /// agent, it refuses a layer whose tar is not what the config states.
     #[derive(Default)]
     struct FakeAgent {
         calls: Mutex<Vec<UnpackRequest>>,
         fail: AtomicBool,
+        /// (manifest, layer) -> the diffID that manifest's config states.
+        configs: Mutex<HashMap<(String, String), String>>,
+    }
+
+    /// The diffID of the fake layer `layer`'s tar.
+    fn diff(layer: &str) -> BlobDigest {
+        BlobDigest::of(layer.as_bytes())
+    }
+
+    /// The chain ID of the fake layers `layers`, bottom first.
+    fn chain(layers: &[&str]) -> String {
+        let mut c: Option<BlobDigest> = None;
+        for l in layers {
+            c = Some(chain_id(c.as_ref(), &diff(l)));
+        }
+        c.expect("a layer").to_string()
     }
 
     impl LayerSource for Arc<FakeAgent> {
@@ -508,12 +611,29 @@ mod tests {
                     message: "registry unreachable".into(),
                 });
             }
+            let tar = diff(&request.layer_digest).to_string();
+            let stated = self
+                .configs
+                .lock()
+                .unwrap()
+                .get(&(
+                    request.manifest_digest.clone(),
+                    request.layer_digest.clone(),
+                ))
+                .cloned()
+                .unwrap_or_else(|| tar.clone());
+            if stated != tar {
+                return Err(AgentError::Refused {
+                    status: 422,
+                    message: format!("layer {}: diffID mismatch", request.layer_digest),
+                });
+            }
             assert!(!request.target.exists(), "the target must not exist yet");
             std::fs::create_dir(&request.target).unwrap();
             std::fs::write(request.target.join("layer"), &request.layer_digest).unwrap();
             Ok(UnpackResponse {
                 layer_digest: request.layer_digest.clone(),
-                diff_id: "sha256:diff".into(),
+                diff_id: tar,
                 compressed_bytes: 1,
                 uncompressed_bytes: 1,
                 seconds: 0.0,
@@ -538,11 +658,16 @@ mod tests {
 
     /// The labels containerd's metadata layer passes on for a CRI pull.
     fn cri_labels(chain_id: &str, layer: &str, layers: &str) -> Labels {
+        image_labels("sha256:manifest", chain_id, layer, layers)
+    }
+
+    /// [`cri_labels`] of a layer of the image whose manifest is `manifest`.
+    fn image_labels(manifest: &str, chain_id: &str, layer: &str, layers: &str) -> Labels {
         [
             (LABEL_REF, chain_id),
             (LABEL_LAYER_DIGEST, layer),
             (LABEL_IMAGE_REF, "127.0.0.1:5000/test/busybox:1"),
-            (LABEL_MANIFEST_DIGEST, "sha256:manifest"),
+            (LABEL_MANIFEST_DIGEST, manifest),
             (LABEL_IMAGE_LAYERS, layers),
         ]
         .into_iter()
@@ -573,15 +698,16 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let agent = Arc::new(FakeAgent::default());
         let s = open(dir.path(), &agent);
-        let labels = cri_labels("sha256:c1", "sha256:l1", "sha256:l1");
+        let (c1, c2) = (chain(&["sha256:l1"]), chain(&["sha256:l1", "sha256:l2"]));
+        let labels = cri_labels(&c1, "sha256:l1", "sha256:l1");
         let e = s
-            .prepare(&backend_key(1, "sha256:c1"), "", labels.clone())
+            .prepare(&backend_key(1, &c1), "", labels.clone())
             .await
             .unwrap_err();
         assert!(matches!(e, SnapshotError::AlreadyExists(_)), "{e}");
         assert_eq!(tonic::Status::from(e).code(), tonic::Code::AlreadyExists);
 
-        let info = s.stat("sha256:c1").unwrap();
+        let info = s.stat(&c1).unwrap();
         assert_eq!(info.record.kind, Kind::Committed);
         assert_eq!(info.record.parent, "");
         assert_eq!(info.record.labels, labels);
@@ -591,21 +717,23 @@ mod tests {
             "sha256:l1"
         );
         assert!(
-            s.stat(&backend_key(1, "sha256:c1")).is_err(),
+            s.stat(&backend_key(1, &c1)).is_err(),
             "the extract key is not kept"
         );
         // What containerd looks for next.
         let found = s
-            .list(&[r#"labels."containerd.io/snapshot.ref"==sha256:c1,parent=="""#.into()])
+            .list(&[format!(
+                r#"labels."containerd.io/snapshot.ref"=={c1},parent=="""#
+            )])
             .unwrap();
         assert_eq!(
             found.iter().map(|i| i.name.as_str()).collect::<Vec<_>>(),
-            ["sha256:c1"]
+            [c1.as_str()]
         );
 
         // A second pull of the same chain answers at once.
         let again = s
-            .prepare(&backend_key(5, "sha256:c1"), "", labels)
+            .prepare(&backend_key(5, &c1), "", labels)
             .await
             .unwrap_err();
         assert!(matches!(again, SnapshotError::AlreadyExists(_)));
@@ -614,20 +742,17 @@ mod tests {
         // Layer 2 on top, then a container: overlay, nearest parent first.
         let e = s
             .prepare(
-                &backend_key(2, "sha256:c2"),
-                "sha256:c1",
-                cri_labels("sha256:c2", "sha256:l2", "sha256:l2"),
+                &backend_key(2, &c2),
+                &c1,
+                cri_labels(&c2, "sha256:l2", "sha256:l2"),
             )
             .await;
         assert!(matches!(e, Err(SnapshotError::AlreadyExists(_))));
-        assert_eq!(s.stat("sha256:c2").unwrap().record.parent, "sha256:c1");
-        let mounts = s
-            .prepare("k8s.io/3/ctr", "sha256:c2", Labels::new())
-            .await
-            .unwrap();
+        assert_eq!(s.stat(&c2).unwrap().record.parent, c1);
+        let mounts = s.prepare("k8s.io/3/ctr", &c2, Labels::new()).await.unwrap();
         let (c1, c2) = (
-            s.stat("sha256:c1").unwrap().record.id,
-            s.stat("sha256:c2").unwrap().record.id,
+            s.stat(&c1).unwrap().record.id,
+            s.stat(&c2).unwrap().record.id,
         );
         assert_eq!(mounts[0].r#type, "overlay");
         assert_eq!(
@@ -655,9 +780,10 @@ mod tests {
         let agent = Arc::new(FakeAgent::default());
         agent.fail.store(true, Ordering::SeqCst);
         let s = open(dir.path(), &agent);
-        let key = backend_key(1, "sha256:c1");
+        let c1 = chain(&["sha256:l1"]);
+        let key = backend_key(1, &c1);
         let mounts = s
-            .prepare(&key, "", cri_labels("sha256:c1", "sha256:l1", "sha256:l1"))
+            .prepare(&key, "", cri_labels(&c1, "sha256:l1", "sha256:l1"))
             .await
             .unwrap();
         assert_eq!(agent.digests(), ["sha256:l1"]);
@@ -669,9 +795,10 @@ mod tests {
             s.layout.fs(info.record.id).display().to_string()
         );
         assert_eq!(mounts[0].options, ["rw", "rbind"]);
-        assert!(s.stat("sha256:c1").is_err());
+        assert!(s.stat(&c1).is_err());
         // containerd applies the layer and commits it under its own name.
-        s.commit("k8s.io/2/sha256:c1", &key, Labels::new()).unwrap();
+        s.commit(&format!("k8s.io/2/{c1}"), &key, Labels::new())
+            .unwrap();
         // No temporary directory is left behind.
         let entries: Vec<_> = std::fs::read_dir(s.layout.snapshots())
             .unwrap()
@@ -689,11 +816,12 @@ mod tests {
         let agent = Arc::new(FakeAgent::default());
         let s = open(dir.path(), &agent);
         let layers = "sha256:l1,sha256:l2,sha256:l3";
+        let (c1, c2) = (chain(&["sha256:l1"]), chain(&["sha256:l1", "sha256:l2"]));
         let _ = s
             .prepare(
-                &backend_key(1, "sha256:c1"),
+                &backend_key(1, &c1),
                 "",
-                cri_labels("sha256:c1", "sha256:l1", layers),
+                cri_labels(&c1, "sha256:l1", layers),
             )
             .await;
         // The prefetches run on their own; wait for them (bounded).
@@ -716,13 +844,11 @@ mod tests {
         assert_eq!(staged, 2);
 
         // Layer 2's Prepare claims the staged copy: no new agent call.
-        let later = cri_labels("sha256:c2", "sha256:l2", "sha256:l2,sha256:l3");
-        let e = s
-            .prepare(&backend_key(2, "sha256:c2"), "sha256:c1", later)
-            .await;
+        let later = cri_labels(&c2, "sha256:l2", "sha256:l2,sha256:l3");
+        let e = s.prepare(&backend_key(2, &c2), &c1, later).await;
         assert!(matches!(e, Err(SnapshotError::AlreadyExists(_))));
         assert_eq!(agent.digests().len(), 3);
-        let c2 = s.stat("sha256:c2").unwrap().record;
+        let c2 = s.stat(&c2).unwrap().record;
         assert_eq!(
             std::fs::read_to_string(s.layout.fs(c2.id).join("layer")).unwrap(),
             "sha256:l2"
@@ -735,6 +861,137 @@ mod tests {
         let removed = s.prefetch.sweep(Instant::now() + Duration::from_secs(601));
         assert_eq!(removed.len(), 1);
         assert_eq!(std::fs::read_dir(s.layout.staging()).unwrap().count(), 0);
+    }
+
+    /// Waits (bounded) until the agent was asked `n` times.
+    async fn asked(agent: &FakeAgent, n: usize) {
+        for _ in 0..200 {
+            if agent.digests().len() >= n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the agent was asked {:?}, not {n} times", agent.digests());
+    }
+
+    /// Issue 37, finding 1: B2 = [x, l] stages l; B = [u, l] whose config
+    /// states the victim's top diffID for l asks for the victim's chain ID.
+    #[tokio::test]
+    async fn a_layer_staged_for_one_image_is_not_committed_under_another_images_chain_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = Arc::new(FakeAgent::default());
+        let s = open(dir.path(), &agent);
+        let (b2, b) = ("sha256:b2", "sha256:b");
+        let cx = chain(&["sha256:x"]);
+        let e = s
+            .prepare(
+                &backend_key(1, &cx),
+                "",
+                image_labels(b2, &cx, "sha256:x", "sha256:x,sha256:l"),
+            )
+            .await;
+        assert!(matches!(e, Err(SnapshotError::AlreadyExists(_))));
+        asked(&agent, 2).await;
+        // l is staged for B2 (and stays: B2's pull went no further).
+        let staged = || std::fs::read_dir(s.layout.staging()).unwrap().count();
+        for _ in 0..200 {
+            if staged() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(staged(), 1);
+
+        agent.configs.lock().unwrap().insert(
+            (b.into(), "sha256:l".into()),
+            diff("sha256:v-top").to_string(),
+        );
+        let cu = chain(&["sha256:u"]);
+        let e = s
+            .prepare(
+                &backend_key(2, &cu),
+                "",
+                image_labels(b, &cu, "sha256:u", "sha256:u,sha256:l"),
+            )
+            .await;
+        assert!(matches!(e, Err(SnapshotError::AlreadyExists(_))));
+        let victim = chain(&["sha256:u", "sha256:v-top"]);
+        let key = backend_key(3, &victim);
+        let mounts = s
+            .prepare(&key, &cu, image_labels(b, &victim, "sha256:l", "sha256:l"))
+            .await
+            .expect("a plain active snapshot: containerd pulls and checks l itself");
+        assert_eq!(mounts[0].r#type, "overlay");
+        assert_eq!(s.stat(&key).unwrap().record.kind, Kind::Active);
+        assert!(
+            s.stat(&victim).is_err(),
+            "l was committed under V's chain ID"
+        );
+        // B's own requests for l were refused; B2's staged copy was not touched.
+        let for_b = agent
+            .calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|c| c.manifest_digest == b && c.layer_digest == "sha256:l")
+            .count();
+        assert_eq!(
+            for_b,
+            2,
+            "B's prefetch and B's Prepare: {:?}",
+            agent.digests()
+        );
+        assert_eq!(staged(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_layer_is_committed_only_under_the_chain_id_its_verified_diff_id_makes() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = Arc::new(FakeAgent::default());
+        let s = open(dir.path(), &agent);
+        let c1 = chain(&["sha256:l1"]);
+        let _ = s
+            .prepare(
+                &backend_key(1, &c1),
+                "",
+                cri_labels(&c1, "sha256:l1", "sha256:l1,sha256:l2"),
+            )
+            .await;
+        asked(&agent, 2).await;
+        // containerd asks for l2 under a chain ID that l2's verified diffID
+        // (on c1) does not make: neither the staged copy nor a fresh unpack
+        // is committed there, and the staged copy is gone.
+        let wrong = chain(&["sha256:l1", "sha256:other"]);
+        let key = backend_key(2, &wrong);
+        let mounts = s
+            .prepare(&key, &c1, cri_labels(&wrong, "sha256:l2", "sha256:l2"))
+            .await
+            .unwrap();
+        assert_eq!(mounts[0].r#type, "overlay");
+        assert_eq!(s.stat(&key).unwrap().record.kind, Kind::Active);
+        assert!(s.stat(&wrong).is_err());
+        assert_eq!(agent.digests(), ["sha256:l1", "sha256:l2", "sha256:l2"]);
+        assert_eq!(std::fs::read_dir(s.layout.staging()).unwrap().count(), 0);
+        // No unpacked copy is left behind: the active snapshot is the only one new.
+        assert_eq!(
+            std::fs::read_dir(s.layout.snapshots()).unwrap().count(),
+            2,
+            "c1 and the active snapshot"
+        );
+
+        // A target that is no chain ID, or a parent not named by one, is
+        // never asked for.
+        committed(&s, "base", "").await;
+        let right = chain(&["sha256:l1", "sha256:l2"]);
+        for (key, parent, target) in [("k3", "", "not-a-digest"), ("k4", "base", &right)] {
+            let mounts = s
+                .prepare(key, parent, cri_labels(target, "sha256:l2", "sha256:l2"))
+                .await
+                .unwrap();
+            assert!(!mounts.is_empty());
+            assert_eq!(s.stat(key).unwrap().record.kind, Kind::Active);
+        }
+        assert_eq!(agent.digests().len(), 3);
     }
 
     #[tokio::test]
