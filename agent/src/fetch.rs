@@ -533,22 +533,10 @@ impl Transfer {
         self.lock().error.take()
     }
 
-    /// Chunks not held and not being fetched by anyone.
-    pub fn unclaimed(&self) -> Vec<u32> {
-        let sh = self.lock();
-        (0..self.blob.map().chunk_count())
-            .filter(|&i| sh.picker.is_unclaimed(i))
-            .collect()
-    }
-
-    /// Chunks neither held nor being fetched that no usable known peer holds
-    /// (or whose hash we lack, so no peer's copy could be verified).
-    pub fn unavailable(&self) -> Vec<u32> {
-        let sh = self.lock();
-        sh.picker
-            .unavailable()
-            .filter(|&i| sh.picker.is_unclaimed(i))
-            .collect()
+    /// Runs `f` on the transfer's picker, read only: the pull machine plans
+    /// its registry runs from what it holds, has in flight and is offered.
+    pub fn with_picker<R>(&self, f: impl FnOnce(&ChunkPicker<String>) -> R) -> R {
+        f(&self.lock().picker)
     }
 
     /// Chunk requests in flight (to peers or the registry).

@@ -11,7 +11,10 @@
 //! keeps the peers it has and fetches every unclaimed chunk from the registry
 //! itself. Sooner, if the tracker answers but reports no registry fetch of
 //! the blob while nothing arrives, it fetches the chunks no live peer can
-//! give it (the rules: [`dray_protocol::pull`]). While the tracker is silent it fetches only the chunks no known
+//! give it. What a pull does with the registry (which runs it starts and
+//! stops, when and how it falls back) is decided by its
+//! [`dray_protocol::pull::PullMachine`], which the simulator's nodes run too;
+//! `drive` carries its actions out. While the tracker is silent it fetches only the chunks no known
 //! peer can give it, and stops (dropping those fetches) once the tracker
 //! answers again: in a large storm every node falls back at once, and
 //! fetching everything would turn the outage into a registry stampede that
@@ -49,7 +52,7 @@ use dray_protocol::defaults::{DEFAULTS, announce_spread};
 use dray_protocol::dht::{dht_runs, lookup_after, overflow_list, pick_peers};
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::preheat;
-use dray_protocol::pull::{Fallback, FallbackRule};
+use dray_protocol::pull::{Action, Fallback, News, PullConfig, PullMachine, RunId};
 use dray_protocol::scheduler::SchedulerConfig;
 use dray_protocol::settings::duration;
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap, DEFAULT_CHUNK_SIZE, VerifyError};
@@ -772,174 +775,108 @@ impl Swarm {
         report: &mut PullReport,
     ) -> Result<()> {
         let digest = t.blob().digest();
+        // The registry runs under way, each ending with its id, and the
+        // token that stops each.
         let mut runs = tokio::task::JoinSet::new();
-        // The tracker's runs under way, by first chunk, each with the token
-        // that stops it.
-        let mut assigned: HashMap<u32, (tokio::task::AbortHandle, CancellationToken)> =
-            HashMap::new();
-        // Alone, every chunk comes from the registry. With no tracker
-        // configured (the DHT's mode), no tracker can fall silent.
+        let mut stops: HashMap<RunId, CancellationToken> = HashMap::new();
+        // With no tracker configured (the DHT's mode), no tracker can fall silent.
         let tracker_grace = match self.tracker.is_configured() {
             true => self.config.tracker_grace,
             false => Duration::MAX,
         };
-        let mut fallback = FallbackRule::new(
+        let mut machine = PullMachine::new(
             Instant::now(),
             alone,
-            tracker_grace,
-            self.config.stall,
-            DEFAULTS.fetching_patience,
+            t.blob().held().count(),
+            PullConfig {
+                tracker_grace,
+                stall: self.config.stall,
+                patience: DEFAULTS.fetching_patience,
+                run_chunks: self.config.run_chunks,
+                registry_parallel: self.config.registry_parallel,
+            },
         );
-        let mut held = t.blob().held().count();
-        // Whether the current quiet spell was logged.
-        let mut quiet_logged = false;
-        // Cancels the registry fetches of the current tracker-silence fallback.
-        let mut silent_runs = CancellationToken::new();
+        let mut actions = Vec::new();
         let mut woke = false;
-        let run = |first, count, cancel| {
-            fetch_run(
-                self.clone(),
-                t.clone(),
-                registry.clone(),
-                repo.to_string(),
-                first,
-                count,
-                cancel,
-            )
-        };
         loop {
             if let Some(e) = t.take_error() {
                 return Err(e);
             }
             while let Some(done) = runs.try_join_next() {
-                done??;
+                let (run, result) = done?;
+                stops.remove(&run);
+                machine.run_ended(run);
+                result?;
             }
             if t.blob().is_complete() {
                 return Ok(());
             }
+            let now = Instant::now();
             if std::mem::take(&mut woke) || rx.has_changed().unwrap_or(false) {
                 let u = rx.borrow_and_update().clone();
                 if !u.tracker_ok {
-                    fallback.tracker_failed();
-                } else if fallback.tracker_answered(Instant::now(), u.fetching) {
-                    // Its runs take over: drop our own registry fetches,
-                    // whose chunks become pickable again.
-                    tracing::info!(%digest, "the tracker answers again: ending the fallback");
-                    silent_runs.cancel();
-                    silent_runs = CancellationToken::new();
-                }
-                if !alone {
-                    if let Some(m) = u
-                        .map
-                        .as_ref()
-                        .filter(|m| m.chunk_size() != t.blob().chunk_size())
-                    {
-                        // The swarm's first holders had another `swarm.chunk_size`:
-                        // join it in its chunks, unless this node holds chunks
-                        // of its own (then the registry fallback serves it).
-                        if t.blob().adopt_geometry(m)? {
-                            return Err(Error::Recut {
-                                digest,
-                                chunk_size: m.chunk_size(),
-                            });
-                        }
-                        tracing::warn!(%digest, swarm = m.chunk_size(), ours = t.blob().chunk_size(), "the swarm cuts this blob in other chunks than the ones held here");
-                    } else if let Some(m) = &u.map {
-                        match t.blob().adopt(m)? {
-                            (_, chunks @ 1..) => return Err(Error::Replaced { digest, chunks }),
-                            (1.., _) => t.nudge(),
-                            _ => {}
-                        }
+                    machine.tracker_failed();
+                } else {
+                    if !alone {
+                        self.take_news(t, &u)?;
                     }
-                    for p in u.peers {
-                        t.add_peer(p);
-                    }
-                    assigned.retain(|_, (handle, _)| !handle.is_finished());
-                    if u.runs_complete {
-                        // Taken back (the tracker found it stalled and gave
-                        // it to another node): fetching on would send its
-                        // chunks from the registry twice. The chunk in
-                        // flight and the rest become pickable again.
-                        assigned.retain(|first, (_, stop)| {
-                            let kept = u.runs.iter().any(|(f, _)| f == first);
-                            if !kept {
-                                tracing::info!(%digest, first, "the tracker took a registry run back; stopping it");
-                                stop.cancel();
-                            }
-                            kept
-                        });
-                    }
-                    for (first, count) in u.runs {
-                        // A run handed out again after ours ended is fetched
-                        // again: ours may have skipped a chunk then in flight
-                        // from a peer that has since gone (a stopping node).
-                        assigned.entry(first).or_insert_with(|| {
-                            let stop = CancellationToken::new();
-                            let handle =
-                                runs.spawn(run(first, count, stop.clone()).in_current_span());
-                            (handle, stop)
-                        });
-                    }
+                    let news = News {
+                        fetching: u.fetching,
+                        runs: &u.runs,
+                        runs_complete: u.runs_complete,
+                    };
+                    machine.answered(now, news, &mut actions);
                 }
             }
-            let now = Instant::now();
-            let was = std::mem::replace(&mut held, t.blob().held().count());
-            if held != was {
-                fallback.arrived(now);
-                quiet_logged = false;
-            }
-            // Chunks in flight count as progress: only a swarm with nothing to
-            // offer is stalled.
-            if t.in_flight() > 0 {
-                fallback.busy(now);
-            }
-            if fallback.quiet_for(now) > self.config.stall
-                && !std::mem::replace(&mut quiet_logged, true)
-            {
-                tracing::info!(
-                    held,
-                    chunks = t.blob().map().chunk_count(),
-                    in_flight = t.in_flight(),
-                    tracker_fetching = fallback.tracker_fetching(),
-                    fallback = ?fallback.mode(),
-                    "no chunk arrived for swarm.stall; waiting on the requests in flight and the registry fetches the tracker reports"
-                );
-            }
-            if let Some(mode) = fallback.escalate(now) {
-                if mode == Fallback::All && t.blob().is_failed() {
+            // Chunks whose hashes are published: somebody holds them.
+            let published = t.blob().known();
+            let progress = (t.blob().held().count(), t.blob().is_failed());
+            t.with_picker(|p| machine.poll(now, progress, p, |c| published.get(c), &mut actions));
+            for action in actions.drain(..) {
+                match action {
+                    Action::Start {
+                        run, first, count, ..
+                    } => {
+                        let stop = CancellationToken::new();
+                        stops.insert(run, stop.clone());
+                        let fetch = fetch_run(
+                            self.clone(),
+                            t.clone(),
+                            registry.clone(),
+                            repo.to_string(),
+                            first,
+                            count,
+                            stop,
+                        );
+                        runs.spawn(async move { (run, fetch.await) }.in_current_span());
+                    }
+                    Action::Stop(run) => {
+                        if let Some(stop) = stops.get(&run) {
+                            tracing::info!(%digest, ?run, "stopping a registry run (taken back, or the tracker answers again)");
+                            stop.cancel();
+                        }
+                    }
+                    Action::FellBack(mode) => {
+                        let reason = match mode {
+                            Fallback::All => FallbackReason::Stall,
+                            Fallback::Starved => FallbackReason::Starved,
+                            _ => FallbackReason::TrackerSilent,
+                        };
+                        tracing::warn!(%digest, ?reason, tracker_silent_s = machine.rule().tracker_silent_for(now).as_secs_f64(), "falling back to the registry");
+                        self.node.metrics().fell_back(reason);
+                        report.fell_back = true;
+                    }
+                    Action::Quiet => tracing::info!(
+                        held = t.blob().held().count(),
+                        chunks = t.blob().map().chunk_count(),
+                        in_flight = t.in_flight(),
+                        tracker_fetching = machine.rule().tracker_fetching(),
+                        fallback = ?machine.mode(),
+                        "no chunk arrived for swarm.stall; waiting on the requests in flight and the registry fetches the tracker reports"
+                    ),
                     // Every chunk is held: the registry fallback has nothing
                     // to fetch, and the recheck found nothing wrong in time.
-                    return Err(Error::RecheckStalled(digest));
-                }
-                let reason = match mode {
-                    Fallback::All => FallbackReason::Stall,
-                    Fallback::Starved => FallbackReason::Starved,
-                    _ => FallbackReason::TrackerSilent,
-                };
-                tracing::warn!(%digest, ?reason, tracker_silent_s = fallback.tracker_silent_for(now).as_secs_f64(), "falling back to the registry");
-                self.node.metrics().fell_back(reason);
-                report.fell_back = true;
-            }
-            // Only when a registry slot is free: listing the chunks is a
-            // pass over the whole blob.
-            let todo = match fallback.mode() {
-                _ if runs.len() >= self.config.registry_parallel => None,
-                Fallback::Off => None,
-                Fallback::Unavailable => Some((t.unavailable(), silent_runs.clone())),
-                Fallback::Starved => Some((t.unavailable(), CancellationToken::new())),
-                Fallback::All => Some((t.unclaimed(), CancellationToken::new())),
-            };
-            if let Some((chunks, cancel)) = todo {
-                let mut chunks = chunks.into_iter().peekable();
-                while runs.len() < self.config.registry_parallel {
-                    let Some(first) = chunks.next() else { break };
-                    let mut count = 1;
-                    while count < self.config.run_chunks
-                        && chunks.next_if_eq(&(first + count)).is_some()
-                    {
-                        count += 1;
-                    }
-                    runs.spawn(run(first, count, cancel.clone()).in_current_span());
+                    Action::RecheckStalled => return Err(Error::RecheckStalled(digest)),
                 }
             }
             // `changed()` marks the value seen, so remember that it fired.
@@ -948,6 +885,38 @@ impl Swarm {
                 Ok(Ok(()))
             );
         }
+    }
+
+    /// Takes what a pull's news says of the swarm: the chunk map (joining
+    /// the swarm's chunk geometry if it differs) and the peers.
+    fn take_news(&self, t: &Arc<Transfer>, u: &Update) -> Result<()> {
+        let digest = t.blob().digest();
+        if let Some(m) = u
+            .map
+            .as_ref()
+            .filter(|m| m.chunk_size() != t.blob().chunk_size())
+        {
+            // The swarm's first holders had another `swarm.chunk_size`:
+            // join it in its chunks, unless this node holds chunks
+            // of its own (then the registry fallback serves it).
+            if t.blob().adopt_geometry(m)? {
+                return Err(Error::Recut {
+                    digest,
+                    chunk_size: m.chunk_size(),
+                });
+            }
+            tracing::warn!(%digest, swarm = m.chunk_size(), ours = t.blob().chunk_size(), "the swarm cuts this blob in other chunks than the ones held here");
+        } else if let Some(m) = &u.map {
+            match t.blob().adopt(m)? {
+                (_, chunks @ 1..) => return Err(Error::Replaced { digest, chunks }),
+                (1.., _) => t.nudge(),
+                _ => {}
+            }
+        }
+        for p in &u.peers {
+            t.add_peer(p.clone());
+        }
+        Ok(())
     }
 
     /// A pull's stand-in for the tracker when there is none, or while every

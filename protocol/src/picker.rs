@@ -294,6 +294,11 @@ impl<P: Clone + Eq + std::hash::Hash> ChunkPicker<P> {
         self.held.is_full()
     }
 
+    /// Chunks neither held nor in flight, in order.
+    pub fn unclaimed(&self) -> impl Iterator<Item = u32> + '_ {
+        (self.cursor..self.held.len()).filter(|&i| self.is_unclaimed(i))
+    }
+
     /// Chunks not held that no usable peer holds either.
     pub fn unavailable(&self) -> impl Iterator<Item = u32> + '_ {
         self.held

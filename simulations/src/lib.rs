@@ -73,15 +73,16 @@
 //! tracker-grace rules, peers and watchers per blob, registry fetches in
 //! fallback, BUSY back-off, the tracker's tick) come from
 //! `dray_protocol::defaults`, which the agent's configuration reads too; a
-//! test in `dray`'s `storm` module fails if the two part. The fallback rules
-//! (stall, tracker silence, the tracker's "registry fetch under way"
-//! exception) are `dray_protocol::pull::FallbackRule`, and peer rotation
-//! and the watcher cap `dray_protocol::peers`, which the agent's transfers
-//! and swarm engine run too. Still modelled here, not
-//! shared: a node keeps one fallback state for all its layers (the agent one
-//! per blob), a fallback fetches single chunks rather than runs of
-//! `run_chunks`, an idle node checks its rules every `poll_s` (0.5 s; the
-//! agent every 50 ms), a retired peer leaves at once (the agent's lanes
+//! test in `dray`'s `storm` module fails if the two part. What a pull does
+//! with the registry (which runs it starts and stops, when and how it falls
+//! back) is the agent's own `dray_protocol::pull::PullMachine`, one per
+//! simulated pull, and peer rotation and the watcher cap are
+//! `dray_protocol::peers`, which the agent's transfers and swarm engine run
+//! too. Still modelled here, not shared: an idle node checks its rules
+//! every `poll_s` (0.5 s; the agent every 50 ms) besides on every chunk,
+//! a run claims its chunks when it starts (the agent's as it reaches each,
+//! waiting at the end on those a peer had in flight), a retired peer leaves
+//! at once (the agent's lanes
 //! finish the chunk in flight first), and a node with no lanes retries its
 //! fills the BUSY back-off after a refusal (the agent's refused lane sleeps
 //! it, the peer's other lanes carry on).

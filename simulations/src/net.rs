@@ -64,10 +64,8 @@ pub(crate) enum Source {
 pub(crate) enum Purpose {
     /// One chunk picked from a peer by the receiver's ChunkPicker.
     PeerChunk,
-    /// One chunk of a registry run the scheduler assigned.
+    /// One chunk of a registry run a node's pull machine started.
     RunChunk,
-    /// One chunk fetched from the registry by the stall or tracker fallback.
-    FallbackChunk,
     /// A whole blob (direct and spegel-like baselines, kraken-like origins).
     Whole,
 }

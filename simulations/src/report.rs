@@ -87,6 +87,9 @@ pub struct SimReport {
     /// Simulated time when the run stopped.
     pub sim_end_s: f64,
     pub events: u64,
+    /// Pulls (a node's blob) whose machine fell back to the registry, counted
+    /// per escalation (a pull going silent-tracker then stalled counts twice).
+    pub fallbacks: u64,
     /// Wall-clock time of the run (the only field that differs between identical runs).
     pub wall_s: f64,
     /// (seconds, fraction of completed nodes done by then).
@@ -138,6 +141,7 @@ pub(crate) struct Outcome {
     pub registry_bytes: f64,
     pub end: f64,
     pub events: u64,
+    pub fallbacks: u64,
     pub samples: Samples,
     pub wall_s: f64,
     pub dht: Option<DhtReport>,
@@ -153,6 +157,7 @@ impl SimReport {
             registry_bytes,
             end,
             events,
+            fallbacks,
             samples,
             wall_s,
             dht,
@@ -204,6 +209,7 @@ impl SimReport {
             registry_egress_ratio: registry_bytes / image_bytes as f64,
             sim_end_s: end,
             events,
+            fallbacks,
             wall_s,
             completion_cdf: cdf,
             registry_egress,

@@ -372,6 +372,7 @@ impl World<'_> {
             self.dht().nodes[nu].gone = gone;
             let dht = self.dht.as_ref().expect("a dray-dht run has a DHT");
             let view = &dht.nodes[nu].views[b];
+            let mut runs = Vec::new();
             if settled && !view.blocks.is_empty() {
                 let mut held = self.nodes[nu].blobs[b].held.clone();
                 for m in self.nodes[nu].blobs[b].peers.live() {
@@ -379,12 +380,17 @@ impl World<'_> {
                         held.set(c);
                     }
                 }
-                let mut runs = runs_in(&view.blocks, &held, DEFAULTS.run_chunks);
+                runs = runs_in(&view.blocks, &held, DEFAULTS.run_chunks);
                 runs.truncate(self.sc.registry_parallel.max(1));
-                for (first, count) in runs {
-                    self.start_run(n, b as u16, first, count);
-                }
             }
+            // The coordinator's news, as the agent's: the next few runs, a
+            // partial list.
+            let news = News {
+                fetching: false,
+                runs: &runs,
+                runs_complete: false,
+            };
+            self.pull_news(n, b, news);
             let dht = self.dht.as_ref().expect("a dray-dht run has a DHT");
             for p in dht.nodes[nu].views[b].watch.clone() {
                 if self.nodes[p as usize].alive {

@@ -27,7 +27,6 @@ impl World<'_> {
             }
         }
         self.nodes[nu].runs.clear();
-        self.nodes[nu].fallback_flows.clear();
         let mut receivers = Vec::new();
         for id in std::mem::take(&mut self.nodes[nu].out_flows) {
             let (p, left) = self.net.remove(id);

@@ -1,5 +1,7 @@
-//! The dray node model: announces, the tracker's answers and runs, registry
-//! fetches, and the fallback rules the agent runs (`dray_protocol::pull`).
+//! The dray node model: announces, the tracker's answers, and the registry
+//! runs that each pull's machine (`dray_protocol::pull::PullMachine`, the
+//! agent's) starts and stops; this file carries its actions out and
+//! decides nothing of its own about the registry.
 
 use super::*;
 
@@ -75,16 +77,19 @@ impl World<'_> {
         if !self.tracker_up || !self.nodes[nu].alive {
             return;
         }
-        let at = self.instant();
-        // A registry fetch under way is not a stall (within patience).
-        if self.nodes[nu]
-            .fallback
-            .tracker_answered(at, !d.fetching.is_empty())
-        {
-            self.end_tracker_fallback(n);
-        }
         if d.resend_full {
-            // A restarted tracker asks for a full announce; send it straight away.
+            // An answer all the same (it ends a tracker-silence fallback),
+            // with no runs; a restarted tracker asks for a full announce:
+            // send it straight away.
+            for b in 0..self.blobs.len() {
+                let fetching = d.fetching.contains(&self.blobs[b].digest);
+                let news = News {
+                    fetching,
+                    runs: &[],
+                    runs_complete: false,
+                };
+                self.pull_news(n, b, news);
+            }
             self.nodes[nu].need_full = true;
             self.send_announce(n);
             return;
@@ -119,7 +124,6 @@ impl World<'_> {
     }
 
     pub(super) fn apply_decision(&mut self, n: u32, d: AnnounceDecision) {
-        let nu = n as usize;
         for (digest, contacts) in &d.peers {
             let Some(&b) = self.digest_index.get(digest) else {
                 continue;
@@ -134,42 +138,89 @@ impl World<'_> {
                 self.learn_peer(n, b as usize, p);
             }
         }
-        let wanted: Vec<(u16, u32, u32)> = d
-            .assignments
-            .iter()
-            .filter_map(|a| {
-                let b = *self.digest_index.get(&a.digest)?;
-                Some((b, a.first, a.count))
-            })
-            .collect();
-        // Runs missing from the answer were taken back: stop fetching them.
-        let mut k = 0;
-        while k < self.nodes[nu].runs.len() {
-            let r = &self.nodes[nu].runs[k];
-            if wanted.iter().any(|&(b, f, _)| b == r.blob && f == r.first) {
-                k += 1;
-                continue;
-            }
-            let run = self.nodes[nu].runs.swap_remove(k);
-            self.release_run(n, run);
+        for b in 0..self.blobs.len() {
+            let digest = self.blobs[b].digest;
+            let runs: Vec<(u32, u32)> = d
+                .assignments
+                .iter()
+                .filter(|a| a.digest == digest)
+                .map(|a| (a.first, a.count))
+                .collect();
+            let news = News {
+                fetching: d.fetching.contains(&digest),
+                runs: &runs,
+                runs_complete: true,
+            };
+            self.pull_news(n, b, news);
         }
-        for (b, first, count) in wanted {
-            self.start_run(n, b, first, count);
+    }
+
+    /// `n`'s pull of blob `b` takes news from the tracker or the DHT
+    /// coordinator; what its machine decides is carried out.
+    pub(super) fn pull_news(&mut self, n: u32, b: usize, news: News<'_>) {
+        let at = self.instant();
+        let Some(m) = self.nodes[n as usize].blobs[b].pull.as_mut() else {
+            return;
+        };
+        let mut out = Vec::new();
+        m.answered(at, news, &mut out);
+        self.carry_out(n, b, out);
+    }
+
+    /// `n`'s pull of blob `b` checks its rules against what it holds now,
+    /// as the agent's pull engine does on every wake-up.
+    pub(super) fn pull_poll(&mut self, n: u32, b: usize) {
+        let at = self.instant();
+        let nb = &mut self.nodes[n as usize].blobs[b];
+        let (Some(m), Some(picker)) = (nb.pull.as_mut(), nb.picker.as_ref()) else {
+            return;
+        };
+        let mut out = Vec::new();
+        let known = &nb.known;
+        m.poll(
+            at,
+            (nb.held.count(), false),
+            picker,
+            |c| known.get(c),
+            &mut out,
+        );
+        self.carry_out(n, b, out);
+    }
+
+    /// Carries out a pull machine's actions.
+    fn carry_out(&mut self, n: u32, b: usize, out: Vec<Action>) {
+        for action in out {
+            match action {
+                Action::Start {
+                    run, first, count, ..
+                } => self.start_run(n, b as u16, run, first, count),
+                Action::Stop(run) => {
+                    let runs = &mut self.nodes[n as usize].runs;
+                    // Run ids are per pull: a node's runs of its blobs share them.
+                    if let Some(k) = runs.iter().position(|r| r.id == run && r.blob == b as u16) {
+                        let state = runs.swap_remove(k);
+                        self.release_run(n, state);
+                    }
+                    self.run_ended(n, b, run);
+                }
+                Action::FellBack(_) => self.fallbacks += 1,
+                // A simulated blob never fails its digest; nothing to log.
+                Action::Quiet | Action::RecheckStalled => {}
+            }
+        }
+    }
+
+    /// Run `run` of `n`'s pull of blob `b` ended.
+    fn run_ended(&mut self, n: u32, b: usize, run: RunId) {
+        if let Some(m) = self.nodes[n as usize].blobs[b].pull.as_mut() {
+            m.run_ended(run);
         }
     }
 
     /// `n` fetches chunks `[first, first + count)` of blob `b` from the
-    /// registry, less those it holds or has on their way, unless it runs
-    /// that run already.
-    pub(super) fn start_run(&mut self, n: u32, b: u16, first: u32, count: u32) {
+    /// registry in order, less those it holds or has on their way.
+    fn start_run(&mut self, n: u32, b: u16, id: RunId, first: u32, count: u32) {
         let nu = n as usize;
-        if self.nodes[nu]
-            .runs
-            .iter()
-            .any(|r| r.blob == b && r.first == first)
-        {
-            return;
-        }
         let nb = &mut self.nodes[nu].blobs[b as usize];
         let chunks = match nb.picker.as_mut() {
             Some(p) => (first..first.saturating_add(count))
@@ -178,8 +229,8 @@ impl World<'_> {
             None => Vec::new(),
         };
         self.nodes[nu].runs.push(RunState {
+            id,
             blob: b,
-            first,
             chunks,
             next: 0,
             flow: None,
@@ -253,6 +304,7 @@ impl World<'_> {
             self.nodes[n as usize].runs[k].flow = Some(id);
         } else {
             let run = self.nodes[n as usize].runs.swap_remove(k);
+            self.run_ended(n, run.blob as usize, run.id);
             // Only a run that fetched something has news for the tracker; an
             // empty one (its chunks already arriving from peers) announcing at
             // once would be handed the same run again at the same instant.
@@ -271,62 +323,14 @@ impl World<'_> {
         if !self.nodes[nu].alive || self.nodes[nu].done_at.is_some() {
             return;
         }
-        if matches!(self.strategy, Strategy::Dray | Strategy::DrayDht) {
-            let at = self.instant();
-            let node = &mut self.nodes[nu];
-            if node.downloads > 0
-                || node.runs.iter().any(|r| r.flow.is_some())
-                || !node.fallback_flows.is_empty()
-            {
-                node.fallback.busy(at);
+        for b in 0..self.blobs.len() {
+            // The fallback's runs are planned from what known peers offer.
+            if self.nodes[nu].blobs[b].pull.is_some() {
+                self.look_all(n, b);
             }
-            node.fallback.escalate(at);
-            self.continue_fallback(n);
+            self.pull_poll(n, b);
         }
         self.try_fill(n);
-    }
-
-    /// Keeps `registry_parallel` registry fetches going for the chunks the
-    /// fallback wants: every unclaimed one after a stall, those no known peer
-    /// holds while the tracker is silent.
-    pub(super) fn continue_fallback(&mut self, n: u32) {
-        let nu = n as usize;
-        let why = self.nodes[nu].fallback.mode();
-        if why == Fallback::Off || !self.nodes[nu].alive {
-            return;
-        }
-        for b in 0..self.blobs.len() {
-            self.look_all(n, b);
-            let chunks = self.blobs[b].chunks;
-            while self.nodes[nu].fallback_flows.len() < self.sc.registry_parallel {
-                let Some(p) = self.nodes[nu].blobs[b].picker.as_mut() else {
-                    break;
-                };
-                let candidate = match why {
-                    Fallback::All => (p.cursor()..chunks).find(|&c| p.is_unclaimed(c)),
-                    _ => p.unavailable().find(|&c| p.is_unclaimed(c)),
-                };
-                let Some(c) = candidate else {
-                    break;
-                };
-                p.claim(c);
-                let id = self.registry_chunk(n, b as u16, c, Purpose::FallbackChunk);
-                self.nodes[nu].fallback_flows.push(id);
-            }
-        }
-    }
-
-    /// The tracker answered: its runs take over from the fallback's registry
-    /// fetches, whose chunks become pickable again.
-    pub(super) fn end_tracker_fallback(&mut self, n: u32) {
-        let nu = n as usize;
-        for id in std::mem::take(&mut self.nodes[nu].fallback_flows) {
-            let (p, _) = self.net.remove(id);
-            remove_item(&mut self.nodes[nu].in_flows, id);
-            if let Some(picker) = self.nodes[nu].blobs[p.blob as usize].picker.as_mut() {
-                picker.failed(p.chunk);
-            }
-        }
     }
 
     /// Gives the picker a view of every live known peer it has not looked at.

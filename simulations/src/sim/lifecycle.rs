@@ -10,7 +10,12 @@ impl World<'_> {
             return;
         }
         node.started = true;
-        node.fallback = fallback_rule(sc, self.strategy, instant);
+        if matches!(self.strategy, Strategy::Dray | Strategy::DrayDht) {
+            let config = pull_config(sc, self.strategy);
+            for nb in &mut node.blobs {
+                nb.pull = Some(PullMachine::new(instant, false, 0, config.clone()));
+            }
+        }
         match self.strategy {
             Strategy::Dray => {
                 self.nodes[n as usize].need_full = true;
@@ -59,9 +64,7 @@ impl World<'_> {
     /// A chunk (or, for whole-blob strategies, a blob) arrived at `n`.
     pub(super) fn receive(&mut self, n: u32, blob: u16, chunk: Option<u32>) {
         let now = self.net.now();
-        let at = self.instant();
         let node = &mut self.nodes[n as usize];
-        node.fallback.arrived(at);
         let nb = &mut node.blobs[blob as usize];
         match chunk {
             Some(c) => {
@@ -88,6 +91,7 @@ impl World<'_> {
         }
         nb.complete = true;
         nb.picker = None;
+        nb.pull = None;
         nb.peers.clear();
         if self.strategy == Strategy::SpegelLike {
             self.seeds[blob as usize].push(n);
@@ -157,8 +161,9 @@ impl World<'_> {
                 self.receive(to, p.blob, Some(p.chunk));
             }
             Purpose::RunChunk => {
-                // The fetcher publishes the chunk's hash to the tracker.
-                if self.strategy == Strategy::Dray {
+                // The fetcher publishes the chunk's hash to the tracker, if
+                // it is there to hear it.
+                if self.strategy == Strategy::Dray && self.tracker_up {
                     self.publish(p.blob as usize, p.chunk);
                 }
                 self.receive(to, p.blob, Some(p.chunk));
@@ -173,15 +178,11 @@ impl World<'_> {
                     self.advance_run(to, k);
                 }
             }
-            Purpose::FallbackChunk => {
-                remove_item(&mut self.nodes[to as usize].fallback_flows, id);
-                // Published as a run's chunk is, if the tracker is there to hear it.
-                if self.tracker_up {
-                    self.publish(p.blob as usize, p.chunk);
-                }
-                self.receive(to, p.blob, Some(p.chunk));
-                self.continue_fallback(to);
-            }
+        }
+        if p.purpose != Purpose::Whole {
+            // The pull engine wakes on every chunk: progress, and a free
+            // registry slot for the fallback's next run.
+            self.pull_poll(to, p.blob as usize);
         }
         if matches!(
             self.strategy,

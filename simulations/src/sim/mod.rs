@@ -1,16 +1,17 @@
 //! The simulated cluster: nodes, the tracker, and what each strategy does when
 //! a node starts, a flow ends, an announce is due or an idle node wakes up.
 //!
-//! `dray` nodes drive the real [`Scheduler`] and one real [`ChunkPicker`] per
-//! blob, as the agent does: announce (full, then `Held::Added` deltas) every
-//! `announce_interval_s` (±10%) while pulling and right after each registry
-//! run, fetch assigned runs chunk by chunk from the registry, take the rest
-//! from the peers the tracker named, and fall back to the registry (see
-//! [`Fallback`]) after a stall or while the tracker is silent. A node sees
-//! a peer's chunks as its lanes do: the bitfield when it first looks, then
-//! each chunk the peer gains (the long-polled bitfield), and only the chunks
-//! whose hashes it has (its own, and the tracker's map as of its last
-//! announce).
+//! `dray` nodes drive the real [`Scheduler`], one real [`ChunkPicker`] and
+//! one real [`PullMachine`] per blob, as the agent does: announce (full,
+//! then `Held::Added` deltas) every `announce_interval_s` (±10%) while
+//! pulling and right after each registry run, hand each pull's machine the
+//! tracker's answer and fetch the runs it starts chunk by chunk from the
+//! registry, take the rest from the peers the tracker named, and poll the
+//! machines on every chunk and every `poll_s` (their fallback rules). A
+//! node sees a peer's chunks as its lanes do: the bitfield when it first
+//! looks, then each chunk the peer gains (the long-polled bitfield), and
+//! only the chunks whose hashes it has (its own, and the tracker's map as
+//! of its last announce).
 //!
 //! This module holds the world (links, nodes, the tracker thread, the event
 //! loop) and sets a run up; [`lifecycle`] starts and finishes nodes,
@@ -35,7 +36,7 @@ use crate::tracker::Tracker;
 use dray_protocol::defaults::{DEFAULTS, announce_spread, secs};
 use dray_protocol::peers::{Admit, Member, Roster, may_watch};
 use dray_protocol::picker::{ChunkPicker, DEFAULT_WINDOW};
-use dray_protocol::pull::{Fallback, FallbackRule};
+use dray_protocol::pull::{Action, News, PullConfig, PullMachine, RunId};
 use dray_protocol::scheduler::{Announce, AnnounceDecision, BlobAnnounce, Held, SchedulerConfig};
 use dray_protocol::{Bitfield, BlobDigest};
 use std::collections::{BTreeMap, HashMap};
@@ -47,30 +48,31 @@ struct BlobInfo {
     bytes: u64,
 }
 
-/// A registry run the tracker gave a node: its chunks are fetched in order.
+/// A registry run the node's pull machine started (the tracker's, the DHT
+/// coordinator's or the fallback's): its chunks are fetched in order.
 struct RunState {
+    id: RunId,
     blob: u16,
-    first: u32,
     /// The run's chunks this node claimed (not held or in flight from a peer).
     chunks: Vec<u32>,
     next: usize,
     flow: Option<FlowId>,
 }
 
-/// A node's fallback rules as the agent runs them, starting at `now`
-/// (without a tracker configured, no tracker-silence rule).
-fn fallback_rule(sc: &Scenario, strategy: Strategy, now: Instant) -> FallbackRule {
-    FallbackRule::new(
-        now,
-        false,
-        if strategy == Strategy::DrayDht {
+/// A pull's timings and limits as the agent's defaults set them (without a
+/// tracker configured, no tracker-silence rule).
+fn pull_config(sc: &Scenario, strategy: Strategy) -> PullConfig {
+    PullConfig {
+        tracker_grace: if strategy == Strategy::DrayDht {
             Duration::MAX
         } else {
             Duration::from_secs_f64(sc.tracker_grace_s)
         },
-        Duration::from_secs_f64(sc.stall_s),
-        DEFAULTS.fetching_patience,
-    )
+        stall: Duration::from_secs_f64(sc.stall_s),
+        patience: DEFAULTS.fetching_patience,
+        run_chunks: DEFAULTS.run_chunks,
+        registry_parallel: sc.registry_parallel,
+    }
 }
 
 /// The tracker's ticker period.
@@ -87,6 +89,9 @@ struct NodeBlob {
     /// held at its last announce): it can verify, so fetch, only these from peers.
     known: Bitfield,
     picker: Option<ChunkPicker<u32>>,
+    /// The pull machine of a dray node's pull of the blob, from its start:
+    /// what the agent decides, decided by the agent's code.
+    pull: Option<PullMachine>,
     /// Known peers, oldest first, each with whether the picker has a view
     /// of it yet (taken at the first look, then kept current by
     /// [`World::tell_watchers`] and [`World::learn_hashes`], as the agent's
@@ -115,13 +120,8 @@ struct Node {
     out_flows: Vec<FlowId>,
     announce_gen: u32,
     poll_at: Option<u64>,
-    /// The agent's fallback rules, in one node-wide state (the agent keeps
-    /// one per blob; a scenario's node pulls its layers together).
-    fallback: FallbackRule,
     need_full: bool,
     runs: Vec<RunState>,
-    /// Registry fetches of the fallback in flight.
-    fallback_flows: Vec<FlowId>,
     rotor: usize,
 }
 
@@ -154,6 +154,8 @@ struct World<'a> {
     registry_link: LinkId,
     /// The DHT of a `dray-dht` run.
     dht: Option<dht::DhtWorld>,
+    /// Escalations of pull machines' fallbacks.
+    fallbacks: u64,
 }
 
 impl World<'_> {
@@ -412,6 +414,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
                         known
                     },
                     picker: uses_pickers.then(|| ChunkPicker::new(Bitfield::new(chunks), window)),
+                    pull: None,
                     peers: Roster::new(swarming.then_some(sc.max_peers_per_blob)),
                     unlooked: false,
                     watchers: Vec::new(),
@@ -424,10 +427,8 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             out_flows: Vec::new(),
             announce_gen: 0,
             poll_at: None,
-            fallback: fallback_rule(sc, strategy, base),
             need_full: true,
             runs: Vec::new(),
-            fallback_flows: Vec::new(),
             rotor: 0,
         })
         .collect();
@@ -458,6 +459,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
         samples: Samples::new(lower / 64.0),
         registry_link,
         dht: (strategy == Strategy::DrayDht).then(|| dht::DhtWorld::new(total, layers, &mut rng)),
+        fallbacks: 0,
     };
 
     // Late joiners are a random subset; everyone else starts at 0.
@@ -531,6 +533,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             registry_bytes,
             end,
             events: w.net.events,
+            fallbacks: w.fallbacks,
             samples: w.samples,
             wall_s: wall.elapsed().as_secs_f64(),
             dht: w.dht.as_ref().map(|d| d.report(sc)),

@@ -1,0 +1,18 @@
+//! One pull's decisions, without I/O: when it fetches from the registry on
+//! its own and which chunks, which registry runs it starts and stops, and
+//! when it gives up. [`PullMachine`] takes events with the time passed in
+//! (the tracker's or the DHT coordinator's news, a run that ended, a poll
+//! with what the transfer holds) and answers with [`Action`]s that its
+//! driver carries out. The agent's pull engine (`agent/src/swarm.rs`) and
+//! every simulated node (`simulations/src/sim/dray.rs`) drive the same
+//! machine, so a simulated storm decides as the agents would; nothing in
+//! either decides on its own when to go to the registry.
+//!
+//! [`fallback`] holds the rules that choose the fallback's mode;
+//! [`machine`] the run book and the choice of the fallback's runs.
+
+pub mod fallback;
+pub mod machine;
+
+pub use fallback::{Fallback, FallbackRule};
+pub use machine::{Action, News, PullConfig, PullMachine, RunId, RunKind};
