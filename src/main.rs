@@ -236,6 +236,25 @@ struct SimArgs {
     /// Write a chart (completion CDF, registry egress over time) as SVG here.
     #[arg(long)]
     svg: Option<PathBuf>,
+    /// A chaos sweep instead of a scenario: each seed draws a cluster and
+    /// one or two faults (tracker hang, crash or partition, a slow registry,
+    /// crashing or late nodes), runs it with and without them, and checks
+    /// that every node completes within the fault class's bounds on
+    /// registry egress and time. Exits 1 if a seed fails; each failure
+    /// prints the command that reproduces it.
+    #[arg(long, conflicts_with_all = ["compare", "no_tracker", "svg"])]
+    chaos: bool,
+    /// With --chaos: how many seeds.
+    #[arg(long, default_value_t = 200, requires = "chaos")]
+    seeds: u64,
+    /// With --chaos: the first seed.
+    #[arg(long, default_value_t = 1, requires = "chaos")]
+    seed_from: u64,
+    /// With --chaos: turn on a deliberately broken rule (test builds only),
+    /// to see the sweep catch it: silence-ignored, starve-unpublished,
+    /// late-runs-kept.
+    #[arg(long, requires = "chaos")]
+    plant: Option<String>,
 }
 
 #[derive(Args)]
@@ -813,6 +832,9 @@ fn sim(args: SimArgs) -> Result<()> {
 fn sim_report(args: SimArgs) -> Result<()> {
     use dray_simulations::Strategy;
     use std::io::Write;
+    if args.chaos {
+        return chaos(args);
+    }
     let mut out = std::io::stdout().lock();
     let mut scenario = dray_simulations::scenario(&args.scenario)?;
     if let Some(sigma) = args.flow_weight_sigma {
@@ -887,6 +909,78 @@ fn sim_report(args: SimArgs) -> Result<()> {
     if let Some(path) = args.svg {
         dray_simulations::write_svg(&reports, &path)
             .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// `dray sim --chaos`.
+fn chaos(args: SimArgs) -> Result<()> {
+    use dray_protocol::planted::{self, Bug};
+    use std::io::Write;
+    let planted = match args.plant.as_deref() {
+        None => None,
+        Some(name) => {
+            let Some(bug) = Bug::named(name) else {
+                let known: Vec<_> = Bug::ALL.iter().map(|b| b.name()).collect();
+                bail!("no planted bug {name:?}; known: {}", known.join(", "));
+            };
+            if !planted::plant(bug) {
+                bail!(
+                    "this dray was built without planted bugs (build with --features dray/hostile)"
+                );
+            }
+            Some(bug.name())
+        }
+    };
+    let mut out = std::io::stdout().lock();
+    let report = dray_simulations::chaos::sweep(args.seed_from, args.seeds, planted, |o| {
+        if !args.json && !o.violations.is_empty() {
+            let faults: Vec<_> = o.faults.iter().map(|f| f.class).collect();
+            eprintln!(
+                "seed {} ({}): {}",
+                o.seed,
+                faults.join(" + "),
+                o.violations.join("; ")
+            );
+        }
+    })?;
+    if args.json {
+        writeln!(out, "{}", serde_json::to_string(&report)?)?;
+    } else {
+        writeln!(
+            out,
+            "{:<18} {:>6} {:>12} {:>7} {:>11} {:>11}",
+            "fault class", "seeds", "max egress", "bound", "max time x", "bound k,c,r"
+        )?;
+        for c in &report.classes {
+            writeln!(
+                out,
+                "{:<18} {:>6} {:>12.3} {:>7.2} {:>11.2} {:>11}",
+                c.class,
+                c.seeds,
+                c.max_egress_copies,
+                c.egress_bound,
+                c.max_time_ratio,
+                format!("{},{},{}", c.time_bound.0, c.time_bound.1, c.time_bound.2)
+            )?;
+        }
+        writeln!(
+            out,
+            "{} seeds from {}, {} failed; {:.0} seeds a minute, {:.0} events a second",
+            report.seeds,
+            report.first_seed,
+            report.failed,
+            report.seeds_per_minute,
+            report.events_per_s
+        )?;
+        for f in &report.failures {
+            writeln!(out, "reproduce: {}", f.reproduce)?;
+        }
+    }
+    out.flush()?;
+    if report.failed > 0 {
+        drop(out);
+        std::process::exit(1);
     }
     Ok(())
 }

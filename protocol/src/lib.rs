@@ -11,7 +11,8 @@
 //! and the simulator all read; [`pull`] the fallback rules of a pull,
 //! [`peers`] its peer rotation and the watcher cap, and [`dht`] its registry
 //! coordination without a tracker, which the agent and the simulator both
-//! run; [`preheat`] the tracker's preheat API.
+//! run; [`preheat`] the tracker's preheat API; [`planted`] the broken rules
+//! that show the simulator's chaos sweep catches bugs (test builds only).
 
 pub mod bitfield;
 pub mod chunkmap;
@@ -23,6 +24,7 @@ pub mod identity;
 pub mod local_api;
 pub mod peers;
 pub mod picker;
+pub mod planted;
 pub mod preheat;
 pub mod pull;
 pub mod scheduler;

@@ -17,6 +17,7 @@
 //! sample of candidate peers x bitfield bytes), never O(nodes x chunks); a tick
 //! costs O(peers + outstanding runs).
 
+use crate::planted::{self, Bug};
 use crate::{Bitfield, BlobDigest};
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::cmp::Reverse;
@@ -894,7 +895,18 @@ pub struct Scheduler {
     total_chunks: u64,
     /// Members that joined a swarm so far: each member's join time.
     joins: u64,
+    /// The last tick: a longer gap than [`STOPPED_GAP`] since then is time
+    /// the tracker was stopped.
+    last_tick: Option<Instant>,
 }
+
+/// A gap between ticks past this means the tracker itself was stopped
+/// (SIGSTOP, a paused VM): the time it missed is not held against its
+/// peers' announces nor its fetchers' runs. Without this, a tracker stopped
+/// past its runs' deadlines took back, on its first tick, every run that
+/// was being fetched all along, and barred those fetchers from runs for as
+/// long; stopped past the expiry, it dropped every peer at once.
+const STOPPED_GAP: Duration = Duration::from_secs(2);
 
 /// The run count shared by the swarms of `origin`; forgets origins no swarm has.
 fn origin_budget(
@@ -932,6 +944,7 @@ impl Scheduler {
             runs_assigned: 0,
             total_chunks: 0,
             joins: 0,
+            last_tick: None,
         }
     }
 
@@ -1735,6 +1748,14 @@ impl Scheduler {
     /// whose run stalled gets no new run for as long as that run was given.
     pub fn tick(&mut self, now: Instant) -> TickReport {
         let mut report = TickReport::default();
+        if let Some(gap) = self
+            .last_tick
+            .replace(now)
+            .map(|last| now.saturating_duration_since(last))
+            .filter(|&gap| gap > STOPPED_GAP)
+        {
+            self.forgive(gap);
+        }
         let limit = self
             .config
             .announce_interval
@@ -1801,7 +1822,9 @@ impl Scheduler {
                         Some(p) => p * f64::from(run.count),
                         None => run.timeout.as_secs_f64() * live,
                     };
-                    now > run.deadline && took > LATE_FACTOR * expected
+                    now > run.deadline
+                        && took > LATE_FACTOR * expected
+                        && !planted::is(Bug::LateRunsKept)
                 })
                 .map(|(&first, _)| first)
                 .collect();
@@ -1821,6 +1844,26 @@ impl Scheduler {
             }
         }
         report
+    }
+}
+
+impl Scheduler {
+    /// The tracker was stopped for `gap`: its peers' silence and its runs'
+    /// age in that time are its own, so they move on by `gap`.
+    fn forgive(&mut self, gap: Duration) {
+        let later = |t: &mut Instant| *t = t.checked_add(gap).unwrap_or(*t);
+        for peer in self.slots.iter_mut().flatten() {
+            later(&mut peer.last_announce);
+        }
+        for swarm in self.swarms.values_mut() {
+            for run in swarm.runs.values_mut() {
+                later(&mut run.assigned);
+                later(&mut run.deadline);
+            }
+            for (until, _) in swarm.awaiting_hash.values_mut() {
+                later(until);
+            }
+        }
     }
 }
 
@@ -2199,15 +2242,34 @@ mod tests {
         assert!(s.tick(at40).reclaimed.is_empty(), "40 s is within 3 x 20 s");
         let at61 = t0 + Duration::from_secs(61);
         all(&mut s, at61, vec![]);
-        let mut late: Vec<(String, u32)> = s
-            .tick(at61)
-            .reclaimed
-            .into_iter()
+        // Ticking as the tracker does (a gap would be a stopped tracker).
+        let mut late: Vec<(String, u32)> = (81..=122)
+            .flat_map(|half| s.tick(t0 + Duration::from_millis(500 * half)).reclaimed)
             .map(|(peer, a)| (peer, a.first))
             .collect();
         late.sort();
-        // b's and c's runs are 61 s old; a's (3) only 41 s.
+        // b's and c's runs are past 60 s old; a's (3) only 41 s.
         assert_eq!(late, vec![("b".to_owned(), 1), ("c".to_owned(), 2)]);
+    }
+
+    #[test]
+    fn time_the_tracker_was_stopped_is_not_held_against_its_peers_or_runs() {
+        let mut s = Scheduler::new(striped());
+        let t0 = Instant::now();
+        let runs = s.announce(wants("a", 8, &[]), t0).assignments;
+        assert!(!runs.is_empty());
+        s.tick(t0);
+        // Stopped for a minute, past the run's deadline and the peer's
+        // expiry: its first tick after takes nothing back, expires nobody.
+        let report = s.tick(t0 + Duration::from_secs(60));
+        assert!(report.reclaimed.is_empty(), "{report:?}");
+        assert!(report.expired.is_empty(), "{report:?}");
+        assert_eq!(s.peer_count(), 1);
+        // Its ticks carry on: the peer's silence now counts.
+        let after: Vec<String> = (121..=200)
+            .flat_map(|half| s.tick(t0 + Duration::from_millis(500 * half)).expired)
+            .collect();
+        assert_eq!(after, ["a"]);
     }
 
     #[test]

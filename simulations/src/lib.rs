@@ -87,6 +87,7 @@
 //! fills the BUSY back-off after a refusal (the agent's refused lane sleeps
 //! it, the peer's other lanes carry on).
 
+pub mod chaos;
 mod kademlia;
 mod net;
 mod queue;
@@ -97,7 +98,8 @@ mod tracker;
 
 pub use report::{DhtReport, EgressBucket, SimReport, write_svg};
 pub use scenario::{
-    CHUNK_BYTES, Churn, Emulated, LateJoiners, Outage, Racks, SCENARIOS, Scenario, scenario,
+    CHUNK_BYTES, Churn, Emulated, LateJoiners, Outage, Partition, Racks, SCENARIOS, Scenario,
+    scenario,
 };
 
 use serde::Serialize;

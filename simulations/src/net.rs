@@ -44,6 +44,10 @@ pub(crate) enum Ev {
     Churn,
     OutageStart,
     OutageEnd,
+    HangStart,
+    HangEnd,
+    /// A scenario's partition starts (true) or heals (false).
+    Partition(bool),
     /// A `dray-dht` node's provider records land.
     Provided(u32),
     /// A `dray-dht` node asks the DHT for its blobs' members.

@@ -1,5 +1,6 @@
 //! Named storm scenarios: cluster size, image, bandwidths and the disturbances
-//! (churn, late joiners, a tracker outage) a run injects.
+//! (churn or crashes, late joiners, a tracker outage, hang or partition) a
+//! run injects.
 
 use crate::SimError;
 use dray_protocol::defaults::{DEFAULTS, secs};
@@ -64,6 +65,9 @@ pub struct Racks {
 pub struct Churn {
     pub fraction: f64,
     pub at_s: f64,
+    /// They crash: the tracker is not told (no `Leave`), and learns it only
+    /// as their announces stop and their runs fall behind.
+    pub crash: bool,
 }
 
 /// A fraction of nodes start pulling at `at_s` instead of at 0.
@@ -77,6 +81,16 @@ pub struct LateJoiners {
 /// restarted (empty state).
 #[derive(Clone, Debug, Serialize)]
 pub struct Outage {
+    pub at_s: f64,
+    pub for_s: f64,
+}
+
+/// A fraction of nodes (chosen at random) cannot reach the tracker in
+/// `[at_s, at_s + for_s)`: their announces are lost; peers and the registry
+/// they still reach.
+#[derive(Clone, Debug, Serialize)]
+pub struct Partition {
+    pub fraction: f64,
     pub at_s: f64,
     pub for_s: f64,
 }
@@ -100,6 +114,10 @@ pub struct Scenario {
     pub churn: Option<Churn>,
     pub late_joiners: Option<LateJoiners>,
     pub outage: Option<Outage>,
+    /// The tracker hangs (stopped, its connections open) in
+    /// `[at_s, at_s + for_s)`: it answers nothing, then carries on with its state.
+    pub hang: Option<Outage>,
+    pub partition: Option<Partition>,
     /// Concurrent peer chunk downloads per node.
     pub max_downloads: u32,
     /// Concurrent chunk uploads per node.
@@ -149,6 +167,8 @@ impl Scenario {
             churn: None,
             late_joiners: None,
             outage: None,
+            hang: None,
+            partition: None,
             max_downloads: DEFAULTS.max_downloads as u32,
             max_uploads: DEFAULTS.max_uploads as u32,
             max_peers_per_blob: DEFAULTS.max_peers_per_blob,
@@ -164,6 +184,16 @@ impl Scenario {
             tracker_grace_s: secs(DEFAULTS.tracker_grace_ms),
             kraken_degree: 10,
         }
+    }
+
+    /// A chaos case's cluster (`crate::chaos`): 1 Gbit/s links, the
+    /// registry as fast as one node, the agent's defaults otherwise.
+    pub fn chaos(nodes: u32, layers: u32, image_bytes: u64) -> Self {
+        let mut s = Self::base("chaos", nodes, layers, image_bytes);
+        s.node_up_bps = 125e6;
+        s.node_down_bps = 125e6;
+        s.registry_bps = 125e6;
+        s
     }
 
     /// The cluster `dray bench storm` emulates, with the agent's default
@@ -245,10 +275,18 @@ impl Scenario {
         {
             return bad("churn and late-joiner fractions must be in 0..=1 at a time >= 0");
         }
-        if self.outage.as_ref().is_some_and(|o| {
-            !(o.at_s.is_finite() && o.at_s >= 0.0 && o.for_s.is_finite() && o.for_s >= 0.0)
-        }) {
-            return bad("an outage needs a start and a duration >= 0");
+        let window_ok =
+            |at: f64, for_s: f64| at.is_finite() && at >= 0.0 && for_s.is_finite() && for_s >= 0.0;
+        if [&self.outage, &self.hang]
+            .into_iter()
+            .flatten()
+            .any(|o| !window_ok(o.at_s, o.for_s))
+            || self
+                .partition
+                .as_ref()
+                .is_some_and(|p| !(window_ok(p.at_s, p.for_s) && (0.0..=1.0).contains(&p.fraction)))
+        {
+            return bad("an outage, hang or partition needs a start and a duration >= 0");
         }
         Ok(())
     }
@@ -336,6 +374,7 @@ pub fn scenario(name: &str) -> Result<Scenario, SimError> {
             s.churn = Some(Churn {
                 fraction: 0.25,
                 at_s: 5.0,
+                crash: false,
             });
             s.late_joiners = Some(LateJoiners {
                 fraction: 0.05,

@@ -131,6 +131,7 @@ fn the_same_seed_gives_the_same_numbers() {
     sc.churn = Some(Churn {
         fraction: 0.25,
         at_s: 8.0,
+        crash: false,
     });
     let strip = |mut r: SimReport| {
         r.wall_s = 0.0;
@@ -149,6 +150,7 @@ fn every_node_that_stays_completes_despite_churn_and_late_joiners() {
     sc.churn = Some(Churn {
         fraction: 0.25,
         at_s: 8.0,
+        crash: false,
     });
     sc.late_joiners = Some(LateJoiners {
         fraction: 0.25,

@@ -30,6 +30,7 @@
 //!   dropped its peers early sat idle while a direct pull takes a second.
 //!   It costs at most the chunks the pull cannot get from a live peer.
 
+use crate::planted::{self, Bug};
 use std::time::{Duration, Instant};
 
 /// What a pull fetches from the registry on its own, mildest first.
@@ -147,7 +148,9 @@ impl FallbackRule {
         let quiet = now.saturating_duration_since(self.progress);
         let wanted = if quiet > self.stall {
             Fallback::All
-        } else if self.tracker_silent_for(now) > self.tracker_grace {
+        } else if self.tracker_silent_for(now) > self.tracker_grace
+            && !planted::is(Bug::SilenceIgnored)
+        {
             Fallback::Unavailable
         } else if quiet > self.tracker_grace
             && !self.fetching

@@ -37,6 +37,7 @@
 
 use super::fallback::{Fallback, FallbackRule};
 use crate::picker::ChunkPicker;
+use crate::planted::{self, Bug};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -94,6 +95,11 @@ pub enum Action {
     /// The stall rule fired while every chunk is held and the blob failed
     /// its digest: the registry has nothing left to give; the pull fails.
     RecheckStalled,
+    /// The tracker answers after a spell it could not be heard: publish the
+    /// hashes of every chunk held again. Those fetched from the registry in
+    /// the meantime were published to nobody, and until the tracker has
+    /// them no other node can verify, so take, those chunks.
+    Republish,
 }
 
 /// The tracker's (or the DHT coordinator's) news for this pull.
@@ -136,6 +142,8 @@ pub struct PullMachine {
     held: u32,
     /// The current quiet spell was reported.
     quiet: bool,
+    /// The tracker failed or fell silent since its last answer.
+    missed: bool,
 }
 
 impl PullMachine {
@@ -157,6 +165,7 @@ impl PullMachine {
             next_run: 0,
             held,
             quiet: false,
+            missed: false,
         }
     }
 
@@ -178,6 +187,7 @@ impl PullMachine {
     /// not news any more.
     pub fn tracker_failed(&mut self) {
         self.rule.tracker_failed();
+        self.missed = true;
     }
 
     /// News at `now`. A tracker-silence fallback ends (its runs stop, their
@@ -188,6 +198,10 @@ impl PullMachine {
     pub fn answered(&mut self, now: Instant, news: News<'_>, out: &mut Vec<Action>) {
         if self.rule.tracker_answered(now, news.fetching) {
             self.stop_where(|r| r.kind == RunKind::Silent, out);
+            self.missed = true;
+        }
+        if std::mem::take(&mut self.missed) {
+            out.push(Action::Republish);
         }
         if self.alone {
             return;
@@ -243,6 +257,7 @@ impl PullMachine {
         {
             out.push(Action::Quiet);
         }
+        let published = |c| published(c) || planted::is(Bug::StarveUnpublished);
         let starvable = || {
             picker
                 .unavailable()
@@ -463,7 +478,14 @@ mod tests {
         out.clear();
         m.answered(t0 + s(5), news(&[], true), &mut out);
         assert_eq!(stops(&out), ids);
+        assert!(out.contains(&Action::Republish), "{out:?}");
         assert_eq!(m.mode(), Fallback::Off);
+        // A failing tracker client, then an answer: republish once.
+        out.clear();
+        m.tracker_failed();
+        m.answered(t0 + s(6), news(&[], true), &mut out);
+        m.answered(t0 + s(7), news(&[], true), &mut out);
+        assert_eq!(out, [Action::Republish]);
     }
 
     #[test]

@@ -1,10 +1,11 @@
-//! Disturbances a scenario injects: nodes leaving, the tracker going down
-//! and restarting.
+//! Disturbances a scenario injects: nodes leaving or crashing, the tracker
+//! going down and restarting, hanging, or cut off from some nodes.
 
 use super::*;
 
 impl World<'_> {
-    pub(super) fn leave(&mut self, n: u32) {
+    /// `n` leaves; `crash`: without telling the tracker.
+    pub(super) fn leave(&mut self, n: u32, crash: bool) {
         let nu = n as usize;
         if !self.nodes[nu].alive {
             return;
@@ -15,7 +16,7 @@ impl World<'_> {
         if self.nodes[nu].done_at.is_none() {
             self.pending -= 1;
         }
-        if self.strategy == Strategy::Dray && self.tracker_up {
+        if self.strategy == Strategy::Dray && self.tracker_up && !crash && !self.nodes[nu].cut_off {
             self.sched.leave(&self.names[nu]);
         }
         for id in std::mem::take(&mut self.nodes[nu].in_flows) {
@@ -51,6 +52,25 @@ impl World<'_> {
         }
     }
 
+    /// The scenario's partition starts (`cut`) or heals.
+    pub(super) fn partition(&mut self, cut: bool) {
+        let Some(p) = &self.sc.partition else {
+            return;
+        };
+        if !cut {
+            for node in &mut self.nodes {
+                node.cut_off = false;
+            }
+            return;
+        }
+        let mut order: Vec<u32> = (0..self.pullers).collect();
+        self.rng.shuffle(&mut order);
+        let count = (p.fraction * f64::from(self.pullers)).round() as usize;
+        for n in order.into_iter().take(count) {
+            self.nodes[n as usize].cut_off = true;
+        }
+    }
+
     pub(super) fn churn(&mut self) {
         let Some(c) = &self.sc.churn else {
             return;
@@ -59,7 +79,7 @@ impl World<'_> {
         self.rng.shuffle(&mut order);
         let count = (c.fraction * f64::from(self.pullers)).round() as usize;
         for n in order.into_iter().take(count) {
-            self.leave(n);
+            self.leave(n, c.crash);
         }
     }
 
@@ -101,7 +121,10 @@ impl World<'_> {
             Ev::Lookup(n) => self.dht_lookup(n),
             Ev::Found(n) => self.dht_found(n),
             Ev::Churn => self.churn(),
-            Ev::OutageStart => self.tracker_up = false,
+            Ev::OutageStart | Ev::HangStart => self.tracker_up = false,
+            // A hung tracker carries on where it stopped.
+            Ev::HangEnd => self.tracker_up = true,
+            Ev::Partition(cut) => self.partition(cut),
             Ev::OutageEnd => {
                 // Modelled as a restart: the tracker comes back empty and
                 // rebuilds from the full announces its resend_full asks for.

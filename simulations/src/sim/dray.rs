@@ -19,7 +19,10 @@ impl World<'_> {
         };
         let every = announce_spread(Duration::from_secs_f64(every), self.rng.unit()).as_secs_f64();
         self.schedule_announce(n, every);
-        if !self.tracker_up {
+        if !self.tracker_up || self.nodes[nu].cut_off {
+            // The agent's request fails (or hangs past `HUNG_AFTER`), and
+            // its pulls hear so.
+            self.tracker_failed(n);
             return;
         }
         self.send_announce(n);
@@ -73,8 +76,13 @@ impl World<'_> {
     pub(super) fn answered(&mut self, n: u32, full: bool) {
         let nu = n as usize;
         let d = self.sched.answer();
-        // Lost with the connection if the tracker or the node went down.
-        if !self.tracker_up || !self.nodes[nu].alive {
+        if !self.nodes[nu].alive {
+            return;
+        }
+        // Lost with the connection if the tracker went down or the node was
+        // cut off from it: the agent's request fails, and its pulls hear so.
+        if !self.tracker_up || self.nodes[nu].cut_off {
+            self.tracker_failed(n);
             return;
         }
         if d.resend_full {
@@ -155,6 +163,15 @@ impl World<'_> {
         }
     }
 
+    /// `n`'s request to the tracker failed: each of its pulls hears so.
+    fn tracker_failed(&mut self, n: u32) {
+        for nb in &mut self.nodes[n as usize].blobs {
+            if let Some(m) = nb.pull.as_mut() {
+                m.tracker_failed();
+            }
+        }
+    }
+
     /// `n`'s pull of blob `b` takes news from the tracker or the DHT
     /// coordinator; what its machine decides is carried out.
     pub(super) fn pull_news(&mut self, n: u32, b: usize, news: News<'_>) {
@@ -204,6 +221,14 @@ impl World<'_> {
                     self.run_ended(n, b, run);
                 }
                 Action::FellBack(_) => self.fallbacks += 1,
+                Action::Republish => {
+                    if self.reaches_tracker(n) {
+                        let held: Vec<u32> = self.nodes[n as usize].blobs[b].held.ones().collect();
+                        for c in held {
+                            self.publish(b, c);
+                        }
+                    }
+                }
                 // A simulated blob never fails its digest; nothing to log.
                 Action::Quiet | Action::RecheckStalled => {}
             }

@@ -103,8 +103,9 @@ impl World<'_> {
             if self.strategy == Strategy::Dray {
                 // Publish the whole map, and tell the tracker at once: the node
                 // now seeds instead of wanting.
+                let heard = self.reaches_tracker(n);
                 for b in 0..self.blobs.len() {
-                    if !self.published[b].is_full() {
+                    if heard && !self.published[b].is_full() {
                         for c in 0..self.published[b].len() {
                             self.publish(b, c);
                         }
@@ -163,7 +164,7 @@ impl World<'_> {
             Purpose::RunChunk => {
                 // The fetcher publishes the chunk's hash to the tracker, if
                 // it is there to hear it.
-                if self.strategy == Strategy::Dray && self.tracker_up {
+                if self.reaches_tracker(to) {
                     self.publish(p.blob as usize, p.chunk);
                 }
                 self.receive(to, p.blob, Some(p.chunk));

@@ -121,6 +121,8 @@ struct Node {
     announce_gen: u32,
     poll_at: Option<u64>,
     need_full: bool,
+    /// Cut off from the tracker (a scenario's partition): its announces are lost.
+    cut_off: bool,
     runs: Vec<RunState>,
     rotor: usize,
 }
@@ -311,6 +313,11 @@ impl World<'_> {
         self.start_flow(payload, bytes)
     }
 
+    /// Whether what `n` sends the tracker now reaches it.
+    fn reaches_tracker(&self, n: u32) -> bool {
+        self.strategy == Strategy::Dray && self.tracker_up && !self.nodes[n as usize].cut_off
+    }
+
     fn schedule_poll(&mut self, n: u32, secs: f64) {
         let at = self.net.now_ns().saturating_add(to_ns(secs));
         let node = &mut self.nodes[n as usize];
@@ -428,6 +435,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             announce_gen: 0,
             poll_at: None,
             need_full: true,
+            cut_off: false,
             runs: Vec::new(),
             rotor: 0,
         })
@@ -487,6 +495,14 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
         if let Some(o) = &sc.outage {
             w.net.at_secs(o.at_s, Ev::OutageStart);
             w.net.at_secs(o.at_s + o.for_s, Ev::OutageEnd);
+        }
+        if let Some(h) = &sc.hang {
+            w.net.at_secs(h.at_s, Ev::HangStart);
+            w.net.at_secs(h.at_s + h.for_s, Ev::HangEnd);
+        }
+        if let Some(p) = &sc.partition {
+            w.net.at_secs(p.at_s, Ev::Partition(true));
+            w.net.at_secs(p.at_s + p.for_s, Ev::Partition(false));
         }
     }
     if let Some(c) = &sc.churn {
