@@ -877,6 +877,10 @@ impl Swarm {
                     // Every chunk is held: the registry fallback has nothing
                     // to fetch, and the recheck found nothing wrong in time.
                     Action::RecheckStalled => return Err(Error::RecheckStalled(digest)),
+                    Action::Republish => {
+                        let (publisher, blob) = (self.clone(), t.blob().clone());
+                        tokio::spawn(async move { publisher.publish(&blob).await });
+                    }
                 }
             }
             // `changed()` marks the value seen, so remember that it fired.
