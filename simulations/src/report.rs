@@ -92,6 +92,9 @@ pub struct SimReport {
     pub fallbacks: u64,
     /// Wall-clock time of the run (the only field that differs between identical runs).
     pub wall_s: f64,
+    /// Simulated events a wall-clock second (`events / wall_s`; varies with
+    /// the host like `wall_s`).
+    pub events_per_s: f64,
     /// (seconds, fraction of completed nodes done by then).
     pub completion_cdf: Vec<(f64, f64)>,
     pub registry_egress: Vec<EgressBucket>,
@@ -211,6 +214,7 @@ impl SimReport {
             events,
             fallbacks,
             wall_s,
+            events_per_s: events as f64 / wall_s.max(1e-9),
             completion_cdf: cdf,
             registry_egress,
             dht,
