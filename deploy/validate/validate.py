@@ -13,7 +13,8 @@ schema-validated like any other and must hold deploy/grafana's dashboard.
 The chart's copies of the rule file and the dashboard (files/) must equal
 deploy/prometheus/ and deploy/grafana/ (`--update` rewrites them), and every
 metric the rules, their tests and the dashboard name must be registered in
-the agent's or tracker's code.
+the agent's or tracker's code; every alert's runbook_url must name a heading
+of docs/operator-guide.md.
 
 Run by scripts/validate-deploy.sh inside its pinned venv; not meant to be run
 by hand. Exit status 1 with one line per problem on any failure.
@@ -349,6 +350,28 @@ def check_metric_names(problems, rules_out):
           f"series of the rules, their tests and the dashboard name only those")
 
 
+def check_runbooks(problems):
+    """Every alert has a summary, a description, a severity and a runbook_url
+    naming a heading of the operator guide."""
+    guide = (ROOT / "docs/operator-guide.md").read_text()
+    anchors = {re.sub(r"[^a-z0-9 -]", "", h.strip().lower()).replace(" ", "-")
+               for h in re.findall(r"^#+ (.*)$", guide, re.M)}
+    for group in yaml.safe_load(RULES.read_text())["groups"]:
+        for rule in group["rules"]:
+            if "alert" not in rule:
+                continue
+            where = f"{RULES.relative_to(ROOT)}: {rule['alert']}"
+            notes = rule.get("annotations", {})
+            if rule.get("labels", {}).get("severity") not in ("warning", "critical"):
+                problems.append(f"{where}: severity must be warning or critical")
+            if not notes.get("summary") or not notes.get("description"):
+                problems.append(f"{where}: needs summary and description annotations")
+            page, _, anchor = notes.get("runbook_url", "").partition("#")
+            if page != "docs/operator-guide.md" or anchor not in anchors:
+                problems.append(f"{where}: runbook_url {notes.get('runbook_url')!r} names no heading "
+                                "of docs/operator-guide.md")
+
+
 def extract(docs, out):
     """Writes the init container's script and every config file of the default
     rendering to `out`, for the shell checks."""
@@ -395,6 +418,7 @@ def main():
                             "run scripts/validate-deploy.sh --update")
     if args.dashboard_rules:
         check_metric_names(problems, args.dashboard_rules)
+    check_runbooks(problems)
 
     plain = render(PLAIN_VALUES)
     if args.update:
