@@ -11,7 +11,11 @@
 #     dray binary, twice; the hosts.toml and drop-in it writes must be valid
 #     TOML, and containerd 1.6 must load the drop-in through `imports`;
 #  4. the rendered agent, snapshotter and tracker TOML are loaded by the real
-#     dray binary (on loopback only).
+#     dray binary (on loopback only);
+#  5. the alert rules of deploy/prometheus pass `promtool check rules` and their
+#     unit tests `promtool test rules`, and the dashboard's expressions parse
+#     (validate.py checks that they all name metrics the code registers, and the
+#     chart's monitoring objects, on and off, in step 1).
 # `--update` first rewrites deploy/kubernetes/ from the chart.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,10 +29,12 @@ update=()
 
 fail() { echo "validate-deploy: FAIL: $*" >&2; exit 1; }
 
-# Debian packages: python3 with venv for the validators, containerd for its config loader.
+# Debian packages: python3 with venv for the validators, containerd for its
+# config loader, prometheus for promtool.
 need=()
 command -v python3 >/dev/null && python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3 python3-venv)
 command -v containerd >/dev/null || need+=(containerd)
+command -v promtool >/dev/null || need+=(prometheus)
 if ((${#need[@]})); then
   [ "$(id -u)" -eq 0 ] || fail "missing ${need[*]}; run as root to install them"
   echo "== installing ${need[*]}"
@@ -58,7 +64,15 @@ kv=()
 for v in "${KUBE_VERSIONS[@]}"; do kv+=(--kube-version "$v"); done
 
 echo "== chart: lint, render, compare with deploy/kubernetes/, validate"
-"$py" deploy/validate/validate.py "${kv[@]}" "${update[@]}" --extract "$work/rendered"
+"$py" deploy/validate/validate.py "${kv[@]}" "${update[@]}" --extract "$work/rendered" \
+  --dashboard-rules "$work/dashboard-rules.yaml"
+
+echo "== alert rules and dashboard expressions: promtool $(promtool --version 2>&1 | awk 'NR == 1 {print $3}')"
+promtool check rules deploy/prometheus/dray-alerts.yaml || fail "promtool check rules deploy/prometheus/dray-alerts.yaml"
+(cd deploy/prometheus && promtool test rules dray-alerts.test.yaml) || fail "promtool test rules deploy/prometheus/dray-alerts.test.yaml"
+promtool check rules "$work/dashboard-rules.yaml" >"$work/promtool-dashboard.log" 2>&1 ||
+  fail "the dashboard's expressions do not parse: $(cat "$work/promtool-dashboard.log")"
+echo "$(grep -c 'expr:' "$work/dashboard-rules.yaml") dashboard expressions parse"
 
 echo "== broken manifests must be rejected"
 # Each copy has one mistake: an unknown field (only strict checking sees it),
