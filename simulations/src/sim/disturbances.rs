@@ -133,6 +133,7 @@ impl World<'_> {
                 for published in &mut self.published {
                     *published = Bitfield::new(published.len());
                 }
+                self.tracked.fill(false);
             }
         }
     }

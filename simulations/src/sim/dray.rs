@@ -69,6 +69,11 @@ impl World<'_> {
             full,
         };
         self.sched.announce(a, self.instant());
+        if full {
+            // Calls reach the tracker in order: its swarms exist for
+            // whatever is published after this.
+            self.tracked.fill(true);
+        }
         self.net.after(self.sc.rtt_s, Ev::Answer(n, full));
     }
 
