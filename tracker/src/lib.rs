@@ -861,7 +861,16 @@ impl TrackerState {
                 }
                 continue;
             }
-            if known.is_some() {
+            if let Some(known) = known {
+                // The same hash again settles the chunk (settling twice
+                // changes nothing): a swarm formed again while the blob's
+                // map lived on (its last member left and another joined
+                // before the next tick dropped the map) starts with no
+                // chunk settled, and would hand out registry runs for
+                // chunks its members hold, forever.
+                if known == *h {
+                    self.scheduler.hash_settled(&d, i, now);
+                }
                 continue;
             }
             if self.scheduler.registry_fetcher(&d, i) == Some(publisher) {
@@ -1198,6 +1207,42 @@ mod tests {
             .unwrap();
         let got = ChunkMap::from_pb(&resp.chunk_maps[0]).unwrap();
         assert_eq!(got.hashes()[0], Some([7; 32]));
+    }
+
+    #[test]
+    fn a_swarm_formed_again_while_its_map_lives_settles_the_chunks_its_members_republish() {
+        let t = Tracker::new(&TrackerConfig::default());
+        let d = BlobDigest::of(b"blob");
+        let (size, now) = (1u64 << 22, Instant::now());
+        let none = Bitfield::new(1);
+        let mut all = Bitfield::new(1);
+        all.set(0);
+        let mut map = ChunkMap::unhashed(d, size, 1 << 22).unwrap();
+        map.set_hash(0, [7; 32]).unwrap();
+        // a fetches the chunk from the registry, publishes its hash and
+        // leaves: the swarm goes, its map stays until the next tick.
+        let resp = t
+            .handle(announce("a", d, size, Some(&none), true), Some("a"), now)
+            .unwrap()
+            .unwrap();
+        assert_eq!(resp.assignments.len(), 1);
+        t.handle(publish("a", &map), Some("a"), now).unwrap();
+        let leave = pb::TrackerRequest {
+            body: Some(Body::Leave(pb::Leave {
+                peer_id: "a".into(),
+            })),
+        };
+        t.handle(leave, Some("a"), now).unwrap();
+        // b, holding the blob, forms the swarm again and republishes its map.
+        t.handle(announce("b", d, size, Some(&all), true), Some("b"), now)
+            .unwrap();
+        t.handle(publish("b", &map), Some("b"), now).unwrap();
+        // c wants the blob: b serves the chunk, nobody fetches it again.
+        let resp = t
+            .handle(announce("c", d, size, Some(&none), true), Some("c"), now)
+            .unwrap()
+            .unwrap();
+        assert!(resp.assignments.is_empty(), "{:?}", resp.assignments);
     }
 
     #[test]

@@ -282,9 +282,12 @@ impl World<'_> {
     }
 
     /// Chunk `c` of blob `b`'s hash reaches the tracker's map (and its
-    /// scheduler, as the tracker's publication handler tells it).
+    /// scheduler, as the tracker's publication handler tells it: a hash
+    /// already in the map settles the chunk again, which changes nothing
+    /// unless the blob's swarm formed anew).
     fn publish(&mut self, b: usize, c: u32) {
-        if self.tracked[b] && self.published[b].set(c) {
+        if self.tracked[b] {
+            self.published[b].set(c);
             let at = self.instant();
             self.sched.hash_settled(self.blobs[b].digest, c, at);
         }
