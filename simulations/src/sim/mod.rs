@@ -153,8 +153,7 @@ struct World<'a> {
     /// publications (the real tracker answers `MapForUnknownBlob`), so they
     /// are not in its map: a republication racing the first full announce
     /// after a restart is lost, and the full announce's own republication
-    /// must still count (seed 896 of the chaos sweep: recording the refused
-    /// one stalled every node at 36 of 64 chunks until 169 s).
+    /// must still count (docs/results.md, "The chaos sweep": seed 896).
     tracked: Vec<bool>,
     /// Chunk uploads in flight, by node.
     uploads: Vec<u32>,
