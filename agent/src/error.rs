@@ -52,6 +52,22 @@ pub enum Error {
         "chunk {index} of {digest} hashes to what its map said before a recheck replaced that hash: its sender has not heard of the replacement yet"
     )]
     Superseded { digest: BlobDigest, index: u32 },
+    #[error(
+        "chunk {index} of {digest} fails a hash taken on another peer's word alone: the registry decides which was true"
+    )]
+    Disputed {
+        digest: BlobDigest,
+        index: u32,
+        hash: dray_protocol::chunkmap::ChunkHash,
+    },
+    #[error(
+        "{chunks} chunks of {digest} held here were on the word of {liars}, whom the registry's bytes contradicted: fetching them again"
+    )]
+    Ruled {
+        digest: BlobDigest,
+        chunks: u32,
+        liars: String,
+    },
     #[error("the tracker replaced the hashes of {chunks} chunks of {digest} held here")]
     Replaced { digest: BlobDigest, chunks: u32 },
     #[error("blob {0} failed its digest and the swarm's recheck found no wrong chunk in time")]

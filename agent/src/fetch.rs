@@ -55,12 +55,14 @@ use crate::error::{Error, Result};
 use crate::metrics::Source;
 use crate::peer::{MIN_CHUNK_DEADLINE, PeerLink, PeerNode};
 use crate::store::{Blob, PutOutcome};
+use dray_protocol::chunkmap::ChunkHash;
 use dray_protocol::defaults::DEFAULTS;
 use dray_protocol::peers::{Admit, Roster};
 use dray_protocol::picker::{ChunkPicker, DEFAULT_WINDOW};
+use dray_protocol::pull::{Arbiter, Claim, Ruling};
 use dray_protocol::{Bitfield, ChunkMap, VerifyError};
 use serde::Serialize;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -111,6 +113,11 @@ pub struct FetchReport {
     pub chunks_by_peer: BTreeMap<String, u32>,
     /// Peers that sent a chunk failing its hash, with the chunk index.
     pub bad_peers: BTreeMap<String, u32>,
+    /// Peers whose chunk hashes the registry's bytes contradicted (a pull
+    /// taking peers' word for hashes: see [`dray_protocol::pull::arbiter`]).
+    pub liars: BTreeSet<String>,
+    /// Chunks fetched from the registry to settle whose word was true.
+    pub checks: u32,
     /// Bytes of verified chunks received from peers.
     pub bytes_received: u64,
     /// Verified chunks and bytes read from the registry (swarm pulls).
@@ -265,8 +272,12 @@ pub struct Transfer {
     storing: AtomicUsize,
     /// No tracker vouches for chunk hashes (a swarm found through the DHT):
     /// watchers take each peer's word for the hashes of the chunks it
-    /// holds, and the blob's digest, checked at the end, is the judge.
+    /// holds, through the arbiter; those chunks reach no reader until the
+    /// registry or the blob's digest vouches for them.
     peer_hashes: std::sync::atomic::AtomicBool,
+    /// Whose word each such hash is, and the disputes the registry settles;
+    /// shared by the attempts of one pull (see [`Transfer::judged_by`]).
+    arbiter: std::sync::OnceLock<Arc<Mutex<Arbiter<String>>>>,
 }
 
 /// Counts one store under way for as long as it lives.
@@ -312,6 +323,7 @@ impl Transfer {
             chunk_size: map.chunk_size(),
             storing: AtomicUsize::new(0),
             peer_hashes: std::sync::atomic::AtomicBool::new(false),
+            arbiter: std::sync::OnceLock::new(),
         });
         t.spawn(persist_loop(t.clone()));
         Ok(t)
@@ -349,6 +361,124 @@ impl Transfer {
         self.peer_hashes.store(true, Ordering::Release);
     }
 
+    /// Keeps this transfer's claims in `arbiter`, the pull's across its
+    /// attempts (a liar ruled in one stays out of the next). Before any
+    /// peer is added.
+    pub fn judged_by(&self, arbiter: Arc<Mutex<Arbiter<String>>>) {
+        _ = self.arbiter.set(arbiter);
+    }
+
+    fn arbiter(&self) -> std::sync::MutexGuard<'_, Arbiter<String>> {
+        let chunks = self.blob.map().chunk_count();
+        self.arbiter
+            .get_or_init(|| Arc::new(Mutex::new(Arbiter::new(chunks))))
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes `peer`'s word for the hashes in `theirs` (see
+    /// [`dray_protocol::pull::arbiter`]): a first claim is taken, unvouched;
+    /// one that differs from a claim taken waits for a check; one that
+    /// contradicts a vouched hash rules `peer` a liar. Returns how many
+    /// hashes were new.
+    fn take_claims(&self, peer: &str, theirs: &ChunkMap) -> Result<u32> {
+        let peer = peer.to_string();
+        let mut new = 0;
+        let mut ruling = Ruling::default();
+        {
+            let mut arb = self.arbiter();
+            for (i, h) in theirs.hashes().iter().enumerate() {
+                let (i, Some(h)) = (i as u32, *h) else {
+                    continue;
+                };
+                if let Some(ours) = self.blob.hash(i)
+                    && !self.blob.is_unvouched(i)
+                {
+                    if ours == h {
+                        continue;
+                    }
+                    // A hash vouched for (by a tracker before it went
+                    // silent, or the registry): the claim is a lie.
+                    join(&mut ruling, arb.vouched(i, ours));
+                }
+                let (claim, r) = arb.claim(i, h, &peer);
+                join(&mut ruling, r);
+                match claim {
+                    Claim::Taken => new += u32::from(self.blob.claim_hash(i, h)?),
+                    Claim::Disputed => {
+                        tracing::info!(%peer, index = i, digest = %self.blob.digest(), "peers differ on a chunk's hash: the registry decides")
+                    }
+                    Claim::Lied | Claim::Ignored => break,
+                    Claim::Agrees => {}
+                }
+            }
+        }
+        self.rule(ruling)?;
+        Ok(new)
+    }
+
+    /// The next disputed chunk to fetch from the registry, if any.
+    pub fn next_check(&self) -> Option<u32> {
+        self.arbiter().next_check()
+    }
+
+    /// The blob failed its digest with chunks on peers' word: the next
+    /// chunk whose claim to check (see [`Arbiter::digest_failed`]).
+    pub fn suspect(&self) -> Option<u32> {
+        self.arbiter().digest_failed()
+    }
+
+    /// A check of chunk `index` ended: with the registry's bytes' hash, or
+    /// `None` if it could not be made. Acts on the ruling.
+    pub fn checked(&self, index: u32, registry: Option<ChunkHash>) -> Result<()> {
+        let ruling = {
+            let mut arb = self.arbiter();
+            match registry {
+                Some(hash) => arb.registry_says(index, hash),
+                None => {
+                    arb.check_failed(index);
+                    return Ok(());
+                }
+            }
+        };
+        self.lock().report.checks += 1;
+        self.rule(ruling)
+    }
+
+    /// Acts on a ruling: each liar is dropped from the pull, and the
+    /// chunks held on its word are dropped; if any was, the attempt ends
+    /// ([`Error::Ruled`]) and the next fetches them again from others.
+    fn rule(&self, ruling: Ruling<String>) -> Result<()> {
+        if ruling.liars.is_empty() {
+            return Ok(());
+        }
+        let digest = self.blob.digest();
+        {
+            let mut sh = self.lock();
+            for liar in &ruling.liars {
+                tracing::warn!(peer = %liar, %digest, "peer identified as a liar: the registry's bytes contradict a chunk hash it gave; dropping it and every hash it gave");
+                self.node.metrics().liar_identified();
+                sh.picker.ban(liar);
+                sh.retire(liar);
+                sh.raw.remove(liar);
+                sh.report.liars.insert(liar.clone());
+                for r in sh.requests.values().flatten().filter(|r| r.peer == *liar) {
+                    r.cancel.cancel();
+                }
+            }
+        }
+        self.released.notify_waiters();
+        let chunks = self.blob.drop_claims(&ruling.dropped)?;
+        if chunks > 0 {
+            self.fail(Error::Ruled {
+                digest,
+                chunks,
+                liars: ruling.liars.join(", "),
+            });
+        }
+        Ok(())
+    }
+
     pub fn blob(&self) -> &Arc<Blob> {
         &self.blob
     }
@@ -374,6 +504,13 @@ impl Transfer {
         let evicted = {
             let mut sh = self.lock();
             if sh.stopped || sh.picker.is_banned(&peer.peer_id) {
+                return;
+            }
+            let liar = self
+                .arbiter
+                .get()
+                .is_some_and(|a| a.lock().is_ok_and(|a| a.is_liar(&peer.peer_id)));
+            if liar {
                 return;
             }
             match sh.roster.admit(peer.peer_id.clone(), retired.clone()) {
@@ -832,14 +969,10 @@ async fn watch_peer(
                 .await?;
             let told = theirs.known().count();
             more_hashes = told as usize >= dray_protocol::framing::MAX_HASHES_PER_ANSWER;
-            match t.blob.learn(&theirs) {
+            match t.take_claims(&link.peer_id, &theirs) {
                 Ok(0) => {}
                 Ok(_) => t.nudge(),
-                // Another peer's word came first: the chunk's bytes, then
-                // the blob's digest, decide which was true.
-                Err(e) => {
-                    tracing::warn!(peer = %link.peer_id, error = %e, "a peer's chunk hash differs from one already taken")
-                }
+                Err(e) => t.fail(e),
             }
             Ok(bits)
         };
@@ -931,6 +1064,21 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
                 t.end_request(index, &peer, Ended::Failed);
                 continue;
             }
+            // Bytes that fail a hash taken on another peer's word: their
+            // hash is this peer's claim, and the registry decides.
+            Err(Error::Disputed { hash, .. }) => {
+                t.end_request(index, &peer, Ended::Failed);
+                t.forget_offer(&peer, index);
+                let ruling = {
+                    let mut arb = t.arbiter();
+                    arb.sent(index, hash, &peer).1
+                };
+                if let Err(e) = t.rule(ruling) {
+                    t.fail(e);
+                    return;
+                }
+                continue;
+            }
             Err(Error::Verify(VerifyError::ChunkHash { .. } | VerifyError::ChunkLength { .. })) => {
                 tracing::warn!(%peer, index, digest = %map.digest(), "peer sent a chunk that fails its hash; banning it");
                 t.node.metrics().verify_failed(Source::Peer);
@@ -942,6 +1090,18 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
                 t.end_request(index, &peer, Ended::Failed);
                 return;
             }
+            // Every chunk held and the blob failed its digest, some on
+            // peers' word alone: those claims are the suspects, checked
+            // against the registry one claimant at a time (the pull's drive
+            // loop asks [`Transfer::suspect`]), and readers were handed none
+            // of their bytes. Only a pull without unvouched chunks fails.
+            Err(Error::Verify(VerifyError::BlobDigest { .. }))
+                if t.blob.is_failed() && t.blob.unvouched() > 0 =>
+            {
+                tracing::warn!(digest = %map.digest(), unvouched = t.blob.unvouched(), "the blob failed its digest with chunks on peers' word: checking their claims against the registry");
+                t.end_request(index, &peer, Ended::Held(None));
+                continue;
+            }
             Err(e) => {
                 t.end_request(index, &peer, Ended::Failed);
                 t.fail(e);
@@ -949,6 +1109,12 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
             }
         }
     }
+}
+
+/// Adds `more` to `ruling`.
+fn join(ruling: &mut Ruling<String>, more: Ruling<String>) {
+    ruling.liars.extend(more.liars);
+    ruling.dropped.extend(more.dropped);
 }
 
 async fn persist_loop(t: Arc<Transfer>) {

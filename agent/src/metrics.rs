@@ -121,6 +121,7 @@ pub struct AgentMetrics {
     uploaded_bytes: Counter,
     upload_refusals: Counter,
     verify_failures: Family<SourceLabel, Counter>,
+    liars_identified: Counter,
     connected_peers: Gauge,
     fallbacks: Family<ReasonLabel, Counter>,
     pull_duration: Histogram,
@@ -148,6 +149,7 @@ impl AgentMetrics {
             uploaded_bytes: Counter::default(),
             upload_refusals: Counter::default(),
             verify_failures: Family::default(),
+            liars_identified: Counter::default(),
             connected_peers: Gauge::default(),
             fallbacks: Family::default(),
             // 0.1 s to about 7 minutes.
@@ -183,6 +185,11 @@ impl AgentMetrics {
             "chunk_verify_failures",
             "Chunks that failed their hash, by where they came from",
             m.verify_failures.clone(),
+        );
+        r.register(
+            "liars_identified",
+            "Peers whose chunk hashes the registry's bytes contradicted, in a pull without a tracker's hashes",
+            m.liars_identified.clone(),
         );
         r.register(
             "connected_peers",
@@ -257,6 +264,11 @@ impl AgentMetrics {
         self.verify_failures
             .get_or_create(&SourceLabel { source })
             .inc();
+    }
+
+    /// A peer ruled a liar by a check against the registry.
+    pub fn liar_identified(&self) {
+        self.liars_identified.inc();
     }
 
     /// A pull turning to the registry.

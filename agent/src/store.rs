@@ -197,7 +197,8 @@ pub enum PutOutcome {
 pub struct Progress {
     /// Chunks from the start that are verified and on disk.
     pub chunks: u32,
-    /// Chunks verified and on disk, in any order.
+    /// Chunks verified and on disk, in any order, that this node vouches
+    /// for ([`Blob::offered`]): what a watching peer follows.
     pub held: u32,
     /// The whole blob matched its digest.
     pub complete: bool,
@@ -239,6 +240,11 @@ struct BlobState {
     /// sending such a chunk has not heard of the replacement yet and is not
     /// lying. At most `MAX_SUPERSEDED`, oldest dropped.
     superseded: Vec<(u32, ChunkHash)>,
+    /// Held or hashed chunks whose hash is only a peer's word (a pull
+    /// without a tracker: see [`Blob::claim_hash`]). Their bytes reach no
+    /// reader, peer, announce or record until the registry or the blob's
+    /// digest vouches for them.
+    unvouched: Bitfield,
 }
 
 /// Replaced hashes remembered per open blob (one per recheck that found a
@@ -332,7 +338,7 @@ impl Blob {
             // Read first: the map's read guard must not live into the arms.
             let ours = self.read_map().hashes()[i as usize];
             match ours {
-                Some(ours) if ours == h => {}
+                Some(ours) if ours == h => _ = self.lock().unvouched.clear(i),
                 // This node fetched the chunk again from the registry since
                 // the blob failed: those bytes win over the tracker's hash
                 // until it hears of them (the answer may predate the
@@ -366,14 +372,19 @@ impl Blob {
             // The log holds the old hash: the next persist records the map.
             st.recorded_known = u32::MAX;
             st.failed = false;
+            st.unvouched.clear(index);
             st.held.clear(index)
         };
         if dropped && prefix.next_chunk() > index {
             *prefix = PrefixHasher::new();
-            self.progress.send_replace(Progress {
-                failed: true,
-                ..Progress::default()
-            });
+            // Readers stop only if they may have read the chunk; one past
+            // the vouched prefix they never saw, and they read on.
+            if index < self.progress.borrow().chunks {
+                self.progress.send_replace(Progress {
+                    failed: true,
+                    ..Progress::default()
+                });
+            }
         }
         Ok(dropped)
     }
@@ -409,6 +420,7 @@ impl Blob {
         state.held = Bitfield::new(map.chunk_count());
         state.recorded = Bitfield::new(map.chunk_count());
         state.rechecked = Bitfield::new(map.chunk_count());
+        state.unvouched = Bitfield::new(map.chunk_count());
         // Not what the log holds: the next persist records the new geometry.
         state.recorded_known = u32::MAX;
         Ok(true)
@@ -420,6 +432,74 @@ impl Blob {
 
     pub fn held(&self) -> Bitfield {
         self.lock().held.clone()
+    }
+
+    /// The held chunks this node vouches for: those whose hash is not only
+    /// another member's word. What it offers peers, announces and records.
+    pub fn offered(&self) -> Bitfield {
+        let st = self.lock();
+        vouched_of(&st.held, &st.unvouched)
+    }
+
+    /// Chunk `index`'s hash, if known.
+    pub fn hash(&self, index: u32) -> Option<ChunkHash> {
+        self.read_map()
+            .hashes()
+            .get(index as usize)
+            .copied()
+            .flatten()
+    }
+
+    /// How many chunks' hashes are only a peer's word.
+    pub fn unvouched(&self) -> u32 {
+        self.lock().unvouched.count()
+    }
+
+    /// Whether chunk `index`'s hash is only a peer's word.
+    pub fn is_unvouched(&self, index: u32) -> bool {
+        self.lock().unvouched.get(index)
+    }
+
+    /// Takes `hash` as chunk `index`'s on a peer's word alone (the caller's
+    /// [`dray_protocol::pull::Arbiter`] took the claim): the chunk may be
+    /// fetched and verified against it, but its bytes stay unvouched (see
+    /// [`BlobState::unvouched`]). Returns whether the hash was new.
+    pub fn claim_hash(&self, index: u32, hash: ChunkHash) -> Result<bool> {
+        let mut map = self.write_map();
+        let new = map.set_hash(index, hash)?;
+        if new {
+            self.lock().unvouched.set(index);
+        }
+        Ok(new)
+    }
+
+    /// Drops the unvouched hashes of `chunks` (their claimant lied) and the
+    /// chunks held under them; returns how many held chunks went. Readers
+    /// never saw them, so they read on.
+    pub fn drop_claims(&self, chunks: &[u32]) -> Result<u32> {
+        let mut prefix = self.prefix.lock().unwrap_or_else(|p| p.into_inner());
+        let mut map = self.write_map();
+        let mut st = self.lock();
+        let mut dropped = 0;
+        let mut first = u32::MAX;
+        for &i in chunks {
+            if !st.unvouched.clear(i) {
+                continue;
+            }
+            map.clear_hash(i)?;
+            if st.held.clear(i) {
+                dropped += 1;
+                first = first.min(i);
+            }
+        }
+        if dropped > 0 {
+            st.failed = false;
+            st.recorded_known = u32::MAX;
+            if prefix.next_chunk() > first {
+                *prefix = PrefixHasher::new();
+            }
+        }
+        Ok(dropped)
     }
 
     pub fn has(&self, index: u32) -> bool {
@@ -452,9 +532,14 @@ impl Blob {
         self.read_range(offset, len)
     }
 
-    /// A held chunk's bytes, read from disk; `None` if the chunk is not held.
+    /// A held chunk's bytes, read from disk, to serve a peer; `None` if the
+    /// chunk is not held or is held on another member's word alone.
     pub fn read_chunk(&self, index: u32) -> Result<Option<Vec<u8>>> {
-        if !self.has(index) {
+        let offered = {
+            let st = self.lock();
+            st.held.get(index) && !st.unvouched.get(index)
+        };
+        if !offered {
             return Ok(None);
         }
         self.read_at(index).map(Some)
@@ -472,10 +557,18 @@ impl Blob {
         let checked = self.read_map().verify_chunk(index, bytes);
         if let Err(VerifyError::ChunkHash { .. }) = checked {
             let hash = chunk_hash(bytes);
-            if self.lock().superseded.contains(&(index, hash)) {
+            let st = self.lock();
+            if st.superseded.contains(&(index, hash)) {
                 return Err(Error::Superseded {
                     digest: self.digest,
                     index,
+                });
+            }
+            if st.unvouched.get(index) {
+                return Err(Error::Disputed {
+                    digest: self.digest,
+                    index,
+                    hash,
                 });
             }
         }
@@ -501,11 +594,16 @@ impl Blob {
         }
         let hash = chunk_hash(bytes);
         if self.read_map().hashes()[index as usize] == Some(hash) && self.has(index) {
+            if self.lock().unvouched.clear(index) {
+                // Vouched now: readers may take it (and what follows it).
+                return self.advance_prefix(None).map(|_| PutOutcome::Duplicate);
+            }
             return Ok(PutOutcome::Duplicate);
         }
         if self.supersede(index, hash)? {
             tracing::warn!(digest = %self.digest, index, "the registry sent other bytes for a chunk held here: replacing it");
         }
+        self.lock().unvouched.clear(index);
         self.write_verified(index, bytes)
     }
 
@@ -538,11 +636,19 @@ impl Blob {
             }
         }
         if prefix.next_chunk() < count || self.is_complete() {
-            let chunks = prefix.next_chunk();
-            let held = self.lock().held.count();
+            let (held, unvouched) = {
+                let st = self.lock();
+                // Watching peers follow what this node offers.
+                let offered = vouched_of(&st.held, &st.unvouched).count();
+                (offered, st.unvouched.ones().next())
+            };
+            // Readers take the verified prefix up to the first chunk on a
+            // peer's word alone; never less than they were told (a prefix
+            // check starting over reads chunks they already had).
+            let chunks = prefix.next_chunk().min(unvouched.unwrap_or(count));
             self.progress.send_if_modified(|p| {
                 let was = *p;
-                (p.chunks, p.held) = (chunks, held);
+                (p.chunks, p.held) = (chunks.max(p.chunks), held);
                 *p != was
             });
             return Ok(PutOutcome::Stored);
@@ -555,6 +661,8 @@ impl Blob {
                     let mut st = self.lock();
                     st.complete = true;
                     st.failed = false;
+                    // The digest vouches for every chunk.
+                    st.unvouched = Bitfield::new(count);
                 }
                 self.progress.send_replace(Progress {
                     chunks: count,
@@ -565,15 +673,21 @@ impl Blob {
                 Ok(PutOutcome::Completed)
             }
             Err(e) => {
-                {
+                let unvouched = {
                     let mut st = self.lock();
                     st.failed = true;
                     st.rechecked = Bitfield::new(count);
+                    st.unvouched.count()
+                };
+                // Readers were handed only vouched chunks: while some are
+                // on a peer's word, those are the suspects, the readers'
+                // bytes stand, and they wait for the chunks to be fixed.
+                if unvouched == 0 {
+                    self.progress.send_replace(Progress {
+                        failed: true,
+                        ..Progress::default()
+                    });
                 }
-                self.progress.send_replace(Progress {
-                    failed: true,
-                    ..Progress::default()
-                });
                 Err(e.into())
             }
         }
@@ -1033,7 +1147,7 @@ impl ChunkStore {
             return if blob.is_complete() {
                 Ok(Some(blob.map()))
             } else {
-                blob.map_of(blob.held().ones()).map(Some)
+                blob.map_of(blob.offered().ones()).map(Some)
             };
         }
         match self.log.load(digest)? {
@@ -1158,6 +1272,7 @@ impl ChunkStore {
                 failed: false,
                 rechecked: Bitfield::new(count),
                 superseded: Vec::new(),
+                unvouched: Bitfield::new(count),
             }),
             prefix: Mutex::new(PrefixHasher::new()),
             progress: tokio::sync::watch::Sender::new(Progress::default()),
@@ -1208,7 +1323,8 @@ impl ChunkStore {
         let known = blob.read_map().known().count();
         {
             let st = blob.lock();
-            if st.held == st.recorded
+            let known = known - st.unvouched.count();
+            if vouched_of(&st.held, &st.unvouched) == st.recorded
                 && st.complete == st.recorded_complete
                 && st.recorded_known == known
             {
@@ -1222,11 +1338,20 @@ impl ChunkStore {
     }
 
     fn save(&self, blob: &Blob) -> Result<()> {
-        let (held, complete) = {
+        let (held, complete, unvouched) = {
             let st = blob.lock();
-            (st.held.clone(), st.complete)
+            (
+                vouched_of(&st.held, &st.unvouched),
+                st.complete,
+                st.unvouched.clone(),
+            )
         };
-        let map = blob.map();
+        // What is on a peer's word alone is not recorded: after a restart
+        // it is fetched again, not taken as verified.
+        let mut map = blob.map();
+        for i in unvouched.ones() {
+            map.clear_hash(i)?;
+        }
         let known = map.known().count();
         let record = LogRecord {
             map,
@@ -1284,6 +1409,15 @@ impl ChunkStore {
 }
 
 /// `map`'s geometry with only its known hashes of `chunks`.
+/// The chunks of `held` not in `unvouched`.
+fn vouched_of(held: &Bitfield, unvouched: &Bitfield) -> Bitfield {
+    let mut v = held.clone();
+    for i in unvouched.ones() {
+        v.clear(i);
+    }
+    v
+}
+
 fn map_of(map: &ChunkMap, chunks: impl IntoIterator<Item = u32>) -> Result<ChunkMap> {
     let mut part = ChunkMap::unhashed(map.digest(), map.size(), map.chunk_size())?;
     for i in chunks {

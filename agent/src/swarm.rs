@@ -52,7 +52,7 @@ use dray_protocol::defaults::{DEFAULTS, announce_spread};
 use dray_protocol::dht::{dht_runs, lookup_after, overflow_list, pick_peers};
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::preheat;
-use dray_protocol::pull::{Action, Fallback, News, PullConfig, PullMachine, RunId};
+use dray_protocol::pull::{Action, Arbiter, Fallback, News, PullConfig, PullMachine, RunId};
 use dray_protocol::scheduler::SchedulerConfig;
 use dray_protocol::settings::duration;
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap, DEFAULT_CHUNK_SIZE, VerifyError};
@@ -159,6 +159,11 @@ pub struct PullReport {
     pub discarded_bytes: u64,
     /// The pull fell back to fetching unclaimed chunks from the registry itself.
     pub fell_back: bool,
+    /// Peers whose chunk hashes the registry's bytes contradicted (a pull
+    /// on peers' word for hashes), dropped from the pull.
+    pub liars: Vec<String>,
+    /// Chunks fetched from the registry to settle whose word was true.
+    pub checks: u32,
 }
 
 /// The tracker's latest word on one wanted blob.
@@ -669,9 +674,18 @@ impl Swarm {
         let mut recut = false;
         // Wrong maps this node found itself (not replacements it was told of).
         let mut own_failures = 0;
+        // Whose word each hash taken from a peer is, across attempts: a
+        // liar ruled in one attempt stays out of the next.
+        let mut arbiter = None;
         loop {
             let map = ChunkMap::unhashed(digest, size, self.config.chunk_size)?;
             let transfer = Transfer::start(&self.node, &map, true).await?;
+            let chunks = transfer.blob().map().chunk_count();
+            transfer.judged_by(
+                arbiter
+                    .get_or_insert_with(|| Arc::new(Mutex::new(Arbiter::new(chunks))))
+                    .clone(),
+            );
             let (tx, rx) = watch::channel(Update {
                 tracker_ok: true,
                 ..Default::default()
@@ -710,6 +724,8 @@ impl Swarm {
             report.chunks_from_registry += fetched.chunks_from_registry;
             report.bytes_from_registry += fetched.bytes_from_registry;
             report.slow_peers.extend(fetched.slow_peers.into_keys());
+            report.liars.extend(fetched.liars);
+            report.checks += fetched.checks;
             for (peer, index) in &fetched.bad_peers {
                 report.bad_peers.push(peer.clone());
                 self.report_bad_chunk(&digest, peer, *index).await;
@@ -729,6 +745,13 @@ impl Swarm {
                 Err(Error::Recut { chunk_size, .. }) if !recut => {
                     tracing::info!(%digest, chunk_size, "joining the swarm in its chunk size");
                     recut = true;
+                    arbiter = None;
+                }
+                // Liars were found out: what was held on their word goes,
+                // and the next attempt fetches it from others.
+                Err(Error::Ruled { chunks, liars, .. }) => {
+                    report.discarded_bytes += u64::from(chunks) * u64::from(map.chunk_size());
+                    tracing::warn!(%digest, chunks, %liars, "dropped the chunks held on liars' word; fetching them again");
                 }
                 // A recheck found a wrong chunk held here: the new attempt
                 // fetches what was dropped, through the swarm.
@@ -779,6 +802,8 @@ impl Swarm {
         // token that stops each.
         let mut runs = tokio::task::JoinSet::new();
         let mut stops: HashMap<RunId, CancellationToken> = HashMap::new();
+        // Chunks fetched from the registry to settle whose word was true.
+        let mut checks = tokio::task::JoinSet::new();
         // With no tracker configured (the DHT's mode), no tracker can fall silent.
         let tracker_grace = match self.tracker.is_configured() {
             true => self.config.tracker_grace,
@@ -806,10 +831,37 @@ impl Swarm {
                 let (run, result) = done?;
                 stops.remove(&run);
                 machine.run_ended(run);
-                result?;
+                match result {
+                    // Failed with chunks on peers' word: checked below.
+                    Err(Error::Verify(VerifyError::BlobDigest { .. }))
+                        if t.blob().unvouched() > 0 => {}
+                    r => r?,
+                }
+            }
+            while let Some(done) = checks.try_join_next() {
+                done??;
             }
             if t.blob().is_complete() {
                 return Ok(());
+            }
+            // Disputes, and after a failed digest the suspects: one chunk
+            // from the registry each (see `dray_protocol::pull::arbiter`).
+            let mut due: Vec<u32> = std::iter::from_fn(|| t.next_check()).collect();
+            if checks.is_empty()
+                && due.is_empty()
+                && t.blob().is_failed()
+                && t.blob().unvouched() > 0
+            {
+                match t.suspect() {
+                    Some(index) => due.push(index),
+                    // Every claimant's checked chunk held: a lie only the
+                    // whole blob shows. The registry alone can serve it.
+                    None => return Err(Error::RecheckStalled(digest)),
+                }
+            }
+            for index in due {
+                let task = check_chunk(t.clone(), registry.clone(), repo.to_string(), index);
+                checks.spawn(task.in_current_span());
             }
             let now = Instant::now();
             if std::mem::take(&mut woke) || rx.has_changed().unwrap_or(false) {
@@ -1195,6 +1247,41 @@ async fn fetch_run(
         }
     }
     Ok(())
+}
+
+/// Fetches chunk `index` from the registry to settle a dispute or check a
+/// suspect claim, stores it (vouched) and hands the transfer the ruling.
+async fn check_chunk(
+    t: Arc<Transfer>,
+    registry: Arc<RegistryClient>,
+    repo: String,
+    index: u32,
+) -> Result<()> {
+    let map = t.blob().map();
+    let (digest, offset, len) = (map.digest(), map.offset(index), map.chunk_len(index));
+    tracing::info!(
+        index,
+        "fetching a chunk from the registry to check peers' word for it"
+    );
+    let data = match registry
+        .blob_range(&repo, &digest, offset, len as u64)
+        .await
+    {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::warn!(index, error = %e, "could not check a chunk against the registry");
+            return t.checked(index, None);
+        }
+    };
+    let hash = dray_protocol::chunkmap::chunk_hash(&data);
+    match t.store(index, data, None).await {
+        // The blob failed its digest again: the next suspect is checked.
+        Ok(_) | Err(Error::Verify(VerifyError::BlobDigest { .. })) => t.checked(index, Some(hash)),
+        Err(e) => {
+            t.checked(index, None)?;
+            Err(e)
+        }
+    }
 }
 
 /// Fetches one claimed chunk (or one to recheck) from the registry, stores

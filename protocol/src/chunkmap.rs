@@ -190,6 +190,21 @@ impl ChunkMap {
         Ok(slot.replace(hash).filter(|old| *old != hash))
     }
 
+    /// Forgets chunk `index`'s hash (a claim ruled a lie); returns whether
+    /// it had one.
+    pub fn clear_hash(&mut self, index: u32) -> Result<bool, VerifyError> {
+        let (digest, count) = (self.digest, self.chunk_count());
+        let slot = self
+            .hashes
+            .get_mut(index as usize)
+            .ok_or(VerifyError::OutOfRange {
+                digest,
+                index,
+                count,
+            })?;
+        Ok(slot.take().is_some())
+    }
+
     /// Takes every hash `other` knows that this map lacks; refuses conflicts
     /// and maps of another blob or geometry.
     pub fn merge(&mut self, other: &ChunkMap) -> Result<u32, VerifyError> {

@@ -148,7 +148,9 @@ async fn serve_request(
                         let _ =
                             tokio::time::timeout(Duration::from_millis(wait_ms.into()), news).await;
                     }
-                    let held = blob.held();
+                    // Only what this node vouches for: never a chunk it
+                    // holds on another member's word (see `Blob::offered`).
+                    let held = blob.offered();
                     let hashes = known
                         .map(|k| hashes_unknown_to(&blob, &held, &k))
                         .unwrap_or_default();

@@ -9,10 +9,13 @@
 //! either decides on its own when to go to the registry.
 //!
 //! [`fallback`] holds the rules that choose the fallback's mode;
-//! [`machine`] the run book and the choice of the fallback's runs.
+//! [`machine`] the run book and the choice of the fallback's runs;
+//! [`arbiter`] who decides a chunk's hash when no tracker vouches for it.
 
+pub mod arbiter;
 pub mod fallback;
 pub mod machine;
 
+pub use arbiter::{Arbiter, Claim, Ruling};
 pub use fallback::{Fallback, FallbackRule};
 pub use machine::{Action, News, PullConfig, PullMachine, RunId, RunKind};
