@@ -36,9 +36,16 @@ macro_rules! label_values {
         #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
         pub enum $name { $($(#[$vdoc])* $variant),+ }
 
+        impl $name {
+            /// The label value.
+            pub fn as_str(self) -> &'static str {
+                match self { $(Self::$variant => $text),+ }
+            }
+        }
+
         impl EncodeLabelValue for $name {
             fn encode(&self, e: &mut LabelValueEncoder<'_>) -> std::fmt::Result {
-                e.write_str(match self { $(Self::$variant => $text),+ })
+                e.write_str(self.as_str())
             }
         }
     };
@@ -72,7 +79,7 @@ label_values! {
 
 label_values! {
     /// What a mirror request asked for.
-    MirrorRequest { Ping => "ping", Manifest => "manifest", Blob => "blob", Invalid => "invalid" }
+    MirrorRequest { Ping => "ping", Manifest => "manifest", Blob => "blob", Tags => "tags", Invalid => "invalid" }
 }
 
 label_values! {
@@ -132,7 +139,14 @@ pub struct AgentMetrics {
     /// The DHT's routing table, traffic and refusals.
     dht: crate::dht::DhtMetrics,
     certificate_expiry: Gauge,
+    /// One unlabelled sample, absent while no tracker is configured (a
+    /// DHT-only node is not one that lost its tracker).
+    tracker_reachable: Family<NoLabels, Gauge>,
+    unpacked_bytes: Counter,
 }
+
+/// The label set of a family with one unlabelled sample, present only once set.
+type NoLabels = Vec<(&'static str, &'static str)>;
 
 impl Default for AgentMetrics {
     fn default() -> Self {
@@ -158,6 +172,8 @@ impl AgentMetrics {
             gc: crate::gc::GcMetrics::default(),
             dht: crate::dht::DhtMetrics::default(),
             certificate_expiry: Gauge::default(),
+            tracker_reachable: Family::default(),
+            unpacked_bytes: Counter::default(),
         };
         let r = &mut m.registry;
         m.gc.register(r);
@@ -217,6 +233,17 @@ impl AgentMetrics {
             Unit::Seconds,
             m.certificate_expiry.clone(),
         );
+        r.register(
+            "tracker_reachable",
+            "1 while a tracker replica answers this agent, 0 while every replica failed or hangs; absent with no tracker configured",
+            m.tracker_reachable.clone(),
+        );
+        r.register_with_unit(
+            "unpacked",
+            "Uncompressed layer bytes unpacked for the snapshotter (tar streams that matched their diffID)",
+            Unit::Bytes,
+            m.unpacked_bytes.clone(),
+        );
         m
     }
 
@@ -233,6 +260,18 @@ impl AgentMetrics {
     /// The agent's certificate ends at `not_after` (Unix seconds).
     pub fn certificate_expires(&self, not_after: i64) {
         self.certificate_expiry.set(not_after);
+    }
+
+    /// Whether a tracker replica answers this agent now.
+    pub fn tracker_reachable(&self, reachable: bool) {
+        self.tracker_reachable
+            .get_or_create(&NoLabels::new())
+            .set(i64::from(reachable));
+    }
+
+    /// One layer unpacked, `bytes` of tar.
+    pub fn unpacked(&self, bytes: u64) {
+        self.unpacked_bytes.inc_by(bytes);
     }
 
     /// Verified bytes of one chunk stored.
