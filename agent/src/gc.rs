@@ -190,6 +190,10 @@ pub struct GcMetrics {
 
 impl GcMetrics {
     pub fn register(&self, r: &mut Registry) {
+        // At 0 from the start, as the agent's other labelled counters.
+        for reason in [Reason::Partial, Reason::Ttl, Reason::Pressure, Reason::Critical] {
+            let _ = self.evictions.get_or_create(&ReasonLabel { reason });
+        }
         r.register_with_unit(
             "store",
             "Disk the chunk store holds (partial blobs count at their full preallocated size)",

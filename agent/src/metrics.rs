@@ -37,6 +37,9 @@ macro_rules! label_values {
         pub enum $name { $($(#[$vdoc])* $variant),+ }
 
         impl $name {
+            /// Every value.
+            pub const ALL: &[Self] = &[$(Self::$variant),+];
+
             /// The label value.
             pub fn as_str(self) -> &'static str {
                 match self { $(Self::$variant => $text),+ }
@@ -175,6 +178,19 @@ impl AgentMetrics {
             tracker_reachable: Family::default(),
             unpacked_bytes: Counter::default(),
         };
+        // Every series of the labelled counters exists from the start, at 0:
+        // a rate or a dashboard panel then reads 0, not "no data", on a node
+        // that never fell back or never saw a bad chunk.
+        for &source in Source::ALL {
+            let _ = m.received_bytes.get_or_create(&SourceLabel { source });
+            let _ = m.verify_failures.get_or_create(&SourceLabel { source });
+        }
+        for &reason in FallbackReason::ALL {
+            let _ = m.fallbacks.get_or_create(&ReasonLabel { reason });
+        }
+        for &outcome in Outcome::ALL {
+            let _ = m.pulls.get_or_create(&OutcomeLabel { outcome });
+        }
         let r = &mut m.registry;
         m.gc.register(r);
         m.dht.register(r);
@@ -454,10 +470,20 @@ mod tests {
             "dray_agent_pulls_total{outcome=\"failed\"} 1",
             "dray_agent_pulls_in_flight 0",
             "dray_agent_uploaded_bytes_total 0",
+            "dray_agent_registry_fallbacks_total{reason=\"stall\"} 0",
+            "dray_agent_chunk_verify_failures_total{source=\"peer\"} 0",
+            "dray_agent_unpacked_bytes_total 0",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
         }
         assert!(text.ends_with("# EOF\n"), "{text}");
+        assert!(!text.contains("dray_agent_tracker_reachable "), "unset: {text}");
+        m.tracker_reachable(false);
+        assert!(
+            m.encode().lines().any(|l| l == "dray_agent_tracker_reachable 0"),
+            "{}",
+            m.encode()
+        );
     }
 
     async fn get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {

@@ -346,10 +346,12 @@ fn parse_ranges(h: Option<&HeaderValue>, size: u64) -> Result<Option<Vec<(u64, u
         .map(Some)
 }
 
-/// The head of one part of a multi-range answer.
-fn part_head((start, end): (u64, u64), size: u64) -> String {
+/// The head of one part of a multi-range answer; every part but the first
+/// ends the one before it with a line break.
+fn part_head((start, end): (u64, u64), size: u64, first: bool) -> String {
     format!(
-        "\r\n--{BOUNDARY}\r\nContent-Type: application/octet-stream\r\nContent-Range: bytes {start}-{}/{size}\r\n\r\n",
+        "{}--{BOUNDARY}\r\nContent-Type: application/octet-stream\r\nContent-Range: bytes {start}-{}/{size}\r\n\r\n",
+        if first { "" } else { "\r\n" },
         end - 1
     )
 }
@@ -770,8 +772,11 @@ impl Mirror {
             } else {
                 // Each later part opens as the one before it ends; a failure
                 // then cuts the body short, as it does a single range.
-                let head = |r| futures_util::stream::once(std::future::ready(Ok(part_head(r, size).into())));
-                let mut stream = head(parts[0]).chain(first.into_stream()).boxed();
+                let head = |r, first| {
+                    let head = part_head(r, size, first).into();
+                    futures_util::stream::once(std::future::ready(Ok(head)))
+                };
+                let mut stream = head(parts[0], true).chain(first.into_stream()).boxed();
                 for &range in &parts[1..] {
                     let open = open(range);
                     let part = futures_util::stream::once(async move {
@@ -780,7 +785,7 @@ impl Mirror {
                             .map_err(|e| std::io::Error::other(e.message))
                     })
                     .try_flatten();
-                    stream = stream.chain(head(range)).chain(part).boxed();
+                    stream = stream.chain(head(range, false)).chain(part).boxed();
                 }
                 let end = futures_util::stream::once(std::future::ready(Ok(multipart_end().into())));
                 stream = stream.chain(end).boxed();
@@ -790,7 +795,9 @@ impl Mirror {
         let len = match parts {
             [(a, b)] => b - a,
             _ => {
-                let heads: usize = parts.iter().map(|&r| part_head(r, size).len()).sum();
+                let heads: usize = (parts.iter().enumerate())
+                    .map(|(i, &r)| part_head(r, size, i == 0).len())
+                    .sum();
                 let bytes: u64 = parts.iter().map(|(a, b)| b - a).sum();
                 heads as u64 + bytes + multipart_end().len() as u64
             }
