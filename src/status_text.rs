@@ -41,9 +41,9 @@ pub fn render(status: &Status, now: u64) -> String {
     );
     if let Some(gc) = &status.gc {
         let (c, u) = (&gc.config, &gc.usage);
-        let budget = c
-            .budget
-            .map_or("no budget".to_string(), |b| format!("budget {}", HumanBytes(b)));
+        let budget = c.budget.map_or("no budget".to_string(), |b| {
+            format!("budget {}", HumanBytes(b))
+        });
         line(
             "STORE",
             format!(
@@ -72,7 +72,10 @@ pub fn render(status: &Status, now: u64) -> String {
             ),
         );
     }
-    line("UPLOADS", format!("{} in progress", status.uploads_in_progress));
+    line(
+        "UPLOADS",
+        format!("{} in progress", status.uploads_in_progress),
+    );
 
     out.push('\n');
     if status.pulls.is_empty() {
@@ -243,15 +246,26 @@ mod tests {
             ..Default::default()
         };
         let text = render(&status, 1090);
-        assert!(text.contains("NODE     node-a on 127.0.0.1:7000, up 2m5s"), "{text}");
+        assert!(
+            text.contains("NODE     node-a on 127.0.0.1:7000, up 2m5s"),
+            "{text}"
+        );
         assert!(text.contains("https://tracker:7880: UNREACHABLE"), "{text}");
         let lines: Vec<&str> = text.lines().collect();
         let header = lines.iter().position(|l| l.starts_with("BLOB ")).unwrap();
         let pull = lines[header + 1];
         assert!(pull.starts_with("sha256:abababababab   team/app"), "{text}");
         // Each header starts where its column's cells start.
-        for (name, cell) in [("PROGRESS", "25.00 MiB/100.00 MiB 25%"), ("ETA", "15s"), ("SWARM", "3 peers")] {
-            assert_eq!(lines[header].find(name), pull.find(cell), "{name} in\n{text}");
+        for (name, cell) in [
+            ("PROGRESS", "25.00 MiB/100.00 MiB 25%"),
+            ("ETA", "15s"),
+            ("SWARM", "3 peers"),
+        ] {
+            assert_eq!(
+                lines[header].find(name),
+                pull.find(cell),
+                "{name} in\n{text}"
+            );
         }
         assert!(text.contains("1m30s   ban"), "{text}");
         assert!(text.contains("node-b   chunk 3 failed its hash"), "{text}");

@@ -481,7 +481,10 @@ async fn registry_clients_other_than_containerd_get_tags_json_the_registrys_refu
         &[],
     );
     assert_eq!(status, 200, "{head}");
-    assert!(header(&head, "content-type").is_some_and(|t| t.starts_with("application/json")), "{head}");
+    assert!(
+        header(&head, "content-type").is_some_and(|t| t.starts_with("application/json")),
+        "{head}"
+    );
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(v["tags"], tags, "{v}");
     let (status, _, body) = curl_raw(
@@ -494,13 +497,24 @@ async fn registry_clients_other_than_containerd_get_tags_json_the_registrys_refu
     let (status, _, body) = curl_raw(&format!("{}/v2/test/none/tags/list?{ns}", mirror.url), &[]);
     let body = String::from_utf8_lossy(&body);
     assert_eq!(status, 404, "{body}");
-    assert!(body.contains("NAME_UNKNOWN"), "the registry's own error: {body}");
+    assert!(
+        body.contains("NAME_UNKNOWN"),
+        "the registry's own error: {body}"
+    );
 
     // GET /v2/: `{}` as JSON, with the API version header.
     let (status, head, body) = curl_raw(&format!("{}/v2/?{ns}", mirror.url), &[]);
     assert_eq!((status, body.as_slice()), (200, &b"{}"[..]), "{head}");
-    assert_eq!(header(&head, "content-type"), Some("application/json"), "{head}");
-    assert_eq!(header(&head, "docker-distribution-api-version"), Some("registry/2.0"), "{head}");
+    assert_eq!(
+        header(&head, "content-type"),
+        Some("application/json"),
+        "{head}"
+    );
+    assert_eq!(
+        header(&head, "docker-distribution-api-version"),
+        Some("registry/2.0"),
+        "{head}"
+    );
 
     // An OCI manifest asked for with only Docker's type acceptable: the
     // registry's own status and reason, not "not found upstream".
@@ -510,7 +524,8 @@ async fn registry_clients_other_than_containerd_get_tags_json_the_registrys_refu
         &[docker_only],
     );
     assert!(
-        String::from_utf8_lossy(&want_body).contains("accept header does not support OCI manifests"),
+        String::from_utf8_lossy(&want_body)
+            .contains("accept header does not support OCI manifests"),
         "the registry's answer changed: {}",
         String::from_utf8_lossy(&want_body)
     );
@@ -530,7 +545,13 @@ async fn registry_clients_other_than_containerd_get_tags_json_the_registrys_refu
         &["Accept: application/vnd.oci.image.manifest.v1+json"],
     );
     let manifest: serde_json::Value = serde_json::from_slice(&manifest).unwrap();
-    let layer = manifest["layers"][1]["digest"].as_str().unwrap().to_string();
+    // The layer holding the random megabyte: the largest.
+    let layer = manifest["layers"]
+        .as_array()
+        .and_then(|l| l.iter().max_by_key(|l| l["size"].as_u64()))
+        .and_then(|l| l["digest"].as_str())
+        .unwrap_or_else(|| panic!("no layers in {manifest}"))
+        .to_string();
     let ranges = "Range: bytes=0-9,500000-500015,-7";
     let (status, head, body) = curl_raw(
         &format!("{}/v2/test/clients/blobs/{layer}?{ns}", mirror.url),
@@ -538,8 +559,15 @@ async fn registry_clients_other_than_containerd_get_tags_json_the_registrys_refu
     );
     assert_eq!(status, 206, "{head}");
     let ours = byteranges(header(&head, "content-type").unwrap(), &body);
-    assert_eq!(header(&head, "content-length"), Some(body.len().to_string().as_str()), "{head}");
-    let (status, head, body) = curl_raw(&format!("{direct}/v2/test/clients/blobs/{layer}"), &[ranges]);
+    assert_eq!(
+        header(&head, "content-length"),
+        Some(body.len().to_string().as_str()),
+        "{head}"
+    );
+    let (status, head, body) = curl_raw(
+        &format!("{direct}/v2/test/clients/blobs/{layer}"),
+        &[ranges],
+    );
     assert_eq!(status, 206, "{head}");
     let theirs = byteranges(header(&head, "content-type").unwrap(), &body);
     assert_eq!(ours.len(), 3);
@@ -551,7 +579,10 @@ async fn registry_clients_other_than_containerd_get_tags_json_the_registrys_refu
     );
     let body = String::from_utf8_lossy(&body);
     assert_eq!(status, 416, "{body}");
-    assert!(body.contains("17 ranges asked for") && body.contains("at most 16"), "{body}");
+    assert!(
+        body.contains("17 ranges asked for") && body.contains("at most 16"),
+        "{body}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

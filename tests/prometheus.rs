@@ -39,7 +39,10 @@ impl Prometheus {
         let log = std::fs::File::create(dir.join("prometheus.log")).unwrap();
         let child = Command::new("prometheus")
             .arg(format!("--config.file={}", config.display()))
-            .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("tsdb").display()
+            ))
             .arg(format!("--web.listen-address={listen}"))
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -86,7 +89,16 @@ impl Drop for Prometheus {
 
 fn curl_status(url: &str) -> u16 {
     let out = Command::new("curl")
-        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "2", url])
+        .args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "--max-time",
+            "2",
+            url,
+        ])
         .output()
         .unwrap();
     String::from_utf8_lossy(&out.stdout).parse().unwrap_or(0)
@@ -107,10 +119,11 @@ fn rules_for_the_test() -> String {
     let (before, after) = rules
         .split_once("- alert: DrayTrackerUnreachable")
         .expect("the alert in the rule file");
-    let (alert, rest) = after
-        .split_once("- alert: ")
-        .expect("an alert after it");
-    assert!(alert.contains("for: 2m"), "the alert's `for` changed: {alert}");
+    let (alert, rest) = after.split_once("- alert: ").expect("an alert after it");
+    assert!(
+        alert.contains("for: 2m"),
+        "the alert's `for` changed: {alert}"
+    );
     format!(
         "{before}- alert: DrayTrackerUnreachable{}- alert: {rest}",
         alert.replace("for: 2m", "for: 5s")
@@ -199,7 +212,15 @@ async fn prometheus_scrapes_a_swarm_every_dashboard_expression_has_data_and_a_hu
 
     // A refused request: an announce without a node certificate.
     let refused = Command::new("curl")
-        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "10"])
+        .args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "--max-time",
+            "10",
+        ])
         .arg("--cacert")
         .arg(dir.path().join("tracker/ca.crt"))
         .args(["--data-binary", "no certificate"])
@@ -207,7 +228,10 @@ async fn prometheus_scrapes_a_swarm_every_dashboard_expression_has_data_and_a_hu
         .output()
         .unwrap();
     let code = String::from_utf8_lossy(&refused.stdout).to_string();
-    assert_eq!(code, "401", "the tracker's answer to a caller without a certificate");
+    assert_eq!(
+        code, "401",
+        "the tracker's answer to a caller without a certificate"
+    );
 
     // The three pull through their mirrors at once, over a few seconds of
     // scrapes (the registry sends 32 MiB/s).
@@ -215,7 +239,15 @@ async fn prometheus_scrapes_a_swarm_every_dashboard_expression_has_data_and_a_hu
     let pulls: Vec<_> = agents
         .iter()
         .enumerate()
-        .map(|(i, a)| pull_through(a, &registry, "test/prometheus", &digest, dir.path().join(format!("out-{i}"))))
+        .map(|(i, a)| {
+            pull_through(
+                a,
+                &registry,
+                "test/prometheus",
+                &digest,
+                dir.path().join(format!("out-{i}")),
+            )
+        })
         .collect();
     for p in pulls {
         let (out, _) = p.join().unwrap();
@@ -255,10 +287,16 @@ async fn prometheus_scrapes_a_swarm_every_dashboard_expression_has_data_and_a_hu
         hung_at.elapsed().as_secs_f64()
     );
     let unreachable = prometheus
-        .api("query", &[("query", "dray_agent_tracker_reachable == 0".into())])
+        .api(
+            "query",
+            &[("query", "dray_agent_tracker_reachable == 0".into())],
+        )
         .await;
     let unreachable = unreachable["result"].as_array().unwrap().len();
-    assert_eq!(unreachable, 3, "agents reporting the tracker unreachable; {firing}");
+    assert_eq!(
+        unreachable, 3,
+        "agents reporting the tracker unreachable; {firing}"
+    );
 
     // Every expression of the dashboard over the window, as the panels ask.
     let end = unix_now();
@@ -292,7 +330,11 @@ async fn prometheus_scrapes_a_swarm_every_dashboard_expression_has_data_and_a_hu
         exprs.len(),
         empty.len()
     );
-    assert!(empty.is_empty(), "expressions without data:\n{}", empty.join("\n"));
+    assert!(
+        empty.is_empty(),
+        "expressions without data:\n{}",
+        empty.join("\n")
+    );
     // SAFETY: as above.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
 }

@@ -88,7 +88,8 @@ async fn status_shows_a_pull_in_progress_its_peers_and_the_fallbacks_of_a_hung_t
     assert_eq!(p["repository"], "test/status", "{p}");
     assert_eq!(p["registry"], registry.url(), "{p}");
     assert_eq!(p["size"].as_u64(), Some(SIZE), "{p}");
-    let fetched = p["bytes_from_peers"].as_u64().unwrap() + p["bytes_from_registry"].as_u64().unwrap();
+    let fetched =
+        p["bytes_from_peers"].as_u64().unwrap() + p["bytes_from_registry"].as_u64().unwrap();
     assert!(fetched > 0 && fetched <= SIZE, "{p}");
     assert!(p["rate"].as_f64().unwrap() > 0.0, "{p}");
     let eta = p["eta_s"].as_f64().expect("an ETA once bytes came");
@@ -115,7 +116,10 @@ async fn status_shows_a_pull_in_progress_its_peers_and_the_fallbacks_of_a_hung_t
         .unwrap_or_else(|| panic!("no pull table in\n{text}"));
     let row = lines[header + 1];
     assert!(row.starts_with(&digest[..19]), "{text}");
-    assert!(row.contains("test/status") && row.contains("1 peers"), "{text}");
+    assert!(
+        row.contains("test/status") && row.contains("1 peers"),
+        "{text}"
+    );
     assert!(text.contains(&format!("{url}: reachable")), "{text}");
 
     for (i, pull) in pulls.into_iter().enumerate() {
@@ -123,9 +127,12 @@ async fn status_shows_a_pull_in_progress_its_peers_and_the_fallbacks_of_a_hung_t
         assert_eq!(file_digest(&out), digest, "node {i}");
     }
     registry.throttle(0);
-    let done = status_until(socket, Duration::from_secs(10), "the pull gone from the list", |s| {
-        s["pulls"].as_array().unwrap().is_empty()
-    });
+    let done = status_until(
+        socket,
+        Duration::from_secs(10),
+        "the pull gone from the list",
+        |s| s["pulls"].as_array().unwrap().is_empty(),
+    );
     assert!(
         done["blobs"]
             .as_array()
@@ -145,20 +152,26 @@ async fn status_shows_a_pull_in_progress_its_peers_and_the_fallbacks_of_a_hung_t
     let second_digest = registry.push("test/status", &second);
     let out = dir.path().join("pulled-second");
     let pull = pull_through(&agents[0], &registry, "test/status", &second_digest, out);
-    let hung = status_until(socket, Duration::from_secs(30), "the fallback as an event", |s| {
-        s["events"].as_array().unwrap().iter().any(|e| {
-            e["digest"] == second_digest.as_str()
-                && e["kind"] == "fallback"
-                && e["reason"] == "tracker_silent"
-        })
-    });
+    let hung = status_until(
+        socket,
+        Duration::from_secs(30),
+        "the fallback as an event",
+        |s| {
+            s["events"].as_array().unwrap().iter().any(|e| {
+                e["digest"] == second_digest.as_str()
+                    && e["kind"] == "fallback"
+                    && e["reason"] == "tracker_silent"
+            })
+        },
+    );
     assert_eq!(hung["tracker_reachable"], false, "{hung}");
     let text = dray_ok(&["status", "--socket", socket]);
     eprintln!("dray status with the tracker hung:\n{text}");
     assert!(text.contains(&format!("{url}: UNREACHABLE")), "{text}");
     assert!(
-        text.lines()
-            .any(|l| l.contains("fallback") && l.contains(&second_digest[..19]) && l.ends_with("tracker_silent")),
+        text.lines().any(|l| l.contains("fallback")
+            && l.contains(&second_digest[..19])
+            && l.ends_with("tracker_silent")),
         "{text}"
     );
     let (out, _) = pull.join().unwrap();

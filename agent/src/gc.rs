@@ -191,7 +191,12 @@ pub struct GcMetrics {
 impl GcMetrics {
     pub fn register(&self, r: &mut Registry) {
         // At 0 from the start, as the agent's other labelled counters.
-        for reason in [Reason::Partial, Reason::Ttl, Reason::Pressure, Reason::Critical] {
+        for reason in [
+            Reason::Partial,
+            Reason::Ttl,
+            Reason::Pressure,
+            Reason::Critical,
+        ] {
             let _ = self.evictions.get_or_create(&ReasonLabel { reason });
         }
         r.register_with_unit(
@@ -618,8 +623,10 @@ impl GcState {
         ] {
             m.watermarks.get_or_create(&LevelLabel { level }).set(share);
         }
-        m.budget_bytes
-            .set(cfg.budget.map_or(0, |b| i64::try_from(b).unwrap_or(i64::MAX)));
+        m.budget_bytes.set(
+            cfg.budget
+                .map_or(0, |b| i64::try_from(b).unwrap_or(i64::MAX)),
+        );
         m.filesystem_bytes
             .set(i64::try_from(u.fs_bytes).unwrap_or(i64::MAX));
         m.filesystem_free_bytes

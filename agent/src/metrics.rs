@@ -477,10 +477,15 @@ mod tests {
             assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
         }
         assert!(text.ends_with("# EOF\n"), "{text}");
-        assert!(!text.contains("dray_agent_tracker_reachable "), "unset: {text}");
+        assert!(
+            !text.contains("dray_agent_tracker_reachable "),
+            "unset: {text}"
+        );
         m.tracker_reachable(false);
         assert!(
-            m.encode().lines().any(|l| l == "dray_agent_tracker_reachable 0"),
+            m.encode()
+                .lines()
+                .any(|l| l == "dray_agent_tracker_reachable 0"),
             "{}",
             m.encode()
         );

@@ -339,7 +339,10 @@ fn parse_ranges(h: Option<&HeaderValue>, size: u64) -> Result<Option<Vec<(u64, u
         .split(',')
         .map(|spec| {
             byte_range(&format!("bytes={}", spec.trim()), size).ok_or_else(|| {
-                bad(format!("unsatisfiable range {:?} for {size} bytes", spec.trim()))
+                bad(format!(
+                    "unsatisfiable range {:?} for {size} bytes",
+                    spec.trim()
+                ))
             })
         })
         .collect::<Result<Vec<_>, _>>()
@@ -660,7 +663,12 @@ impl Mirror {
         };
         let client = shared.for_client(headers.get(header::AUTHORIZATION).cloned());
         let resp = client
-            .request(name, &path, method.clone(), reqwest::header::HeaderMap::new())
+            .request(
+                name,
+                &path,
+                method.clone(),
+                reqwest::header::HeaderMap::new(),
+            )
             .await?;
         let what = format!("the tags of {name}");
         let status = resp.status();
@@ -687,7 +695,9 @@ impl Mirror {
             Method::HEAD => Bytes::new(),
             _ => crate::registry::read_limited(resp, MAX_TAG_LIST, client.base(), &what)
                 .await
-                .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "UNAVAILABLE", e.to_string()))?,
+                .map_err(|e| {
+                    ApiError::new(StatusCode::BAD_GATEWAY, "UNAVAILABLE", e.to_string())
+                })?,
         };
         let mut out = Response::new(Body::from(body));
         let h = out.headers_mut();
@@ -787,7 +797,8 @@ impl Mirror {
                     .try_flatten();
                     stream = stream.chain(head(range, false)).chain(part).boxed();
                 }
-                let end = futures_util::stream::once(std::future::ready(Ok(multipart_end().into())));
+                let end =
+                    futures_util::stream::once(std::future::ready(Ok(multipart_end().into())));
                 stream = stream.chain(end).boxed();
                 Response::new(Body::from_stream(stream))
             }
@@ -1013,7 +1024,10 @@ mod tests {
             Some(vec![(0, 10), (20, 30), (99, 100)])
         );
         assert!(r("bytes=100-").is_err() && r("bytes=5-2").is_err() && r("items=0-1").is_err());
-        assert!(r("bytes=0-9,100-").is_err(), "one unsatisfiable range fails all");
+        assert!(
+            r("bytes=0-9,100-").is_err(),
+            "one unsatisfiable range fails all"
+        );
         let sixteen = vec!["0-0"; MAX_RANGES].join(",");
         assert!(r(&format!("bytes={sixteen}")).is_ok());
         let e = r(&format!("bytes={sixteen},1-1")).err().unwrap();
@@ -1023,6 +1037,9 @@ mod tests {
             mirror_link("</v2/a/tags/list?last=b&n=1>; rel=\"next\"", Some("r:5000")).as_deref(),
             Some("</v2/a/tags/list?last=b&n=1&ns=r:5000>; rel=\"next\"")
         );
-        assert_eq!(mirror_link("<https://elsewhere/v2/a/tags/list>; rel=\"next\"", None), None);
+        assert_eq!(
+            mirror_link("<https://elsewhere/v2/a/tags/list>; rel=\"next\"", None),
+            None
+        );
     }
 }

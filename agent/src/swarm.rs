@@ -764,8 +764,12 @@ impl Swarm {
             report.bytes_from_registry += fetched.bytes_from_registry;
             for (peer, index) in &fetched.slow_peers {
                 let why = format!("chunk {index} past its deadline");
-                self.events
-                    .record(EventKind::Dropped, digest.to_string(), Some(peer.clone()), why);
+                self.events.record(
+                    EventKind::Dropped,
+                    digest.to_string(),
+                    Some(peer.clone()),
+                    why,
+                );
             }
             report.slow_peers.extend(fetched.slow_peers.into_keys());
             for (peer, index) in &fetched.bad_peers {
