@@ -85,11 +85,11 @@ pub fn render(status: &Status, now: u64) -> String {
             "BLOB",
             "REPOSITORY",
             "PROGRESS",
-            "PEERS",
-            "REGISTRY",
+            "FROM PEERS",
+            "FROM REGISTRY",
             "RATE",
             "ETA",
-            "SWARM",
+            "PEERS",
         ])];
         for p in &status.pulls {
             rows.push(vec![
@@ -105,7 +105,7 @@ pub fn render(status: &Status, now: u64) -> String {
                 HumanBytes(p.bytes_from_registry).to_string(),
                 format!("{}/s", HumanBytes(p.rate as u64)),
                 p.eta_s.map_or("-".into(), duration),
-                format!("{} peers", p.peer_count),
+                p.peer_count.to_string(),
             ]);
         }
         table(&mut out, &rows);
@@ -258,12 +258,13 @@ mod tests {
         // Each header starts where its column's cells start.
         for (name, cell) in [
             ("PROGRESS", "25.00 MiB/100.00 MiB 25%"),
+            ("FROM PEERS", "20.00 MiB"),
             ("ETA", "15s"),
-            ("SWARM", "3 peers"),
+            ("PEERS", "3"),
         ] {
             assert_eq!(
-                lines[header].find(name),
-                pull.find(cell),
+                lines[header].rfind(name),
+                pull.rfind(cell),
                 "{name} in\n{text}"
             );
         }
