@@ -2,7 +2,8 @@
 //! agent's local API on its unix socket (see `dray_agent::local_api`).
 
 use anyhow::{Context, Result, bail};
-use dray_agent::local_api::{PinRequest, PullProgress, PullRequest, Status};
+use dray_agent::local_api::{PinRequest, PullProgress, PullRequest};
+use dray_agent::status::Status;
 use futures_util::StreamExt;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use std::collections::HashMap;
@@ -93,7 +94,8 @@ pub async fn pull(socket: &Path, image: &str, json: bool) -> Result<()> {
     }
 }
 
-/// Prints what the agent holds and where it listens.
+/// Prints what the agent is doing now, as kubectl and docker print:
+/// a few `KEY  value` lines, then aligned tables with human sizes.
 pub async fn status(socket: &Path, json: bool) -> Result<()> {
     let resp = client(socket)?.get("http://agent/v1/status").send().await;
     let status: Status = checked(socket, resp)
@@ -103,49 +105,16 @@ pub async fn status(socket: &Path, json: bool) -> Result<()> {
         .context("parsing the agent's status")?;
     if json {
         println!("{}", serde_json::to_string(&status)?);
-        return Ok(());
-    }
-    println!("peer id      {}", status.peer_id);
-    println!("peer address {}", status.peer_addr);
-    println!("trackers     {}", status.trackers.join(", "));
-    println!("uptime       {:.0} s", status.uptime_s);
-    println!("uploads      {} in progress", status.uploads_in_progress);
-    if let Some(gc) = &status.gc {
-        let (c, u) = (&gc.config, &gc.usage);
-        let used = u.fs_bytes.saturating_sub(u.fs_free);
-        println!(
-            "store        {} in {} blobs; budget {}",
-            indicatif::HumanBytes(u.store_bytes),
-            u.store_blobs,
-            c.budget
-                .map_or("none".to_string(), |b| indicatif::HumanBytes(b).to_string())
-        );
-        println!(
-            "filesystem   {} of {} used ({:.0}%)",
-            indicatif::HumanBytes(used),
-            indicatif::HumanBytes(u.fs_bytes),
-            100.0 * used as f64 / u.fs_bytes.max(1) as f64
-        );
-        println!(
-            "watermarks   high {:.0}% low {:.0}% critical {:.0}%; keep {} cluster copies; ttl {} s",
-            c.high_watermark * 100.0,
-            c.low_watermark * 100.0,
-            c.critical_watermark * 100.0,
-            c.keep_cluster_copies,
-            c.ttl.as_secs()
-        );
-    }
-    println!("blobs        {}", status.blobs.len());
-    for b in &status.blobs {
-        println!(
-            "  {}  {:>10} / {:<10} {}",
-            b.digest,
-            indicatif::HumanBytes(b.have).to_string(),
-            indicatif::HumanBytes(b.size).to_string(),
-            if b.complete { "complete" } else { "partial" }
-        );
+    } else {
+        print!("{}", crate::status_text::render(&status, now_unix()));
     }
     Ok(())
+}
+
+fn now_unix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// Runs one garbage collection in the agent (or, `dry_run`, lists what it

@@ -10,6 +10,7 @@ mod demo;
 mod hostile;
 mod preheat;
 mod service;
+mod status_text;
 mod storm;
 
 use anyhow::{Context, Result, bail};
@@ -95,7 +96,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Show what the running agent holds and where it listens.
+    /// Show what the running agent is doing: pulls in progress (bytes from peers
+    /// and the registry, rate, ETA, peers), the store against its watermarks,
+    /// the tracker and DHT, recent fallbacks and bans, and the blobs held.
     Status {
         #[command(flatten)]
         socket: SocketArg,

@@ -231,16 +231,18 @@ async fn two_agents_metrics_account_for_every_byte_and_the_tracker_counts_announ
             ),
             1.0
         );
-        assert!(
-            !m.keys()
-                .any(|k| k.starts_with("dray_agent_chunk_verify_failures_total")),
-            "{m:?}"
-        );
-        assert!(
-            !m.keys()
-                .any(|k| k.starts_with("dray_agent_registry_fallbacks_total")),
-            "{m:?}"
-        );
+        // Every reason's series is there from the start, at 0.
+        for (family, n) in [
+            ("dray_agent_chunk_verify_failures_total", 2),
+            ("dray_agent_registry_fallbacks_total", 4),
+        ] {
+            let series: Vec<f64> = m
+                .iter()
+                .filter(|(k, _)| k.starts_with(&format!("{family}{{")))
+                .map(|(_, v)| *v)
+                .collect();
+            assert_eq!(series, vec![0.0; n], "{family}: {m:?}");
+        }
         assert!(m.contains_key("dray_agent_connected_peers"), "{m:?}");
     }
     // Every byte a node took from its peer, the peer uploaded.

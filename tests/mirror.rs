@@ -1,5 +1,7 @@
 //! Issue 4 acceptance: the agent as containerd's registry mirror, with real
-//! containerd 1.6, skopeo and the distribution registry.
+//! containerd 1.6, skopeo and the distribution registry; and issue 39's
+//! registry clients other than containerd (skopeo list-tags, curl): tag
+//! lists, `/v2/` as JSON, the registry's own refusals, multi-range blobs.
 
 mod common;
 
@@ -385,6 +387,202 @@ async fn the_mirror_answers_ranges_heads_and_bad_requests_as_the_distribution_sp
     assert!(body.contains("NAME_INVALID"), "{body}");
     let (status, body) = curl(&["-H", "Range: bytes=9999999-", &blob_url]);
     assert_eq!(status, 416, "{body}");
+}
+
+/// The parts of a `multipart/byteranges` body: (Content-Range, bytes) each.
+fn byteranges(content_type: &str, body: &[u8]) -> Vec<(String, Vec<u8>)> {
+    let boundary = content_type
+        .split("boundary=")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no boundary in {content_type:?}"));
+    let delimiter = format!("--{boundary}");
+    let find = |from: usize, what: &[u8]| {
+        body[from..]
+            .windows(what.len())
+            .position(|w| w == what)
+            .map(|i| from + i)
+    };
+    let mut parts = Vec::new();
+    let mut at = find(0, delimiter.as_bytes()).expect("a first part");
+    loop {
+        at += delimiter.len();
+        if body[at..].starts_with(b"--") {
+            return parts;
+        }
+        let head_end = find(at, b"\r\n\r\n").expect("a part head");
+        let head = String::from_utf8_lossy(&body[at..head_end]).to_lowercase();
+        let range = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-range: "))
+            .expect("a Content-Range per part")
+            .to_string();
+        let (a, b) = range
+            .trim_start_matches("bytes ")
+            .split('/')
+            .next()
+            .and_then(|r| r.split_once('-'))
+            .unwrap();
+        let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
+        let data = head_end + 4;
+        parts.push((range, body[data..data + b - a + 1].to_vec()));
+        at = find(data + b - a + 1, delimiter.as_bytes()).expect("the next delimiter");
+    }
+}
+
+/// `curl -s -i` of `url` with `headers`: status, headers (lowercase), body.
+fn curl_raw(url: &str, headers: &[&str]) -> (u16, String, Vec<u8>) {
+    let mut cmd = Command::new("curl");
+    cmd.args(["-s", "-i"]);
+    for h in headers {
+        cmd.args(["-H", h]);
+    }
+    let out = cmd.arg(url).output().unwrap();
+    let split = out
+        .stdout
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("an HTTP answer");
+    let head = String::from_utf8_lossy(&out.stdout[..split]).to_lowercase();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, head, out.stdout[split + 4..].to_vec())
+}
+
+fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+    head.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name}: ")))
+        .map(str::trim)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registry_clients_other_than_containerd_get_tags_json_the_registrys_refusals_and_multipart_ranges()
+ {
+    let work = tempfile::tempdir().unwrap();
+    let (registry, _agent, mirror) = one_node(work.path(), None, "test/clients", 1 << 20).await;
+    let mirror_host = mirror.url.trim_start_matches("http://").to_string();
+    let direct = format!("http://{}", registry.host());
+
+    // skopeo list-tags: the same answer through the mirror as from the registry.
+    let list = |host: &str| {
+        let out = Command::new("skopeo")
+            .args(["list-tags", "--tls-verify=false"])
+            .arg(format!("docker://{host}/test/clients"))
+            .output()
+            .unwrap();
+        let text = ok(&out, &format!("skopeo list-tags at {host}"));
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        v["Tags"].clone()
+    };
+    let tags = list(&registry.host());
+    assert_eq!(tags, serde_json::json!(["gzip", "zstd"]));
+    assert_eq!(list(&mirror_host), tags);
+    let ns = format!("ns={}", registry.host());
+    let (status, head, body) = curl_raw(
+        &format!("{}/v2/test/clients/tags/list?n=2&{ns}", mirror.url),
+        &[],
+    );
+    assert_eq!(status, 200, "{head}");
+    assert!(
+        header(&head, "content-type").is_some_and(|t| t.starts_with("application/json")),
+        "{head}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["tags"], tags, "{v}");
+    let (status, _, body) = curl_raw(
+        &format!("{}/v2/test/clients/tags/list?n=many&{ns}", mirror.url),
+        &[],
+    );
+    let body = String::from_utf8_lossy(&body);
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("PAGINATION_NUMBER_INVALID"), "{body}");
+    let (status, _, body) = curl_raw(&format!("{}/v2/test/none/tags/list?{ns}", mirror.url), &[]);
+    let body = String::from_utf8_lossy(&body);
+    assert_eq!(status, 404, "{body}");
+    assert!(
+        body.contains("NAME_UNKNOWN"),
+        "the registry's own error: {body}"
+    );
+
+    // GET /v2/: `{}` as JSON, with the API version header.
+    let (status, head, body) = curl_raw(&format!("{}/v2/?{ns}", mirror.url), &[]);
+    assert_eq!((status, body.as_slice()), (200, &b"{}"[..]), "{head}");
+    assert_eq!(
+        header(&head, "content-type"),
+        Some("application/json"),
+        "{head}"
+    );
+    assert_eq!(
+        header(&head, "docker-distribution-api-version"),
+        Some("registry/2.0"),
+        "{head}"
+    );
+
+    // An OCI manifest asked for with only Docker's type acceptable: the
+    // registry's own status and reason, not "not found upstream".
+    let docker_only = "Accept: application/vnd.docker.distribution.manifest.v2+json";
+    let (want_status, _, want_body) = curl_raw(
+        &format!("{direct}/v2/test/clients/manifests/gzip"),
+        &[docker_only],
+    );
+    assert!(
+        String::from_utf8_lossy(&want_body)
+            .contains("accept header does not support OCI manifests"),
+        "the registry's answer changed: {}",
+        String::from_utf8_lossy(&want_body)
+    );
+    let (status, _, body) = curl_raw(
+        &format!("{}/v2/test/clients/manifests/gzip?{ns}", mirror.url),
+        &[docker_only],
+    );
+    assert_eq!(
+        (status, String::from_utf8_lossy(&body)),
+        (want_status, String::from_utf8_lossy(&want_body))
+    );
+
+    // Two ranges of a layer: 206 multipart/byteranges, the same parts as the
+    // registry's; more than 16 ranges: 416 and why.
+    let (_, _, manifest) = curl_raw(
+        &format!("{direct}/v2/test/clients/manifests/gzip"),
+        &["Accept: application/vnd.oci.image.manifest.v1+json"],
+    );
+    let manifest: serde_json::Value = serde_json::from_slice(&manifest).unwrap();
+    // The layer holding the random megabyte: the largest.
+    let layer = manifest["layers"]
+        .as_array()
+        .and_then(|l| l.iter().max_by_key(|l| l["size"].as_u64()))
+        .and_then(|l| l["digest"].as_str())
+        .unwrap_or_else(|| panic!("no layers in {manifest}"))
+        .to_string();
+    let ranges = "Range: bytes=0-9,500000-500015,-7";
+    let (status, head, body) = curl_raw(
+        &format!("{}/v2/test/clients/blobs/{layer}?{ns}", mirror.url),
+        &[ranges],
+    );
+    assert_eq!(status, 206, "{head}");
+    let ours = byteranges(header(&head, "content-type").unwrap(), &body);
+    assert_eq!(
+        header(&head, "content-length"),
+        Some(body.len().to_string().as_str()),
+        "{head}"
+    );
+    let (status, head, body) = curl_raw(
+        &format!("{direct}/v2/test/clients/blobs/{layer}"),
+        &[ranges],
+    );
+    assert_eq!(status, 206, "{head}");
+    let theirs = byteranges(header(&head, "content-type").unwrap(), &body);
+    assert_eq!(ours.len(), 3);
+    assert_eq!(ours, theirs);
+    let seventeen = format!("Range: bytes={}", vec!["0-0"; 17].join(","));
+    let (status, _, body) = curl_raw(
+        &format!("{}/v2/test/clients/blobs/{layer}?{ns}", mirror.url),
+        &[&seventeen],
+    );
+    let body = String::from_utf8_lossy(&body);
+    assert_eq!(status, 416, "{body}");
+    assert!(
+        body.contains("17 ranges asked for") && body.contains("at most 16"),
+        "{body}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -676,6 +676,17 @@ impl Transfer {
         f(&self.lock().picker)
     }
 
+    /// The peers the transfer takes chunks from now (not retiring, gone or banned).
+    pub fn live_peers(&self) -> Vec<String> {
+        let sh = self.lock();
+        sh.roster
+            .live()
+            .iter()
+            .map(|m| m.key.clone())
+            .filter(|p| !sh.gone.contains(p))
+            .collect()
+    }
+
     /// Chunk requests in flight (to peers or the registry).
     pub fn in_flight(&self) -> u32 {
         self.lock().picker.in_flight()

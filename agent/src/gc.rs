@@ -38,7 +38,7 @@ use prometheus_client::registry::{Registry, Unit};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -165,6 +165,12 @@ struct ReasonLabel {
     reason: Reason,
 }
 
+/// A watermark's name, as a label value.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LevelLabel {
+    level: &'static str,
+}
+
 /// The collector's metrics, registered with the agent's others.
 #[derive(Clone, Debug, Default)]
 pub struct GcMetrics {
@@ -174,10 +180,25 @@ pub struct GcMetrics {
     evictions: Family<ReasonLabel, Counter>,
     evicted_bytes: Counter,
     refusals: Counter,
+    /// Shares (0 to 1).
+    use_share: Gauge<f64, AtomicU64>,
+    watermarks: Family<LevelLabel, Gauge<f64, AtomicU64>>,
+    budget_bytes: Gauge,
+    filesystem_bytes: Gauge,
+    filesystem_free_bytes: Gauge,
 }
 
 impl GcMetrics {
     pub fn register(&self, r: &mut Registry) {
+        // At 0 from the start, as the agent's other labelled counters.
+        for reason in [
+            Reason::Partial,
+            Reason::Ttl,
+            Reason::Pressure,
+            Reason::Critical,
+        ] {
+            let _ = self.evictions.get_or_create(&ReasonLabel { reason });
+        }
         r.register_with_unit(
             "store",
             "Disk the chunk store holds (partial blobs count at their full preallocated size)",
@@ -209,6 +230,36 @@ impl GcMetrics {
             "space_refusals",
             "Blobs refused at open because they would not fit in the store's budget or the filesystem",
             self.refusals.clone(),
+        );
+        r.register_with_unit(
+            "store_use",
+            "Share of its limits the store uses: the greater of the store against gc.budget and the filesystem's use; the watermarks are shares of the same",
+            Unit::Other("ratio".into()),
+            self.use_share.clone(),
+        );
+        r.register_with_unit(
+            "store_watermark",
+            "The collector's watermarks (gc.low_watermark, gc.high_watermark, gc.critical_watermark), by level",
+            Unit::Other("ratio".into()),
+            self.watermarks.clone(),
+        );
+        r.register_with_unit(
+            "store_budget",
+            "gc.budget, the most the store may hold; 0: none (the filesystem's watermarks alone)",
+            Unit::Bytes,
+            self.budget_bytes.clone(),
+        );
+        r.register_with_unit(
+            "filesystem_size",
+            "Size of the filesystem holding the chunk store",
+            Unit::Bytes,
+            self.filesystem_bytes.clone(),
+        );
+        r.register_with_unit(
+            "filesystem_free",
+            "Free bytes of the filesystem holding the chunk store",
+            Unit::Bytes,
+            self.filesystem_free_bytes.clone(),
         );
     }
 }
@@ -266,6 +317,20 @@ pub struct Usage {
 
 fn share(total: u64, f: f64) -> u64 {
     (total as f64 * f) as u64
+}
+
+/// The share of its limits the store uses, the figure the watermarks are
+/// shares of: the greater of the store against `budget` (if set) and the
+/// filesystem's use against its size.
+pub fn use_share(cfg: &GcConfig, u: &Usage) -> f64 {
+    let of = |used: u64, total: u64| used as f64 / total.max(1) as f64;
+    let fs = if u.fs_bytes > 0 {
+        of(u.fs_bytes.saturating_sub(u.fs_free), u.fs_bytes)
+    } else {
+        0.0
+    };
+    cfg.budget
+        .map_or(fs, |budget| fs.max(of(u.store_bytes, budget)))
 }
 
 /// How far `usage` is past `cfg`'s watermarks.
@@ -549,6 +614,23 @@ impl GcState {
         m.store_bytes.set(u.store_bytes as i64);
         m.store_blobs.set(u.store_blobs as i64);
         m.open_blobs.set(u.open_blobs as i64);
+        let cfg = self.config();
+        m.use_share.set(use_share(&cfg, u));
+        for (level, share) in [
+            ("low", cfg.low_watermark),
+            ("high", cfg.high_watermark),
+            ("critical", cfg.critical_watermark),
+        ] {
+            m.watermarks.get_or_create(&LevelLabel { level }).set(share);
+        }
+        m.budget_bytes.set(
+            cfg.budget
+                .map_or(0, |b| i64::try_from(b).unwrap_or(i64::MAX)),
+        );
+        m.filesystem_bytes
+            .set(i64::try_from(u.fs_bytes).unwrap_or(i64::MAX));
+        m.filesystem_free_bytes
+            .set(i64::try_from(u.fs_free).unwrap_or(i64::MAX));
     }
 
     fn count_eviction(&self, e: &Eviction) {

@@ -10,7 +10,9 @@
 //! than a direct one; [`preheat`] keeps the preheat jobs the tracker hands
 //! the node. [`mirror`] puts the OCI pull API on localhost for
 //! containerd. [`metrics`] counts what the agent does for Prometheus and
-//! serves it with the health checks on the admin listener. [`Agent`] puts
+//! serves it with the health checks on the admin listener; [`status`]
+//! answers `dray status` on the [`local_api`] socket, with the recent
+//! fallbacks and bans of [`events`]. [`Agent`] puts
 //! these parts together, the one way every binary and test starts an agent.
 
 pub mod advertise;
@@ -20,6 +22,7 @@ pub mod config;
 pub mod containerd;
 pub mod dht;
 pub mod error;
+pub mod events;
 pub mod fetch;
 pub mod gc;
 pub mod identity;
@@ -32,6 +35,7 @@ pub mod preheat;
 pub mod pulls;
 pub mod rate;
 pub mod registry;
+pub mod status;
 pub mod store;
 pub mod swarm;
 pub mod tracker_client;

@@ -11,7 +11,8 @@
 //!   image's manifest (the shim sets its deadline for the unpack by the size).
 //! - `POST /v1/images/pull`: pulls every layer of an image into the store,
 //!   answering with one JSON progress line per tick (`dray pull`).
-//! - `GET /v1/status`: what the node holds and where it listens (`dray status`).
+//! - `GET /v1/status`: what the node is doing now (`dray status`; see
+//!   [`crate::status`]).
 //! - `POST /v1/gc`: one garbage collection now, or a dry run (`dray gc`).
 //! - `GET`, `POST`, `DELETE /v1/pins`: the images pinned at run time, whose
 //!   config and layers are never evicted (`dray pin`, `dray unpin`).
@@ -105,35 +106,6 @@ pub struct LayerProgress {
     pub complete: bool,
     pub bytes_from_peers: u64,
     pub bytes_from_registry: u64,
-}
-
-/// `GET /v1/status` answer.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct Status {
-    pub peer_id: String,
-    pub peer_addr: String,
-    pub trackers: Vec<String>,
-    pub uptime_s: f64,
-    pub uploads_in_progress: u32,
-    pub blobs: Vec<BlobStatus>,
-    /// The store's garbage-collection settings and what it holds (absent
-    /// from agents that predate them).
-    #[serde(default)]
-    pub gc: Option<GcStatus>,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct GcStatus {
-    pub config: crate::gc::GcConfig,
-    pub usage: crate::gc::Usage,
-}
-
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct BlobStatus {
-    pub digest: String,
-    pub size: u64,
-    pub have: u64,
-    pub complete: bool,
 }
 
 /// An error answered as `{"error": "..."}`.
@@ -343,6 +315,8 @@ impl LocalApi {
                 format!("layer {digest}: {e}"),
             ));
         }
+        let metrics = self.pulls.swarm().node().metrics();
+        metrics.unpacked(unpacked.uncompressed_bytes);
         tracing::info!(%digest, target = %req.target.display(), seconds = started.elapsed().as_secs_f64(), "layer unpacked");
         Ok(UnpackResponse {
             layer_digest: digest.to_string(),
@@ -351,33 +325,6 @@ impl LocalApi {
             uncompressed_bytes: unpacked.uncompressed_bytes,
             seconds: started.elapsed().as_secs_f64(),
         })
-    }
-
-    fn status(&self) -> Status {
-        let node = self.pulls.swarm().node();
-        let blobs = node
-            .store()
-            .holdings()
-            .iter()
-            .map(|h| BlobStatus {
-                digest: h.digest.to_string(),
-                size: h.size,
-                have: h.held_bytes(),
-                complete: h.complete,
-            })
-            .collect();
-        Status {
-            peer_id: node.peer_id().to_string(),
-            peer_addr: node.local_addr().map(|a| a.to_string()).unwrap_or_default(),
-            trackers: self.pulls.swarm().config().trackers.clone(),
-            uptime_s: self.started.elapsed().as_secs_f64(),
-            uploads_in_progress: node.active_uploads(),
-            blobs,
-            gc: node.store().usage().ok().map(|usage| GcStatus {
-                config: node.store().gc().config(),
-                usage,
-            }),
-        }
     }
 }
 
@@ -491,8 +438,8 @@ async fn unpack(
     }
 }
 
-async fn status(State(api): State<Arc<LocalApi>>) -> Json<Status> {
-    Json(api.status())
+async fn status(State(api): State<Arc<LocalApi>>) -> Json<crate::status::Status> {
+    Json(crate::status::of(api.pulls.swarm(), api.started).await)
 }
 
 #[derive(Debug, Default, Deserialize)]

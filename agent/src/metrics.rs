@@ -36,9 +36,19 @@ macro_rules! label_values {
         #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
         pub enum $name { $($(#[$vdoc])* $variant),+ }
 
+        impl $name {
+            /// Every value.
+            pub const ALL: &[Self] = &[$(Self::$variant),+];
+
+            /// The label value.
+            pub fn as_str(self) -> &'static str {
+                match self { $(Self::$variant => $text),+ }
+            }
+        }
+
         impl EncodeLabelValue for $name {
             fn encode(&self, e: &mut LabelValueEncoder<'_>) -> std::fmt::Result {
-                e.write_str(match self { $(Self::$variant => $text),+ })
+                e.write_str(self.as_str())
             }
         }
     };
@@ -72,7 +82,7 @@ label_values! {
 
 label_values! {
     /// What a mirror request asked for.
-    MirrorRequest { Ping => "ping", Manifest => "manifest", Blob => "blob", Invalid => "invalid" }
+    MirrorRequest { Ping => "ping", Manifest => "manifest", Blob => "blob", Tags => "tags", Invalid => "invalid" }
 }
 
 label_values! {
@@ -133,7 +143,14 @@ pub struct AgentMetrics {
     /// The DHT's routing table, traffic and refusals.
     dht: crate::dht::DhtMetrics,
     certificate_expiry: Gauge,
+    /// One unlabelled sample, absent while no tracker is configured (a
+    /// DHT-only node is not one that lost its tracker).
+    tracker_reachable: Family<NoLabels, Gauge>,
+    unpacked_bytes: Counter,
 }
+
+/// The label set of a family with one unlabelled sample, present only once set.
+type NoLabels = Vec<(&'static str, &'static str)>;
 
 impl Default for AgentMetrics {
     fn default() -> Self {
@@ -160,7 +177,22 @@ impl AgentMetrics {
             gc: crate::gc::GcMetrics::default(),
             dht: crate::dht::DhtMetrics::default(),
             certificate_expiry: Gauge::default(),
+            tracker_reachable: Family::default(),
+            unpacked_bytes: Counter::default(),
         };
+        // Every series of the labelled counters exists from the start, at 0:
+        // a rate or a dashboard panel then reads 0, not "no data", on a node
+        // that never fell back or never saw a bad chunk.
+        for &source in Source::ALL {
+            let _ = m.received_bytes.get_or_create(&SourceLabel { source });
+            let _ = m.verify_failures.get_or_create(&SourceLabel { source });
+        }
+        for &reason in FallbackReason::ALL {
+            let _ = m.fallbacks.get_or_create(&ReasonLabel { reason });
+        }
+        for &outcome in Outcome::ALL {
+            let _ = m.pulls.get_or_create(&OutcomeLabel { outcome });
+        }
         let r = &mut m.registry;
         m.gc.register(r);
         m.dht.register(r);
@@ -224,6 +256,17 @@ impl AgentMetrics {
             Unit::Seconds,
             m.certificate_expiry.clone(),
         );
+        r.register(
+            "tracker_reachable",
+            "1 while a tracker replica answers this agent, 0 while every replica failed or hangs; absent with no tracker configured",
+            m.tracker_reachable.clone(),
+        );
+        r.register_with_unit(
+            "unpacked",
+            "Uncompressed layer bytes unpacked for the snapshotter (tar streams that matched their diffID)",
+            Unit::Bytes,
+            m.unpacked_bytes.clone(),
+        );
         m
     }
 
@@ -240,6 +283,18 @@ impl AgentMetrics {
     /// The agent's certificate ends at `not_after` (Unix seconds).
     pub fn certificate_expires(&self, not_after: i64) {
         self.certificate_expiry.set(not_after);
+    }
+
+    /// Whether a tracker replica answers this agent now.
+    pub fn tracker_reachable(&self, reachable: bool) {
+        self.tracker_reachable
+            .get_or_create(&NoLabels::new())
+            .set(i64::from(reachable));
+    }
+
+    /// One layer unpacked, `bytes` of tar.
+    pub fn unpacked(&self, bytes: u64) {
+        self.unpacked_bytes.inc_by(bytes);
     }
 
     /// Verified bytes of one chunk stored.
@@ -427,10 +482,25 @@ mod tests {
             "dray_agent_pulls_total{outcome=\"failed\"} 1",
             "dray_agent_pulls_in_flight 0",
             "dray_agent_uploaded_bytes_total 0",
+            "dray_agent_registry_fallbacks_total{reason=\"stall\"} 0",
+            "dray_agent_chunk_verify_failures_total{source=\"peer\"} 0",
+            "dray_agent_unpacked_bytes_total 0",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
         }
         assert!(text.ends_with("# EOF\n"), "{text}");
+        assert!(
+            !text.contains("dray_agent_tracker_reachable "),
+            "unset: {text}"
+        );
+        m.tracker_reachable(false);
+        assert!(
+            m.encode()
+                .lines()
+                .any(|l| l == "dray_agent_tracker_reachable 0"),
+            "{}",
+            m.encode()
+        );
     }
 
     async fn get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {

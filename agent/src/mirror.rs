@@ -1,11 +1,23 @@
 //! The registry mirror: the OCI distribution pull API on localhost, which
 //! containerd (through `hosts.toml`) and any other registry client use.
 //!
-//! Manifests and tags are passed through to the upstream registry (chosen by
-//! containerd's `?ns=` parameter) with the client's own credentials; a manifest
-//! fetched by digest is checked against it. Blobs come from the swarm and are
-//! streamed to the client as the verified in-order prefix grows, not after the
-//! blob completes.
+//! Manifests and tag lists are passed through to the upstream registry
+//! (chosen by containerd's `?ns=` parameter) with the client's own
+//! credentials; a manifest fetched by digest is checked against it. Blobs
+//! come from the swarm and are streamed to the client as the verified
+//! in-order prefix grows, not after the blob completes.
+//!
+//! What a read-only OCI distribution endpoint serves, for clients other than
+//! containerd too (skopeo, crane, pull-through caches): `GET /v2/` answers
+//! `{}` as JSON; `GET /v2/<name>/tags/list` with `n` and `last` is the
+//! registry's answer (at most [`MAX_TAG_LIST`] bytes, its `Link` to the next
+//! page kept on the mirror); a registry's 4xx on a manifest or a tag list
+//! (an unacceptable `Accept`, 403, 404) reaches the client with its status
+//! and error body (at most [`MAX_ERROR_BODY`] bytes), so it reads the
+//! registry's reason; a blob request of up to [`MAX_RANGES`] ranges is
+//! answered 206, a multi-range one as `multipart/byteranges`. Not served:
+//! pushes, deletes, the catalog and referrers (a mirror of pulls, read only;
+//! the catalog lists what a registry holds, which is not the node's to tell).
 //!
 //! Access: every request is first made (manifests) or checked with a HEAD
 //! (blobs) upstream with the client's own `Authorization` header, and an
@@ -38,6 +50,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use dray_protocol::BlobDigest;
+use futures_util::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -45,6 +58,18 @@ use std::sync::Arc;
 
 /// Bytes of each range a registry reads back to prove it holds a blob.
 const PROBE: u64 = 4096;
+/// Bytes of a registry's error body passed to a client at most.
+pub const MAX_ERROR_BODY: usize = 64 << 10;
+/// Bytes of a tag list passed to a client at most (10,000 tags of the
+/// longest name fit).
+pub const MAX_TAG_LIST: usize = 4 << 20;
+/// Tags a client may ask for per page (`n`).
+pub const MAX_TAGS_PER_PAGE: u32 = 10_000;
+/// Ranges one blob request may name; more are answered 416.
+pub const MAX_RANGES: usize = 16;
+/// The boundary between the parts of a multi-range answer: blob bytes may
+/// hold it, which RFC 9110 allows (a part's length is its Content-Range).
+const BOUNDARY: &str = "dray-byteranges-3d6f0b5e9a4c";
 
 /// Mirror settings; every key optional.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -225,9 +250,24 @@ fn valid_tag(tag: &str) -> bool {
 enum Target<'a> {
     Manifest { name: &'a str, reference: &'a str },
     Blob { name: &'a str, digest: BlobDigest },
+    Tags { name: &'a str },
+}
+
+fn invalid_name(name: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::BAD_REQUEST,
+        "NAME_INVALID",
+        format!("invalid repository name {name:?}"),
+    )
 }
 
 fn parse_target(rest: &str) -> Result<Target<'_>, ApiError> {
+    if let Some(name) = rest.strip_suffix("/tags/list") {
+        return match valid_name(name) {
+            true => Ok(Target::Tags { name }),
+            false => Err(invalid_name(name)),
+        };
+    }
     let (name, kind, reference) = ["/manifests/", "/blobs/"]
         .iter()
         .filter_map(|k| rest.rsplit_once(k).map(|(n, r)| (n, *k, r)))
@@ -240,11 +280,7 @@ fn parse_target(rest: &str) -> Result<Target<'_>, ApiError> {
             )
         })?;
     if !valid_name(name) {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "NAME_INVALID",
-            format!("invalid repository name {name:?}"),
-        ));
+        return Err(invalid_name(name));
     }
     let digest = || {
         reference
@@ -282,25 +318,82 @@ pub fn byte_range(value: &str, size: u64) -> Option<(u64, u64)> {
     (start < end && start < size).then_some((start, end))
 }
 
-/// The `Range` header of a request, if any, against `size`.
-fn parse_range(h: Option<&HeaderValue>, size: u64) -> Result<Option<(u64, u64)>, ApiError> {
+/// The ranges of a request's `Range` header, if any, against `size`: one
+/// to [`MAX_RANGES`] of them, each as [`byte_range`] reads it.
+fn parse_ranges(h: Option<&HeaderValue>, size: u64) -> Result<Option<Vec<(u64, u64)>>, ApiError> {
     let Some(h) = h else { return Ok(None) };
-    h.to_str()
-        .ok()
-        .and_then(|v| byte_range(v, size))
-        .map(Some)
-        .ok_or_else(|| {
-            ApiError::new(
-                StatusCode::RANGE_NOT_SATISFIABLE,
-                "RANGE_INVALID",
-                format!("unsatisfiable range {h:?} for {size} bytes"),
-            )
+    let bad = |why: String| ApiError::new(StatusCode::RANGE_NOT_SATISFIABLE, "RANGE_INVALID", why);
+    let text = h
+        .to_str()
+        .map_err(|_| bad(format!("range {h:?} is not ASCII")))?;
+    let specs = text
+        .strip_prefix("bytes=")
+        .ok_or_else(|| bad(format!("range {text:?} is not in bytes")))?;
+    let count = specs.split(',').count();
+    if count > MAX_RANGES {
+        return Err(bad(format!(
+            "{count} ranges asked for; this mirror answers at most {MAX_RANGES} per request"
+        )));
+    }
+    specs
+        .split(',')
+        .map(|spec| {
+            byte_range(&format!("bytes={}", spec.trim()), size).ok_or_else(|| {
+                bad(format!(
+                    "unsatisfiable range {:?} for {size} bytes",
+                    spec.trim()
+                ))
+            })
         })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
+}
+
+/// The head of one part of a multi-range answer; every part but the first
+/// ends the one before it with a line break.
+fn part_head((start, end): (u64, u64), size: u64, first: bool) -> String {
+    format!(
+        "{}--{BOUNDARY}\r\nContent-Type: application/octet-stream\r\nContent-Range: bytes {start}-{}/{size}\r\n\r\n",
+        if first { "" } else { "\r\n" },
+        end - 1
+    )
+}
+
+/// The end of a multi-range answer.
+fn multipart_end() -> String {
+    format!("\r\n--{BOUNDARY}--\r\n")
 }
 
 #[derive(Deserialize)]
 struct NsQuery {
     ns: Option<String>,
+    /// A tag list's page size and the tag it starts after.
+    n: Option<String>,
+    last: Option<String>,
+}
+
+/// A registry's 4xx answer (a 401 comes back as its challenge instead),
+/// passed to the client with its status, content type and error body (at
+/// most [`MAX_ERROR_BODY`] bytes): the client reads the registry's own
+/// reason, such as a manifest type its `Accept` header leaves out.
+async fn refused_upstream(resp: reqwest::Response, registry: &str, what: &str) -> Response {
+    let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_REQUEST);
+    let content_type = resp.headers().get(reqwest::header::CONTENT_TYPE).cloned();
+    match crate::registry::read_limited(resp, MAX_ERROR_BODY, registry, what).await {
+        Ok(body) => {
+            let mut out = (status, body).into_response();
+            if let Some(ct) = content_type {
+                out.headers_mut().insert(header::CONTENT_TYPE, ct);
+            }
+            out
+        }
+        Err(e) => ApiError::new(
+            status,
+            "UNKNOWN",
+            format!("registry {registry} answered {status} for {what}: {e}"),
+        )
+        .into_response(),
+    }
 }
 
 impl Mirror {
@@ -375,12 +468,9 @@ impl Mirror {
             .request(name, &format!("manifests/{reference}"), method.clone(), fwd)
             .await?;
         let status = resp.status();
-        if status == reqwest::StatusCode::NOT_FOUND {
-            return Err(ApiError::new(
-                StatusCode::NOT_FOUND,
-                "MANIFEST_UNKNOWN",
-                format!("manifest {name}:{reference} not found upstream"),
-            ));
+        if status.is_client_error() {
+            let what = format!("manifest {name}:{reference}");
+            return Ok(refused_upstream(resp, client.base(), &what).await);
         }
         if !status.is_success() {
             return Err(ApiError::new(
@@ -534,6 +624,93 @@ impl Mirror {
         }
     }
 
+    /// `GET /v2/<name>/tags/list`: the registry's answer, with the client's
+    /// credentials, its page (`n`, `last`) checked first.
+    async fn tags(
+        &self,
+        method: Method,
+        q: &NsQuery,
+        headers: &HeaderMap,
+        name: &str,
+    ) -> Result<Response, ApiError> {
+        let (_, shared) = self.upstream(q.ns.as_deref())?;
+        let mut page = Vec::new();
+        if let Some(n) = &q.n {
+            match n.parse::<u32>() {
+                Ok(n) if n <= MAX_TAGS_PER_PAGE => page.push(format!("n={n}")),
+                _ => {
+                    return Err(ApiError::new(
+                        StatusCode::BAD_REQUEST,
+                        "PAGINATION_NUMBER_INVALID",
+                        format!("n={n:?}: a page is 0 to {MAX_TAGS_PER_PAGE} tags"),
+                    ));
+                }
+            }
+        }
+        if let Some(last) = &q.last {
+            if !valid_tag(last) {
+                return Err(ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "TAG_INVALID",
+                    format!("last={last:?} is not a tag"),
+                ));
+            }
+            page.push(format!("last={last}"));
+        }
+        let path = match page.is_empty() {
+            true => "tags/list".to_string(),
+            false => format!("tags/list?{}", page.join("&")),
+        };
+        let client = shared.for_client(headers.get(header::AUTHORIZATION).cloned());
+        let resp = client
+            .request(
+                name,
+                &path,
+                method.clone(),
+                reqwest::header::HeaderMap::new(),
+            )
+            .await?;
+        let what = format!("the tags of {name}");
+        let status = resp.status();
+        if status.is_client_error() {
+            return Ok(refused_upstream(resp, client.base(), &what).await);
+        }
+        if !status.is_success() {
+            return Err(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "UNAVAILABLE",
+                format!("upstream answered {status} for {what}"),
+            ));
+        }
+        let content_type = resp.headers().get(reqwest::header::CONTENT_TYPE).cloned();
+        // The next page's link, on this mirror: a path of the registry's own
+        // API, with the client's `ns` kept. Any other link is dropped (it
+        // would send the client around the mirror).
+        let link = resp
+            .headers()
+            .get(reqwest::header::LINK)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| mirror_link(v, q.ns.as_deref()));
+        let body = match method {
+            Method::HEAD => Bytes::new(),
+            _ => crate::registry::read_limited(resp, MAX_TAG_LIST, client.base(), &what)
+                .await
+                .map_err(|e| {
+                    ApiError::new(StatusCode::BAD_GATEWAY, "UNAVAILABLE", e.to_string())
+                })?,
+        };
+        let mut out = Response::new(Body::from(body));
+        let h = out.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            content_type.unwrap_or(HeaderValue::from_static("application/json")),
+        );
+        if let Some(link) = link.and_then(|l| HeaderValue::from_str(&l).ok()) {
+            h.insert(header::LINK, link);
+        }
+        Ok(out)
+    }
+
     async fn blob(
         self: &Arc<Self>,
         method: Method,
@@ -556,10 +733,12 @@ impl Mirror {
                 e.to_string(),
             ));
         }
-        let range = parse_range(headers.get(header::RANGE), size)?;
+        let ranges = parse_ranges(headers.get(header::RANGE), size)?;
         if method != Method::HEAD && self.config.names(registry) {
             self.prove_shared(&client, name, digest, size).await;
         }
+        let whole = [(0, size)];
+        let parts: &[(u64, u64)] = ranges.as_deref().unwrap_or(&whole);
         let mut resp = if method == Method::HEAD {
             Response::new(Body::empty())
         } else {
@@ -580,32 +759,72 @@ impl Mirror {
                         }
                     }
                 })?;
-            let (start, end) = range.unwrap_or((0, size));
+            let open = |(start, end): (u64, u64)| {
+                let (pulls, pull) = (self.pulls.clone(), pull.clone());
+                async move {
+                    pulls
+                        .open(digest, size, start, end, pull)
+                        .await
+                        .map_err(|e| {
+                            let status = match e {
+                                OpenError::Unavailable(_) => StatusCode::BAD_GATEWAY,
+                                OpenError::Stalled(_) => StatusCode::GATEWAY_TIMEOUT,
+                            };
+                            ApiError::new(status, "UNAVAILABLE", e.to_string())
+                        })
+                }
+            };
             // Waits for the first verified byte, so a failure is still a 502
             // and the client moves on to the next host.
-            let reader = self
-                .pulls
-                .open(digest, size, start, end, pull)
-                .await
-                .map_err(|e| {
-                    let status = match e {
-                        OpenError::Unavailable(_) => StatusCode::BAD_GATEWAY,
-                        OpenError::Stalled(_) => StatusCode::GATEWAY_TIMEOUT,
-                    };
-                    ApiError::new(status, "UNAVAILABLE", e.to_string())
-                })?
-                .holding(credentials);
-            Response::new(Body::from_stream(reader.into_stream()))
+            let first = open(parts[0]).await?.holding(credentials);
+            if parts.len() == 1 {
+                Response::new(Body::from_stream(first.into_stream()))
+            } else {
+                // Each later part opens as the one before it ends; a failure
+                // then cuts the body short, as it does a single range.
+                let head = |r, first| {
+                    let head = part_head(r, size, first).into();
+                    futures_util::stream::once(std::future::ready(Ok(head)))
+                };
+                let mut stream = head(parts[0], true).chain(first.into_stream()).boxed();
+                for &range in &parts[1..] {
+                    let open = open(range);
+                    let part = futures_util::stream::once(async move {
+                        open.await
+                            .map(|r| r.into_stream())
+                            .map_err(|e| std::io::Error::other(e.message))
+                    })
+                    .try_flatten();
+                    stream = stream.chain(head(range, false)).chain(part).boxed();
+                }
+                let end =
+                    futures_util::stream::once(std::future::ready(Ok(multipart_end().into())));
+                stream = stream.chain(end).boxed();
+                Response::new(Body::from_stream(stream))
+            }
         };
-        let (status, len) = match range {
-            Some((a, b)) => (StatusCode::PARTIAL_CONTENT, b - a),
-            None => (StatusCode::OK, size),
+        let len = match parts {
+            [(a, b)] => b - a,
+            _ => {
+                let heads: usize = (parts.iter().enumerate())
+                    .map(|(i, &r)| part_head(r, size, i == 0).len())
+                    .sum();
+                let bytes: u64 = parts.iter().map(|(a, b)| b - a).sum();
+                heads as u64 + bytes + multipart_end().len() as u64
+            }
         };
-        *resp.status_mut() = status;
+        *resp.status_mut() = match ranges {
+            Some(_) => StatusCode::PARTIAL_CONTENT,
+            None => StatusCode::OK,
+        };
         let h = resp.headers_mut();
+        let content_type = match parts {
+            [_] => "application/octet-stream".to_string(),
+            _ => format!("multipart/byteranges; boundary={BOUNDARY}"),
+        };
         h.insert(
             header::CONTENT_TYPE,
-            HeaderValue::from_static("application/octet-stream"),
+            HeaderValue::from_str(&content_type).expect("ascii"),
         );
         h.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
         h.insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
@@ -613,7 +832,7 @@ impl Mirror {
             "docker-content-digest",
             HeaderValue::from_str(&digest.to_string()).expect("ascii"),
         );
-        if let Some((a, b)) = range {
+        if let (Some(_), [(a, b)]) = (&ranges, parts) {
             h.insert(
                 header::CONTENT_RANGE,
                 HeaderValue::from_str(&format!("bytes {a}-{}/{size}", b - 1)).expect("ascii"),
@@ -621,6 +840,23 @@ impl Mirror {
         }
         Ok(resp)
     }
+}
+
+/// A registry's `Link: </v2/...>; rel="next"` as a link on this mirror,
+/// carrying the client's `ns`; `None` for a link to anywhere else.
+fn mirror_link(link: &str, ns: Option<&str>) -> Option<String> {
+    let (target, rest) = link.strip_prefix('<')?.split_once('>')?;
+    if !target.starts_with("/v2/") || target.contains("://") {
+        return None;
+    }
+    let target = match ns {
+        Some(ns) => {
+            let sep = if target.contains('?') { '&' } else { '?' };
+            format!("{target}{sep}ns={ns}")
+        }
+        None => target.to_string(),
+    };
+    Some(format!("<{target}>{rest}"))
 }
 
 async fn ping(
@@ -634,7 +870,14 @@ async fn ping(
             .ping()
             .await
         {
-            Ok(()) => ([("docker-distribution-api-version", "registry/2.0")], "{}").into_response(),
+            Ok(()) => (
+                [
+                    ("docker-distribution-api-version", "registry/2.0"),
+                    ("content-type", "application/json"),
+                ],
+                "{}",
+            )
+                .into_response(),
             Err(e) => ApiError::from(e).into_response(),
         },
         Err(e) => e.into_response(),
@@ -662,6 +905,10 @@ async fn get_or_head(
             mirror
                 .blob(method, q.ns.as_deref(), &headers, name, digest)
                 .await,
+        ),
+        Ok(Target::Tags { name }) => (
+            MirrorRequest::Tags,
+            mirror.tags(method, &q, &headers, name).await,
         ),
         Err(e) => (MirrorRequest::Invalid, Err(e)),
     };
@@ -755,15 +1002,44 @@ mod tests {
             parse_target("a/manifests/bad tag").err().map(|e| e.code),
             Some("TAG_INVALID")
         );
+        assert!(matches!(
+            parse_target("a/b/tags/list"),
+            Ok(Target::Tags { name: "a/b" })
+        ));
         assert_eq!(
-            parse_target("a/tags/list").err().map(|e| e.status),
+            parse_target("A/tags/list").err().map(|e| e.code),
+            Some("NAME_INVALID")
+        );
+        assert_eq!(
+            parse_target("a/tags").err().map(|e| e.status),
             Some(StatusCode::NOT_FOUND)
         );
-        let r = |s: &str| parse_range(Some(&HeaderValue::from_str(s).unwrap()), 100);
-        assert_eq!(r("bytes=0-9").ok().flatten(), Some((0, 10)));
-        assert_eq!(r("bytes=90-").ok().flatten(), Some((90, 100)));
-        assert_eq!(r("bytes=-5").ok().flatten(), Some((95, 100)));
-        assert_eq!(r("bytes=0-1000").ok().flatten(), Some((0, 100)));
+        let r = |s: &str| parse_ranges(Some(&HeaderValue::from_str(s).unwrap()), 100);
+        assert_eq!(r("bytes=0-9").ok().flatten(), Some(vec![(0, 10)]));
+        assert_eq!(r("bytes=90-").ok().flatten(), Some(vec![(90, 100)]));
+        assert_eq!(r("bytes=-5").ok().flatten(), Some(vec![(95, 100)]));
+        assert_eq!(r("bytes=0-1000").ok().flatten(), Some(vec![(0, 100)]));
+        assert_eq!(
+            r("bytes=0-9, 20-29,-1").ok().flatten(),
+            Some(vec![(0, 10), (20, 30), (99, 100)])
+        );
         assert!(r("bytes=100-").is_err() && r("bytes=5-2").is_err() && r("items=0-1").is_err());
+        assert!(
+            r("bytes=0-9,100-").is_err(),
+            "one unsatisfiable range fails all"
+        );
+        let sixteen = vec!["0-0"; MAX_RANGES].join(",");
+        assert!(r(&format!("bytes={sixteen}")).is_ok());
+        let e = r(&format!("bytes={sixteen},1-1")).err().unwrap();
+        assert_eq!(e.status, StatusCode::RANGE_NOT_SATISFIABLE);
+        assert!(e.message.contains("17 ranges"), "{}", e.message);
+        assert_eq!(
+            mirror_link("</v2/a/tags/list?last=b&n=1>; rel=\"next\"", Some("r:5000")).as_deref(),
+            Some("</v2/a/tags/list?last=b&n=1&ns=r:5000>; rel=\"next\"")
+        );
+        assert_eq!(
+            mirror_link("<https://elsewhere/v2/a/tags/list>; rel=\"next\"", None),
+            None
+        );
     }
 }

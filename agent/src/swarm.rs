@@ -41,6 +41,7 @@
 use crate::advertise::{self, Advertised};
 use crate::dht::{Dht, DhtConfig, NodeRecord};
 use crate::error::{Error, Result};
+use crate::events::{EventKind, Events};
 use crate::fetch::{PeerAddr, Transfer};
 use crate::metrics::{FallbackReason, Source};
 use crate::peer::PeerNode;
@@ -189,6 +190,21 @@ struct Want {
     /// The registry it comes from (base URL), named in announces so that
     /// the tracker budgets registry fetches per registry.
     origin: String,
+    /// The repository, the pull's start and its current attempt, for `dray status`.
+    repo: String,
+    started: Instant,
+    transfer: Arc<Transfer>,
+}
+
+/// A pull in progress, as `dray status` shows it.
+pub struct Pulling {
+    pub digest: BlobDigest,
+    pub repo: String,
+    /// The registry's base URL.
+    pub origin: String,
+    pub started: Instant,
+    /// The pull's current attempt (a wrong chunk map starts another).
+    pub transfer: Arc<Transfer>,
 }
 
 /// An agent's membership in the swarm.
@@ -206,6 +222,8 @@ pub struct Swarm {
     preheats: Preheats,
     /// The DHT, if this node joined one.
     dht: Option<Arc<Dht>>,
+    /// Recent fallbacks, bans and drops (`dray status`).
+    events: Events,
 }
 
 /// One blob as an announce lists it, with all its bits: the most it can
@@ -289,6 +307,7 @@ impl Swarm {
             poke: Notify::new(),
             preheats: Preheats::default(),
             dht,
+            events: Events::default(),
         })
     }
 
@@ -303,6 +322,33 @@ impl Swarm {
     /// The DHT this node joined, if any.
     pub fn dht(&self) -> Option<&Arc<Dht>> {
         self.dht.as_ref()
+    }
+
+    /// Recent fallbacks, bans and drops of this node's pulls.
+    pub fn events(&self) -> &Events {
+        &self.events
+    }
+
+    /// The pulls in progress.
+    pub fn pulling(&self) -> Vec<Pulling> {
+        lock(&self.wanted)
+            .iter()
+            .map(|(digest, w)| Pulling {
+                digest: *digest,
+                repo: w.repo.clone(),
+                origin: w.origin.clone(),
+                started: w.started,
+                transfer: w.transfer.clone(),
+            })
+            .collect()
+    }
+
+    /// Whether a tracker replica answers this node now (none failing its
+    /// last request or hanging); `None` with no tracker configured.
+    pub fn tracker_reachable(&self) -> Option<bool> {
+        self.tracker
+            .is_configured()
+            .then(|| !self.tracker.all_down())
     }
 
     /// The preheat jobs this node was handed, and where new ones go.
@@ -331,6 +377,10 @@ impl Swarm {
             }
             loop {
                 swarm.announce_once().await;
+                swarm
+                    .node
+                    .metrics()
+                    .tracker_reachable(swarm.tracker_reachable().unwrap_or(false));
                 let busy = !lock(&swarm.wanted).is_empty();
                 let wait = if busy {
                     swarm.config.pull_announce
@@ -707,6 +757,9 @@ impl Swarm {
                 Want {
                     updates: tx,
                     origin,
+                    repo: repo.to_owned(),
+                    started,
+                    transfer: transfer.clone(),
                 },
             );
             self.poke.notify_one();
@@ -723,11 +776,23 @@ impl Swarm {
             report.bytes_from_peers += fetched.bytes_received;
             report.chunks_from_registry += fetched.chunks_from_registry;
             report.bytes_from_registry += fetched.bytes_from_registry;
+            for (peer, index) in &fetched.slow_peers {
+                let why = format!("chunk {index} past its deadline");
+                self.events.record(
+                    EventKind::Dropped,
+                    digest.to_string(),
+                    Some(peer.clone()),
+                    why,
+                );
+            }
             report.slow_peers.extend(fetched.slow_peers.into_keys());
             report.liars.extend(fetched.liars);
             report.checks += fetched.checks;
             for (peer, index) in &fetched.bad_peers {
                 report.bad_peers.push(peer.clone());
+                let why = format!("chunk {index} failed its hash");
+                self.events
+                    .record(EventKind::Ban, digest.to_string(), Some(peer.clone()), why);
                 self.report_bad_chunk(&digest, peer, *index).await;
             }
             if alone || !matches!(&outcome, Err(e) if is_map_failure(e)) {
@@ -775,6 +840,12 @@ impl Swarm {
                     if alone {
                         tracing::warn!(error = %e, %digest, "the published chunk map was wrong again; pulling the blob from the registry alone");
                         self.node.metrics().fell_back(FallbackReason::MapFailure);
+                        self.events.record(
+                            EventKind::Fallback,
+                            digest.to_string(),
+                            None,
+                            format!("map_failure: {e}"),
+                        );
                         report.discarded_bytes += transfer.blob().held_bytes();
                         lock(&self.wanted).remove(&digest);
                         self.forget(digest).await?;
@@ -916,6 +987,12 @@ impl Swarm {
                         };
                         tracing::warn!(%digest, ?reason, tracker_silent_s = machine.rule().tracker_silent_for(now).as_secs_f64(), "falling back to the registry");
                         self.node.metrics().fell_back(reason);
+                        self.events.record(
+                            EventKind::Fallback,
+                            digest.to_string(),
+                            None,
+                            reason.as_str().to_string(),
+                        );
                         report.fell_back = true;
                     }
                     Action::Quiet => tracing::info!(

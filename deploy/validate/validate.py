@@ -281,11 +281,12 @@ def registered_metrics():
     _count, _sum; Gauge: the name)."""
     names = set()
     call = re.compile(r'\.register(?:_with_unit)?\(\s*"(\w+)",\s*"(?:[^"\\]|\\.)*",\s*'
-                      r'(?:Unit::(\w+),\s*)?(?:m|self)\.(\w+)\.clone\(\)')
+                      r'(?:Unit::(?:Other\("(\w+)"\.into\(\)\)|(\w+)),\s*)?(?:m|self)\.(\w+)\.clone\(\)')
     for crate, prefix in (("agent/src", "dray_agent"), ("tracker/src", "dray_tracker")):
         for f in sorted((ROOT / crate).rglob("*.rs")):
             text = f.read_text()
-            for name, unit, field in call.findall(text):
+            for name, other, unit, field in call.findall(text):
+                unit = other or unit
                 # The field's declaration: the first `field: ...` line naming a metric type.
                 kind = next((k for line in re.findall(rf"\b{field}:\s*(.+)", text)
                              for k in re.findall(r"\b(Counter|Gauge|Histogram)\b", line)[-1:]), None)
@@ -303,9 +304,7 @@ def label_values():
             for m in re.findall(r'"(\w+)"', f.read_text())}
 
 
-DASHBOARD_VARS = {"$__rate_interval": "5m", "$__range": "1h", "$__interval": "1m", "$instance": ".*",
-                  "$store_limit": "1e11", "$high_watermark": "0.8", "$low_watermark": "0.6",
-                  "$critical_watermark": "0.95"}
+DASHBOARD_VARS = {"$__rate_interval": "5m", "$__range": "1h", "$__interval": "1m", "$instance": ".*"}
 
 
 def dashboard_exprs():
