@@ -1999,7 +1999,10 @@ mod tests {
         );
         // Past the cap only the very size vouched for passes.
         store.check_size(&digest, 10 * 65536).unwrap();
-        let e = store.check_size(&digest, 11 * 65536).unwrap_err().to_string();
+        let e = store
+            .check_size(&digest, 11 * 65536)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("720896 bytes is more than max_blob_size (196608 bytes)"),
             "{e}"
