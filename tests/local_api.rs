@@ -523,7 +523,7 @@ async fn the_local_api_pulls_only_from_served_registries_and_never_a_blob_held_f
     let error = result.unwrap_err();
     assert!(
         error.contains(&format!(
-            "registry \"{}\" is not one this node's mirror serves",
+            "registry {} is not one this node's mirror serves",
             unlisted.host()
         )),
         "{error}"

@@ -223,7 +223,7 @@ impl LocalApi {
             return Err(ApiError(
                 StatusCode::FORBIDDEN,
                 format!(
-                    "registry {:?} is not one this node's mirror serves (mirror.registries, mirror.upstreams, mirror.default_registry): the agent pulls nothing from it",
+                    "registry {} is not one this node's mirror serves (mirror.registries, mirror.upstreams, mirror.default_registry): the agent pulls nothing from it",
                     image.registry
                 ),
             ));
