@@ -9,7 +9,8 @@
 //! registries the mirror serves; no blob held from one registry handed out
 //! for another that cannot prove it holds the same bytes; no disk reserved
 //! past what the manifest and the registry agree on), and a registry that
-//! trickles is given up at the range deadline. A `dray agent` process, the
+//! trickles is given up at the range deadline. A size another manifest
+//! gave a layer does not fail its pull (finding 9). A `dray agent` process, the
 //! real distribution registry for the honest image, and a lying registry
 //! written here (plain HTTP on loopback) for the rest.
 
@@ -529,6 +530,25 @@ async fn the_local_api_pulls_only_from_served_registries_and_never_a_blob_held_f
         "{error}"
     );
     assert_eq!(unlisted.connections(), 0, "the agent connected to it");
+
+    // A host process has the mirror read a manifest of its own naming the
+    // layer with another size (issue 37 finding 9): that size admits only
+    // itself, and the layer's real size still pulls.
+    OneLayer::new(layer.clone(), size + 1).push(&registry, &work, "team/liar");
+    let lie = reqwest::Client::new()
+        .get(format!(
+            "{mirror}/v2/team/liar/manifests/1?ns={}",
+            registry.host()
+        ))
+        .header("Accept", "application/vnd.oci.image.manifest.v1+json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        lie.status().as_u16(),
+        200,
+        "the lying manifest went through"
+    );
 
     // The honest image: pulled into the store.
     let (status, result) =
