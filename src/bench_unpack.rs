@@ -290,7 +290,9 @@ async fn measure(
         };
         // As the agent's local API does: every download starts now, and an
         // unpack waits for a slot, then catches up with what has arrived.
-        let pull = pulls.ensure(client.clone(), repo, layer.digest, layer.size);
+        let (pull, _) = pulls
+            .admit(&client, false, repo, layer.digest, layer.size)
+            .await?;
         let (pulls, target, limit) = (pulls.clone(), out.join(i.to_string()), limit.clone());
         tasks.push(tokio::spawn(async move {
             let _permit = limit.acquire_owned().await?;

@@ -61,7 +61,7 @@ impl Agent {
         };
         let swarm = Swarm::new(node, cfg.swarm.clone(), dht);
         Ok(Self {
-            pulls: Pulls::new(swarm.clone()),
+            pulls: Pulls::new(swarm.clone(), cfg.registry.clone()),
             swarm,
             metrics,
             loops: Vec::new(),

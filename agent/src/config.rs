@@ -5,6 +5,7 @@ use crate::error::{Error, Result};
 use crate::local_api::LocalApiConfig;
 use crate::mirror::MirrorConfig;
 use crate::peer::PeerConfig;
+use crate::registry::RegistryConfig;
 use crate::swarm::SwarmConfig;
 use crate::unpack::UnpackLimits;
 use serde::{Deserialize, Serialize};
@@ -36,6 +37,10 @@ pub struct AgentConfig {
     pub peer: PeerConfig,
     pub swarm: SwarmConfig,
     pub mirror: MirrorConfig,
+    /// How fast registries must send (`[registry]`, see
+    /// [`RegistryConfig`]): `range_floor` (30 s) plus a range's length at
+    /// `range_min_bytes_per_s` (64 KiB/s) for every range read.
+    pub registry: RegistryConfig,
     pub local_api: LocalApiConfig,
     /// Garbage collection of the store (`[gc]`, see [`crate::gc`]):
     /// `budget` (bytes; default none, the filesystem's watermarks alone),
@@ -76,6 +81,7 @@ impl Default for AgentConfig {
             peer: PeerConfig::default(),
             swarm: SwarmConfig::default(),
             mirror: MirrorConfig::default(),
+            registry: RegistryConfig::default(),
             local_api: LocalApiConfig::default(),
             gc: crate::gc::GcConfig::default(),
             unpack: UnpackLimits::default(),

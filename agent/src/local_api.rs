@@ -18,8 +18,11 @@
 //!   config and layers are never evicted (`dray pin`, `dray unpin`).
 //!
 //! The same pulls run the preheat jobs the tracker hands the node
-//! ([`LocalApi::run_preheats`]), for images of the registries the mirror
-//! serves only.
+//! ([`LocalApi::run_preheats`]). Every pull here is held to the mirror's
+//! rules: images of the registries the mirror serves only, sizes the
+//! manifest and the registry agree on, and no blob held from another
+//! registry unless this one proves it has the same bytes
+//! ([`LocalApi::start_pull`]).
 //!
 //! A unix socket rather than TCP because the unpack call writes where it is
 //! told as root: only local, privileged clients may make it, and only into
@@ -27,7 +30,7 @@
 
 use crate::image::{self, Image, ImageError, ImageRef, Layer};
 use crate::mirror::MirrorConfig;
-use crate::pulls::{PullState, Pulls};
+use crate::pulls::{OriginError, PullState, Pulls};
 use crate::registry::RegistryClient;
 use crate::unpack::{Compression, UnpackLimits, Unpacked, unpack_layer_within};
 use axum::Json;
@@ -44,7 +47,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 
 /// How often `POST /v1/images/pull` reports progress.
@@ -183,11 +186,64 @@ impl LocalApi {
         axum::serve(listener, self.router()).await
     }
 
-    /// The registry client and repository of an image reference.
+    /// The registry client of an image reference, for a registry the
+    /// mirror serves only (the mirror's allow-list, checked before any
+    /// connection): any pod's image reaches this API through the
+    /// snapshotter, and must not make the agent connect where it names.
     fn client(&self, image: &ImageRef) -> Result<Arc<RegistryClient>, ApiError> {
+        if !self.mirror.serves(&image.registry) {
+            return Err(ApiError(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "registry {} is not one this node's mirror serves (mirror.registries, mirror.upstreams, mirror.default_registry): the agent pulls nothing from it",
+                    image.registry
+                ),
+            ));
+        }
         self.pulls
             .upstream(&self.mirror.upstream(&image.registry))
             .map_err(|e| ApiError(StatusCode::BAD_GATEWAY, e.to_string()))
+    }
+
+    /// Starts or joins the swarm pull of one blob an image's manifest lists
+    /// with `size`, from the image's registry, under the mirror's rules:
+    /// the registry's own answer (a HEAD, the access check) must give the
+    /// manifest's size, so no more disk is reserved than both agree on;
+    /// that size must pass the store's limit; and a blob held from another
+    /// registry is refused unless this one proves it holds the same bytes
+    /// ([`Pulls::admit`]). Every pull the local API starts comes through here.
+    async fn start_pull(
+        &self,
+        image: &ImageRef,
+        client: &RegistryClient,
+        (digest, size): (BlobDigest, u64),
+    ) -> Result<watch::Receiver<PullState>, ApiError> {
+        let stored = client
+            .blob_size(&image.repo, &digest)
+            .await
+            .map_err(|e| ApiError(StatusCode::BAD_GATEWAY, format!("blob {digest}: {e}")))?;
+        if stored != size {
+            return Err(ApiError(
+                StatusCode::BAD_GATEWAY,
+                format!(
+                    "blob {digest}: the registry holds {stored} bytes, the manifest says {size}"
+                ),
+            ));
+        }
+        let store = self.pulls.swarm().node().store();
+        store
+            .check_size(&digest, size)
+            .map_err(|e| ApiError(StatusCode::BAD_GATEWAY, e.to_string()))?;
+        let named = self.mirror.names(&image.registry);
+        let (pull, _) = self
+            .pulls
+            .admit(client, named, &image.repo, digest, size)
+            .await
+            .map_err(|e| match e {
+                OriginError::Elsewhere { .. } => ApiError(StatusCode::FORBIDDEN, e.to_string()),
+                OriginError::Store { .. } => ApiError(StatusCode::BAD_GATEWAY, e.to_string()),
+            })?;
+        Ok(pull)
     }
 
     async fn resolve(
@@ -257,22 +313,11 @@ impl LocalApi {
             .await?;
         let compression = Compression::from_media_type(&layer.media_type)
             .map_err(|e| bad(format!("layer {digest}: {e}")))?;
-        let stored = client
-            .blob_size(&image.repo, &digest)
-            .await
-            .map_err(|e| ApiError(StatusCode::BAD_GATEWAY, format!("layer {digest}: {e}")))?;
-        if stored != layer.size {
-            return Err(ApiError(
-                StatusCode::BAD_GATEWAY,
-                format!(
-                    "layer {digest}: the registry holds {stored} bytes, the manifest says {}",
-                    layer.size
-                ),
-            ));
-        }
         // The download starts now; the unpack waits for a slot (it catches up
         // with what has arrived meanwhile).
-        let pull = self.pulls.ensure(client, &image.repo, digest, layer.size);
+        let pull = self
+            .start_pull(&image, &client, (digest, layer.size))
+            .await?;
         let _slot = self.unpacks.acquire().await.expect("never closed");
         let reader = self
             .pulls
@@ -529,23 +574,23 @@ async fn unpin(
 }
 
 /// The swarm pulls of an image's blobs, started or joined, with their sizes.
-type BlobPulls = Vec<(BlobDigest, u64, tokio::sync::watch::Receiver<PullState>)>;
+type BlobPulls = Vec<(BlobDigest, u64, watch::Receiver<PullState>)>;
 
 impl LocalApi {
-    /// Starts (or joins) the swarm pulls of `blobs` from `repo` at `client`.
-    fn start_pulls(
+    /// Starts (or joins) the swarm pulls of `blobs` of `image` at `client`
+    /// ([`Self::start_pull`]); the first refused ends it.
+    async fn start_pulls(
         &self,
-        client: &Arc<RegistryClient>,
-        repo: &str,
-        blobs: impl IntoIterator<Item = (BlobDigest, u64)>,
-    ) -> BlobPulls {
-        blobs
-            .into_iter()
-            .map(|(digest, size)| {
-                let rx = self.pulls.ensure(client.clone(), repo, digest, size);
-                (digest, size, rx)
-            })
-            .collect()
+        image: &ImageRef,
+        client: &RegistryClient,
+        blobs: Vec<(BlobDigest, u64)>,
+    ) -> Result<BlobPulls, ApiError> {
+        let mut pulls = Vec::new();
+        for (digest, size) in blobs {
+            let rx = self.start_pull(image, client, (digest, size)).await?;
+            pulls.push((digest, size, rx));
+        }
+        Ok(pulls)
     }
 
     /// Runs the preheat jobs the tracker hands this node until `tasks`
@@ -576,17 +621,14 @@ impl LocalApi {
     }
 
     async fn preheat(&self, task: &crate::preheat::Task) -> Result<(), String> {
-        let image: ImageRef = task.image.parse().map_err(|e: ImageError| e.to_string())?;
-        if !self.mirror.serves(&image.registry) {
-            return Err(format!(
-                "registry {} is not one this node's mirror serves (mirror.registries, mirror.upstreams)",
-                image.registry
-            ));
-        }
         let (image, client, resolved) = self.resolve(&task.image, None).await.map_err(|e| e.1)?;
         let blobs = std::iter::once((resolved.config, resolved.config_size))
-            .chain(resolved.layers.iter().map(|l| (l.digest, l.size)));
-        let pulls = self.start_pulls(&client, &image.repo, blobs);
+            .chain(resolved.layers.iter().map(|l| (l.digest, l.size)))
+            .collect();
+        let pulls = self
+            .start_pulls(&image, &client, blobs)
+            .await
+            .map_err(|e| e.1)?;
         let store = self.pulls.swarm().node().store().clone();
         let board = self.pulls.swarm().preheats();
         loop {
@@ -648,11 +690,8 @@ async fn pull(
 ) -> Result<Response, ApiError> {
     let (image, client, resolved) = api.resolve(&req.image, None).await?;
     let store = api.pulls.swarm().node().store().clone();
-    let blobs = api.start_pulls(
-        &client,
-        &image.repo,
-        resolved.layers.iter().map(|l| (l.digest, l.size)),
-    );
+    let layers = resolved.layers.iter().map(|l| (l.digest, l.size)).collect();
+    let blobs = api.start_pulls(&image, &client, layers).await?;
     let name = req.image.clone();
     // One line per tick until every pull has ended.
     let lines = futures_util::stream::unfold(Some(()), move |state| {

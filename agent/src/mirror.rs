@@ -33,8 +33,8 @@
 //! registry containerd names, reached as containerd would reach it
 //! (`https://<ns>`, certificates checked). A blob the node holds, or is
 //! pulling, is handed out only to a client whose access check passed at the
-//! registry the blob came from (see [`crate::pulls`]), or at another the
-//! operator named that proves it holds the same bytes (`prove_shared`).
+//! registry the blob came from, or at another the operator named that proves
+//! it holds the same bytes (see [`Pulls::admit`]).
 //!
 //! When the mirror cannot serve a blob (upstream and swarm both failing for it)
 //! it answers 502 before sending any byte, so containerd moves on to the next
@@ -44,7 +44,6 @@ use crate::image::MAX_MANIFEST;
 use crate::metrics::MirrorRequest;
 use crate::pulls::{OpenError, OriginError, Pulls};
 use crate::registry::{RegistryClient, RegistryError};
-use crate::store::Blob;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
@@ -56,8 +55,6 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-/// Bytes of each range a registry reads back to prove it holds a blob.
-const PROBE: u64 = 4096;
 /// Bytes of a registry's error body passed to a client at most.
 pub const MAX_ERROR_BODY: usize = 64 << 10;
 /// Bytes of a tag list passed to a client at most (10,000 tags of the
@@ -565,65 +562,6 @@ impl Mirror {
         }
     }
 
-    /// Lets a complete blob this node holds from another registry be served
-    /// for `client`'s registry too, one the operator named, when that registry
-    /// proves it has the same bytes: two ranges read there with the client's
-    /// credentials (the last [`PROBE`] bytes, which depend on the whole layer,
-    /// and [`PROBE`] bytes at an offset it cannot guess; a smaller blob whole)
-    /// equal this node's
-    /// verified copy. A HEAD's word is not enough (a listed server may answer
-    /// 200 to anything); a server that has the bytes could have served them.
-    /// So a layer two registries share is fetched once. Anything else leaves
-    /// the origins as they were (the pull then refuses, and containerd goes
-    /// to the registry itself).
-    async fn prove_shared(
-        &self,
-        client: &RegistryClient,
-        repo: &str,
-        digest: BlobDigest,
-        size: u64,
-    ) {
-        let store = self.pulls.swarm().node().store().clone();
-        let asked = client.base().to_string();
-        let held = {
-            let (store, asked) = (store.clone(), asked.clone());
-            tokio::task::spawn_blocking(move || -> crate::Result<Option<Arc<Blob>>> {
-                if store.origins(&digest)?.contains(&asked) {
-                    return Ok(None);
-                }
-                Ok(store.get(&digest)?.filter(|b| b.is_complete()))
-            })
-            .await
-        };
-        let Ok(Ok(Some(blob))) = held else { return };
-        if blob.map().size() != size || size == 0 {
-            return;
-        }
-        // A blob no longer than a probe is read back whole.
-        let probe = PROBE.min(size);
-        let random = std::hash::BuildHasher::hash_one(
-            &std::collections::hash_map::RandomState::new(),
-            digest,
-        );
-        for start in [size - probe, random % (size - probe + 1)] {
-            let theirs = client.blob_range(repo, &digest, start, probe).await;
-            let blob = blob.clone();
-            let ours =
-                tokio::task::spawn_blocking(move || blob.read_range(start, probe as usize)).await;
-            match (theirs, ours) {
-                (Ok(t), Ok(Ok(o))) if t[..] == o[..] => {}
-                _ => {
-                    tracing::warn!(%digest, registry = %asked, start,
-                        "the registry did not prove it holds the blob this node has from another: not served for it");
-                    return;
-                }
-            }
-        }
-        if let Err(e) = store.add_origin(&digest, &asked) {
-            tracing::warn!(%digest, error = %e, "could not record the blob's registry");
-        }
-    }
-
     /// `GET /v2/<name>/tags/list`: the registry's answer, with the client's
     /// credentials, its page (`n`, `last`) checked first.
     async fn tags(
@@ -720,8 +658,7 @@ impl Mirror {
         digest: BlobDigest,
     ) -> Result<Response, ApiError> {
         let (registry, shared) = self.upstream(ns)?;
-        let authorization = headers.get(header::AUTHORIZATION).cloned();
-        let client = shared.for_client(authorization.clone());
+        let client = shared.for_client(headers.get(header::AUTHORIZATION).cloned());
         // The access check: the client's own credentials must reach the blob upstream.
         let size = client.blob_size(name, &digest).await?;
         // Before any disk is reserved for it: a HEAD's length alone is capped.
@@ -734,17 +671,16 @@ impl Mirror {
             ));
         }
         let ranges = parse_ranges(headers.get(header::RANGE), size)?;
-        if method != Method::HEAD && self.config.names(registry) {
-            self.prove_shared(&client, name, digest, size).await;
-        }
         let whole = [(0, size)];
         let parts: &[(u64, u64)] = ranges.as_deref().unwrap_or(&whole);
         let mut resp = if method == Method::HEAD {
             Response::new(Body::empty())
         } else {
+            let named = self.config.names(registry);
             let (pull, credentials) = self
                 .pulls
-                .ensure_from(&shared, authorization, name, digest, size)
+                .admit(&client, named, name, digest, size)
+                .await
                 .map_err(|e| {
                     tracing::warn!(error = %e, "mirror request refused");
                     match e {

@@ -10,20 +10,20 @@
 //! number of them.
 //!
 //! Every pull records the registry it pulls from with the blob (its origin,
-//! kept by the store). The mirror joins a pull, or reads a stored blob, only
-//! for a client asking through that same registry: its access check is a
-//! HEAD there, and a HEAD at another registry (one a client may control)
-//! proves nothing about this blob.
+//! kept by the store). The mirror and the local API join a pull, or read a
+//! stored blob, only for a caller asking through that same registry
+//! ([`Pulls::admit`], their one way in): the access check is a HEAD there,
+//! and a HEAD at another registry (one a client, or a pod's image, may
+//! name) proves nothing about this blob.
 
 use crate::bounded::BoundedMap;
-use crate::registry::{ReaderGuard, Readers, RegistryClient, RegistryError};
+use crate::registry::{ReaderGuard, Readers, RegistryClient, RegistryConfig, RegistryError};
 use crate::store::{Blob, ChunkStore, Progress};
 use crate::swarm::{PullReport, Swarm};
 use bytes::Bytes;
 use dray_protocol::{BlobDigest, ChunkMap};
 use futures_util::StreamExt;
 use futures_util::stream::BoxStream;
-use reqwest::header::HeaderValue;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -40,6 +40,8 @@ const MAX_UPSTREAMS: usize = 64;
 /// Swarm pulls of a blob per shared pull, should the collector evict the
 /// blob as each ends.
 const PULL_ATTEMPTS: usize = 3;
+/// Bytes of each range a registry reads back to prove it holds a blob.
+const PROBE: u64 = 4096;
 
 /// How a shared pull is going.
 #[derive(Clone)]
@@ -93,9 +95,9 @@ pub enum OriginError {
 struct Running {
     state: watch::Receiver<PullState>,
     origin: String,
-    /// The waiting mirror clients' credentials it fetches with; `None` for a
-    /// pull with the agent's own (the local API's).
-    readers: Option<Arc<Readers>>,
+    /// The credentials of the callers waiting on it, which it fetches with
+    /// (none for the local API's: the agent's own, anonymous).
+    readers: Arc<Readers>,
 }
 
 impl Running {
@@ -111,6 +113,8 @@ pub struct Pulls {
     upstreams: Mutex<BoundedMap<String, Arc<RegistryClient>>>,
     /// Pulls in progress, so concurrent readers of a blob share one.
     running: Mutex<HashMap<BlobDigest, Running>>,
+    /// How fast the upstream clients' range reads must go.
+    registry: RegistryConfig,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -118,11 +122,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Pulls {
-    pub fn new(swarm: Arc<Swarm>) -> Arc<Self> {
+    pub fn new(swarm: Arc<Swarm>, registry: RegistryConfig) -> Arc<Self> {
         Arc::new(Self {
             swarm,
             upstreams: Mutex::new(BoundedMap::new(MAX_UPSTREAMS)),
             running: Mutex::new(HashMap::new()),
+            registry,
         })
     }
 
@@ -136,41 +141,46 @@ impl Pulls {
         if let Some(c) = ups.get(base) {
             return Ok(c.clone());
         }
-        let c = Arc::new(RegistryClient::new(base, None)?);
+        let c = Arc::new(RegistryClient::new(base, None)?.with_config(self.registry.clone()));
         ups.insert(base.to_string(), c.clone());
         Ok(c)
     }
 
-    /// Starts (or joins) the swarm pull of a blob, whatever registry a
-    /// running pull reads from: for callers the node trusts (the local API).
-    pub fn ensure(
+    /// Starts or joins the pull of a blob of `size` bytes for a caller
+    /// whose access check passed at `client`'s registry (a HEAD there with
+    /// the caller's credentials: a mirror client's `Authorization`, or none
+    /// for the local API): the one way in, for the mirror and the local
+    /// API alike. Refused when the blob, held or being pulled, comes from
+    /// another registry, unless `named` (the operator named the asked
+    /// registry) and that registry proves it holds the same bytes
+    /// ([`Self::prove_shared`]). The pull fetches with the credentials of
+    /// the callers waiting on it: the guard keeps this caller's there.
+    pub async fn admit(
         self: &Arc<Self>,
-        client: Arc<RegistryClient>,
-        repo: &str,
-        digest: BlobDigest,
-        size: u64,
-    ) -> watch::Receiver<PullState> {
-        let mut running = lock(&self.running);
-        if let Some(r) = running.get(&digest).filter(|r| r.is_running()) {
-            return r.state.clone();
-        }
-        self.start(&mut running, client, repo, (digest, size), None)
-    }
-
-    /// Starts or joins the pull of a blob for a mirror client that passed
-    /// the access check at `upstream` (the registry's shared client) with
-    /// `authorization`: refused when the blob (held, or being pulled) comes
-    /// from another registry. The pull fetches with the credentials of the
-    /// clients waiting on it: the guard keeps this client's there.
-    pub fn ensure_from(
-        self: &Arc<Self>,
-        upstream: &RegistryClient,
-        authorization: Option<HeaderValue>,
+        client: &RegistryClient,
+        named: bool,
         repo: &str,
         digest: BlobDigest,
         size: u64,
     ) -> Result<(watch::Receiver<PullState>, Option<ReaderGuard>), OriginError> {
-        let asked = upstream.base().to_string();
+        if named {
+            self.prove_shared(client, repo, digest, size).await;
+        }
+        self.ensure_from(client, repo, digest, size)
+    }
+
+    /// [`Self::admit`] past the proof: joins a running pull from the same
+    /// registry, or starts one, recording that registry as the blob's
+    /// origin only when the store holds nothing of it from another.
+    fn ensure_from(
+        self: &Arc<Self>,
+        client: &RegistryClient,
+        repo: &str,
+        digest: BlobDigest,
+        size: u64,
+    ) -> Result<(watch::Receiver<PullState>, Option<ReaderGuard>), OriginError> {
+        let authorization = client.forwarded().cloned();
+        let asked = client.base().to_string();
         let elsewhere = |held: String| OriginError::Elsewhere {
             digest,
             asked: asked.clone(),
@@ -181,8 +191,7 @@ impl Pulls {
             if r.origin != asked {
                 return Err(elsewhere(r.origin.clone()));
             }
-            let guard = r.readers.as_ref().map(|rs| rs.join(authorization));
-            return Ok((r.state.clone(), guard));
+            return Ok((r.state.clone(), Some(r.readers.join(authorization))));
         }
         let store = self.swarm.node().store();
         let store_err = |e: crate::Error| OriginError::Store {
@@ -199,9 +208,67 @@ impl Pulls {
         }
         let readers = Arc::new(Readers::default());
         let guard = readers.join(authorization);
-        let client = Arc::new(upstream.for_readers(readers.clone()));
-        let rx = self.start(&mut running, client, repo, (digest, size), Some(readers));
+        let client = Arc::new(client.for_readers(readers.clone()));
+        let rx = self.start(&mut running, client, repo, (digest, size), readers);
         Ok((rx, Some(guard)))
+    }
+
+    /// Lets a complete blob this node holds from another registry be served
+    /// for `client`'s registry too, one the operator named, when that registry
+    /// proves it has the same bytes: two ranges read there with the client's
+    /// credentials (the last [`PROBE`] bytes, which depend on the whole layer,
+    /// and [`PROBE`] bytes at an offset it cannot guess; a smaller blob whole)
+    /// equal this node's verified copy. A HEAD's word is not enough (a listed
+    /// server may answer 200 to anything); a server that has the bytes could
+    /// have served them. So a layer two registries share is fetched once.
+    /// Anything else leaves the origins as they were (the pull then refuses,
+    /// and the caller goes to the registry itself).
+    async fn prove_shared(
+        &self,
+        client: &RegistryClient,
+        repo: &str,
+        digest: BlobDigest,
+        size: u64,
+    ) {
+        let store = self.swarm.node().store().clone();
+        let asked = client.base().to_string();
+        let held = {
+            let (store, asked) = (store.clone(), asked.clone());
+            tokio::task::spawn_blocking(move || -> crate::Result<Option<Arc<Blob>>> {
+                if store.origins(&digest)?.contains(&asked) {
+                    return Ok(None);
+                }
+                Ok(store.get(&digest)?.filter(|b| b.is_complete()))
+            })
+            .await
+        };
+        let Ok(Ok(Some(blob))) = held else { return };
+        if blob.map().size() != size || size == 0 {
+            return;
+        }
+        // A blob no longer than a probe is read back whole.
+        let probe = PROBE.min(size);
+        let random = std::hash::BuildHasher::hash_one(
+            &std::collections::hash_map::RandomState::new(),
+            digest,
+        );
+        for start in [size - probe, random % (size - probe + 1)] {
+            let theirs = client.blob_range(repo, &digest, start, probe).await;
+            let blob = blob.clone();
+            let ours =
+                tokio::task::spawn_blocking(move || blob.read_range(start, probe as usize)).await;
+            match (theirs, ours) {
+                (Ok(t), Ok(Ok(o))) if t[..] == o[..] => {}
+                _ => {
+                    tracing::warn!(%digest, registry = %asked, start,
+                        "the registry did not prove it holds the blob this node has from another: not served for it");
+                    return;
+                }
+            }
+        }
+        if let Err(e) = store.add_origin(&digest, &asked) {
+            tracing::warn!(%digest, error = %e, "could not record the blob's registry");
+        }
     }
 
     /// Starts a pull of a blob (digest and size) from `client`'s registry,
@@ -212,7 +279,7 @@ impl Pulls {
         client: Arc<RegistryClient>,
         repo: &str,
         (digest, size): (BlobDigest, u64),
-        readers: Option<Arc<Readers>>,
+        readers: Arc<Readers>,
     ) -> watch::Receiver<PullState> {
         let origin = client.base().to_string();
         let store = self.swarm.node().store().clone();
@@ -350,7 +417,7 @@ pub struct BlobReader {
 }
 
 impl BlobReader {
-    /// Keeps `credentials` (from [`Pulls::ensure_from`]) in the pull for as
+    /// Keeps `credentials` (from [`Pulls::admit`]) in the pull for as
     /// long as this reader reads.
     pub fn holding(mut self, credentials: Option<ReaderGuard>) -> Self {
         self._credentials = credentials;

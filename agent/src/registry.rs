@@ -48,12 +48,54 @@ pub enum RegistryError {
         what: String,
         limit: u64,
     },
+    #[error(
+        "registry {registry} did not send {what} within {limit:?} (registry.range_floor plus its length at registry.range_min_bytes_per_s); given up"
+    )]
+    TooSlow {
+        registry: String,
+        what: String,
+        limit: Duration,
+    },
     #[error("registry {registry}: {what}: {detail}")]
     Http {
         registry: String,
         what: String,
         detail: String,
     },
+}
+
+/// How fast a registry must send what is asked of it (`[registry]`): a
+/// range read (a registry run's chunk, a proof read) must end within
+/// `range_floor` plus its length at `range_min_bytes_per_s`, retries
+/// included. A registry, or something in front of it, that trickles a
+/// byte now and then (never idle long enough for the read timeout) would
+/// otherwise hold the pull, and the disk reserved for it, forever.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RegistryConfig {
+    /// Time every range read gets, whatever its length. Default 30 s.
+    #[serde(with = "dray_protocol::settings::duration")]
+    pub range_floor: Duration,
+    /// The slowest rate a range read may go at past the floor, bytes per
+    /// second. Default 64 KiB/s: a 4 MiB chunk gets 94 s.
+    pub range_min_bytes_per_s: u64,
+}
+
+impl Default for RegistryConfig {
+    fn default() -> Self {
+        Self {
+            range_floor: Duration::from_secs(30),
+            range_min_bytes_per_s: 64 << 10,
+        }
+    }
+}
+
+impl RegistryConfig {
+    /// How long a range read of `len` bytes may take.
+    pub fn range_deadline(&self, len: u64) -> Duration {
+        let rate = self.range_min_bytes_per_s.max(1);
+        self.range_floor + Duration::from_secs_f64(len as f64 / rate as f64)
+    }
 }
 
 /// Credentials for a registry.
@@ -76,6 +118,8 @@ pub struct RegistryClient {
     relay_challenges: bool,
     /// The credentials of the clients waiting on a shared pull.
     readers: Option<Arc<Readers>>,
+    /// How fast range reads must go.
+    config: RegistryConfig,
 }
 
 /// How reading a body went wrong.
@@ -153,7 +197,14 @@ impl RegistryClient {
             forwarded: None,
             relay_challenges: false,
             readers: None,
+            config: RegistryConfig::default(),
         })
+    }
+
+    /// This client with range reads held to `config`'s pace.
+    pub fn with_config(mut self, config: RegistryConfig) -> Self {
+        self.config = config;
+        self
     }
 
     pub fn base(&self) -> &str {
@@ -177,8 +228,28 @@ impl RegistryClient {
     /// Bytes `[start, start + len)` of a blob, read as they stream in: a
     /// registry that ignores the range (200, the whole blob) is read only up
     /// to the range's end and the connection dropped; a 206 longer than the
-    /// range, or for another range, is refused. At most `len` bytes are held.
+    /// range, or for another range, is refused. At most `len` bytes are held,
+    /// and the whole read, retries included, ends within the range deadline
+    /// ([`RegistryConfig::range_deadline`]).
     pub async fn blob_range(
+        &self,
+        repo: &str,
+        digest: &BlobDigest,
+        start: u64,
+        len: u64,
+    ) -> Result<Bytes, RegistryError> {
+        let limit = self.config.range_deadline(len);
+        let read = self.blob_range_unbounded(repo, digest, start, len);
+        tokio::time::timeout(limit, read).await.unwrap_or_else(|_| {
+            Err(RegistryError::TooSlow {
+                registry: self.base.clone(),
+                what: format!("{digest} bytes={start}-{}", start + len - 1),
+                limit,
+            })
+        })
+    }
+
+    async fn blob_range_unbounded(
         &self,
         repo: &str,
         digest: &BlobDigest,
@@ -589,6 +660,7 @@ impl RegistryClient {
             forwarded: authorization,
             relay_challenges: true,
             readers: None,
+            config: self.config.clone(),
         }
     }
 
@@ -604,7 +676,13 @@ impl RegistryClient {
             forwarded: None,
             relay_challenges: false,
             readers: Some(readers),
+            config: self.config.clone(),
         }
+    }
+
+    /// The client's own `Authorization` this forwards (see [`Self::for_client`]).
+    pub fn forwarded(&self) -> Option<&HeaderValue> {
+        self.forwarded.as_ref()
     }
 
     fn cached_auth(&self, repo: &str) -> Option<String> {
@@ -886,6 +964,18 @@ fn parse_challenge(h: &str) -> (String, HashMap<String, String>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_range_read_gets_the_floor_plus_its_length_at_the_slowest_rate() {
+        let default = RegistryConfig::default();
+        assert_eq!(default.range_deadline(4 << 20), Duration::from_secs(94));
+        assert_eq!(default.range_deadline(0), Duration::from_secs(30));
+        let quick = RegistryConfig {
+            range_floor: Duration::from_secs(2),
+            range_min_bytes_per_s: 1 << 20,
+        };
+        assert_eq!(quick.range_deadline(2 << 20), Duration::from_secs(4));
+    }
 
     #[test]
     fn parses_bearer_and_basic_challenges() {

@@ -709,6 +709,13 @@ pub struct ChunkStore {
     /// Held while a new blob makes room and reserves its file (see
     /// [`ChunkStore::blob`]); taken before `blobs`.
     room: Mutex<()>,
+    /// Blobs being opened (a partial one re-read and re-hashed), each with
+    /// its own lock: an opener holds it while it reads the blob's file
+    /// outside the `blobs` lock, so others asking for that blob wait for
+    /// it alone and everything else (opens of other blobs, uploads,
+    /// eviction) goes on. Taken before `blobs`; the map's own lock is held
+    /// only to look up or drop an entry.
+    opening: Mutex<HashMap<BlobDigest, Arc<Mutex<()>>>>,
     gc: crate::gc::GcState,
 }
 
@@ -778,33 +785,30 @@ pub const PINS_FILE: &str = "pinned-images.json";
 /// Sizes vouched for by verified manifests, kept at most.
 const MAX_VOUCHED: usize = 4096;
 
-/// What a blob may reserve on disk: its size as a manifest verified by
-/// digest gave it, or else at most `max`. A size read from a HEAD alone
-/// (a `Content-Length` anyone in front of the registry can write) is capped.
+/// What a blob may reserve on disk: at most `max`, or past it exactly a
+/// size that a manifest verified by digest gave the blob. A size read from
+/// a HEAD alone (a `Content-Length` anyone in front of the registry can
+/// write) is capped. A vouched size only ever admits itself: it never
+/// refuses another size of the blob, since any client can make the mirror
+/// read a manifest of its own naming any digest with any size (the blob's
+/// digest, not a manifest, decides what its bytes are).
 struct SizeRule {
     max: u64,
-    vouched: BoundedMap<BlobDigest, u64>,
+    vouched: BoundedMap<(BlobDigest, u64), ()>,
 }
 
 impl SizeRule {
     fn check(&self, digest: &BlobDigest, size: u64) -> Result<()> {
-        match self.vouched.get(digest) {
-            Some(&want) if want == size => Ok(()),
-            Some(&want) => Err(Error::BlobSize {
-                digest: *digest,
-                detail: format!(
-                    "the registry says {size} bytes but its verified manifest says {want}"
-                ),
-            }),
-            None if size > self.max => Err(Error::BlobSize {
-                digest: *digest,
-                detail: format!(
-                    "{size} bytes is more than max_blob_size ({} bytes) and no verified manifest gives that size",
-                    self.max
-                ),
-            }),
-            None => Ok(()),
+        if size <= self.max || self.vouched.get(&(*digest, size)).is_some() {
+            return Ok(());
         }
+        Err(Error::BlobSize {
+            digest: *digest,
+            detail: format!(
+                "{size} bytes is more than max_blob_size ({} bytes) and no verified manifest gives that size",
+                self.max
+            ),
+        })
     }
 }
 
@@ -830,6 +834,7 @@ impl ChunkStore {
             }),
             entries: Mutex::new(HashMap::new()),
             room: Mutex::new(()),
+            opening: Mutex::new(HashMap::new()),
             gc: crate::gc::GcState::default(),
         };
         // Nothing is opened here: every blob is announced from its record,
@@ -1042,7 +1047,9 @@ impl ChunkStore {
     /// deletes, never a record whose file is half gone.
     pub fn evict(&self, digest: &BlobDigest) -> Result<Option<u64>> {
         let mut blobs = self.blobs();
-        if blobs.get(digest).is_some_and(|b| Arc::strong_count(b) > 1) {
+        if blobs.get(digest).is_some_and(|b| Arc::strong_count(b) > 1)
+            || lock(&self.opening).contains_key(digest)
+        {
             return Ok(None);
         }
         let Some(size) = self.entries().get(digest).map(|e| e.size) else {
@@ -1075,10 +1082,10 @@ impl ChunkStore {
     }
 
     /// Records a blob's size as a manifest verified by its digest gives it:
-    /// the blob may then reserve that much, past `max_blob_size`, and a
-    /// registry naming another size for it is refused.
+    /// the blob may then reserve exactly that much, past `max_blob_size`.
+    /// Other sizes of the blob are judged as before (see [`SizeRule`]).
     pub fn vouch_size(&self, digest: BlobDigest, size: u64) {
-        self.sizes().vouched.insert(digest, size);
+        self.sizes().vouched.insert((digest, size), ());
     }
 
     /// Whether a blob of `size` bytes may be opened (see [`Self::vouch_size`]),
@@ -1164,25 +1171,65 @@ impl ChunkStore {
 
     /// A blob already open or on disk, without a chunk map from outside.
     pub fn get(&self, digest: &BlobDigest) -> Result<Option<Arc<Blob>>> {
-        // The lock is held while opening, so that a blob is opened once.
-        let mut blobs = self.blobs();
         self.touch(digest);
-        if let Some(b) = blobs.get(digest) {
-            return Ok(Some(b.clone()));
-        }
-        let Some(rec) = self.log.load(digest)? else {
-            return Ok(None);
+        self.open_once(digest, || match self.log.load(digest)? {
+            Some(rec) => self.open_blob(rec.map.clone(), Some(rec)).map(Some),
+            None => Ok(None),
+        })
+    }
+
+    /// The blob if it is open; else what `open` makes of it, run once per
+    /// blob at a time (others asking for it meanwhile wait for that open,
+    /// then take its result) and outside the `blobs` lock: reopening a
+    /// closed partial blob reads and hashes its whole file, which must not
+    /// stall every other open, upload and eviction on the node.
+    fn open_once(
+        &self,
+        digest: &BlobDigest,
+        open: impl FnOnce() -> Result<Option<Arc<Blob>>>,
+    ) -> Result<Option<Arc<Blob>>> {
+        let slot = {
+            let blobs = self.blobs();
+            if let Some(b) = blobs.get(digest) {
+                return Ok(Some(b.clone()));
+            }
+            self.opening_slot(digest)
         };
-        let blob = self.open_blob(rec.map.clone(), Some(rec))?;
-        blobs.insert(*digest, blob.clone());
-        self.trim(&mut blobs, Some(digest));
-        Ok(Some(blob))
+        let opener = lock(&slot);
+        // Bound first: a guard in the `match` would live through `open`.
+        let already = self.blobs().get(digest).cloned();
+        let opened = match already {
+            // Opened by the one this waited for.
+            Some(b) => Ok(Some(b)),
+            None => open(),
+        };
+        if let Ok(Some(blob)) = &opened {
+            let mut blobs = self.blobs();
+            blobs.entry(*digest).or_insert_with(|| blob.clone());
+            self.trim(&mut blobs, Some(digest));
+        }
+        self.opened(digest, &slot);
+        drop(opener);
+        opened
+    }
+
+    /// The lock of a blob's opening, shared by everyone opening it now.
+    fn opening_slot(&self, digest: &BlobDigest) -> Arc<Mutex<()>> {
+        lock(&self.opening).entry(*digest).or_default().clone()
+    }
+
+    /// Ends an opening (its lock still held): later askers find the blob open.
+    fn opened(&self, digest: &BlobDigest, slot: &Arc<Mutex<()>>) {
+        let mut opening = lock(&self.opening);
+        if opening.get(digest).is_some_and(|s| Arc::ptr_eq(s, slot)) {
+            opening.remove(digest);
+        }
     }
 
     /// Opens the blob described by `map`, creating its file or resuming what the
     /// store recorded before. Blocking: call from a blocking thread.
     pub fn blob(&self, map: &ChunkMap) -> Result<Arc<Blob>> {
-        // The lock is held while opening: two openers of one blob would
+        // Opened once (`open_once`): two openers of one blob would
         // otherwise each reset its file and keep separate state.
         let digest = map.digest();
         let is_new =
@@ -1201,24 +1248,22 @@ impl ChunkStore {
         } else {
             None
         };
-        let mut blobs = self.blobs();
         self.touch(&digest);
-        if let Some(b) = blobs.get(&map.digest()).cloned() {
-            drop(blobs);
-            // A map of another geometry with nothing to teach (a reader's or
-            // a new pull's, cut at today's `swarm.chunk_size`) takes the
-            // stored blob as it is: its chunk size was fixed when it was made.
-            if same_geometry(&b.read_map(), map) || map.known().count() > 0 {
-                b.learn(map)?;
-            }
-            return Ok(b);
+        let mut fresh = false;
+        let blob = self.open_once(&digest, || {
+            let rec = self.log.load(&digest)?;
+            // Checked before anything is reserved on disk.
+            self.check_size(&digest, map.size())?;
+            fresh = true;
+            self.open_blob(map.clone(), rec).map(Some)
+        })?;
+        let blob = blob.expect("opening with a map makes the blob");
+        // A map of another geometry with nothing to teach (a reader's or a
+        // new pull's, cut at today's `swarm.chunk_size`) takes the stored
+        // blob as it is: its chunk size was fixed when it was made.
+        if !fresh && (same_geometry(&blob.read_map(), map) || map.known().count() > 0) {
+            blob.learn(map)?;
         }
-        let rec = self.log.load(&map.digest())?;
-        // Checked before anything is reserved on disk.
-        self.check_size(&map.digest(), map.size())?;
-        let blob = self.open_blob(map.clone(), rec)?;
-        blobs.insert(map.digest(), blob.clone());
-        self.trim(&mut blobs, Some(&digest));
         Ok(blob)
     }
 
@@ -1399,13 +1444,24 @@ impl ChunkStore {
     /// Forgets a blob and deletes its file, in use or not (its digest
     /// failed); the order is [`Self::evict`]'s.
     pub fn remove(&self, digest: &BlobDigest) -> Result<()> {
-        let mut blobs = self.blobs();
-        blobs.remove(digest);
-        self.log.remove(digest)?;
-        self.delete_file(digest)?;
-        self.entries().remove(digest);
-        Ok(())
+        // Not in the middle of an open of the blob, which would record it again.
+        let slot = self.opening_slot(digest);
+        let opener = lock(&slot);
+        let removed = (|| {
+            self.blobs().remove(digest);
+            self.log.remove(digest)?;
+            self.delete_file(digest)?;
+            self.entries().remove(digest);
+            Ok(())
+        })();
+        self.opened(digest, &slot);
+        drop(opener);
+        removed
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// `map`'s geometry with only its known hashes of `chunks`.
@@ -1831,6 +1887,128 @@ mod tests {
         );
     }
 
+    /// A completion log that holds the first `save` of one blob until
+    /// released: a stand-in for a long re-read and re-hash, which a
+    /// reopened partial blob does just before that save.
+    struct HeldLog {
+        inner: SledLog,
+        gate: Mutex<Option<Gate>>,
+    }
+
+    struct Gate {
+        digest: BlobDigest,
+        entered: std::sync::mpsc::Sender<()>,
+        release: std::sync::mpsc::Receiver<()>,
+    }
+
+    impl CompletionLog for HeldLog {
+        fn load(&self, digest: &BlobDigest) -> Result<Option<LogRecord>> {
+            self.inner.load(digest)
+        }
+        fn save(&self, digest: &BlobDigest, record: &LogRecord) -> Result<()> {
+            let gate = {
+                let mut g = lock(&self.gate);
+                match g.as_ref() {
+                    Some(gate) if gate.digest == *digest => g.take(),
+                    _ => None,
+                }
+            };
+            if let Some(gate) = gate {
+                gate.entered.send(()).unwrap();
+                let _ = gate.release.recv();
+            }
+            self.inner.save(digest, record)
+        }
+        fn remove(&self, digest: &BlobDigest) -> Result<()> {
+            self.inner.remove(digest)
+        }
+        fn digests(&self) -> Result<Vec<BlobDigest>> {
+            self.inner.digests()
+        }
+        fn origins(&self, digest: &BlobDigest) -> Result<Vec<String>> {
+            self.inner.origins(digest)
+        }
+        fn add_origin(&self, digest: &BlobDigest, origin: &str) -> Result<()> {
+            self.inner.add_origin(digest, origin)
+        }
+    }
+
+    #[test]
+    fn reopening_a_partial_blob_blocks_neither_other_blobs_nor_eviction() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = Arc::new(HeldLog {
+            inner: SledLog::open(&dir.path().join("log")).unwrap(),
+            gate: Mutex::new(None),
+        });
+        let store = Arc::new(ChunkStore::with_log(&dir.path().join("s"), log.clone()).unwrap());
+        // Never evicting on its own, whatever this disk holds.
+        store.gc().configure(
+            crate::gc::GcConfig {
+                low_watermark: 1.0,
+                high_watermark: 1.0,
+                critical_watermark: 1.0,
+                ..Default::default()
+            },
+            false,
+        );
+        store.set_max_open_idle_blobs(1);
+        let bytes = data(3 * 65536, 70);
+        let map = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
+        let partial = store.blob(&map).unwrap();
+        partial.put_chunk(1, &bytes[65536..2 * 65536]).unwrap();
+        drop(partial);
+        // Three complete blobs close the partial one, and all but the last.
+        let others = import_many(&store, dir.path(), 3);
+        let open: Vec<BlobDigest> = store.open_blobs().iter().map(|b| b.digest()).collect();
+        assert_eq!(open, vec![others[2].1.digest()]);
+
+        // The partial blob is reopened; its re-hash is held.
+        let (entered_tx, entered) = std::sync::mpsc::channel();
+        let (release, release_rx) = std::sync::mpsc::channel();
+        *lock(&log.gate) = Some(Gate {
+            digest: map.digest(),
+            entered: entered_tx,
+            release: release_rx,
+        });
+        let reopening = {
+            let (store, digest) = (store.clone(), map.digest());
+            std::thread::spawn(move || store.get(&digest).unwrap().unwrap())
+        };
+        entered
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .expect("the partial blob is being reopened");
+
+        // Meanwhile another blob opens and serves a chunk (an upload), an
+        // idle one is evicted, and the blob being opened is not.
+        let (done_tx, done) = std::sync::mpsc::channel();
+        {
+            let (store, digest) = (store.clone(), map.digest());
+            let (closed, evicted) = (others[0].1.digest(), others[1].1.digest());
+            std::thread::spawn(move || {
+                let blob = store.get(&closed).unwrap().unwrap();
+                let chunk = blob.read_chunk(0).unwrap().unwrap();
+                drop(blob);
+                let freed = store.evict(&evicted).unwrap();
+                let spared = store.evict(&digest).unwrap();
+                done_tx.send((chunk, freed, spared)).unwrap();
+            });
+        }
+        let waited = done.recv_timeout(std::time::Duration::from_secs(5));
+        release.send(()).unwrap();
+        let reopened = reopening.join().unwrap();
+        let (chunk, freed, spared) =
+            waited.expect("an open, an upload and an eviction waited for another blob's re-hash");
+        assert_eq!(chunk, &others[0].0[..65536]);
+        assert_eq!(freed, Some(2 * 65536));
+        assert_eq!(spared, None, "a blob being opened is in use");
+        // The reopened blob kept its chunk, and is the one the store holds.
+        assert_eq!(reopened.held().ones().collect::<Vec<_>>(), vec![1]);
+        assert!(Arc::ptr_eq(
+            &reopened,
+            &store.get(&map.digest()).unwrap().unwrap()
+        ));
+    }
+
     #[test]
     fn a_complete_idle_blob_is_closed_before_a_partial_one() {
         let dir = tempfile::tempdir().unwrap();
@@ -1932,6 +2110,36 @@ mod tests {
         assert_eq!(
             std::fs::read_dir(dir.path().join("blobs")).unwrap().count(),
             0
+        );
+    }
+
+    #[test]
+    fn a_vouched_size_admits_only_itself_and_never_fails_another_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(dir.path()).unwrap();
+        store.set_max_blob_size(3 * 65536);
+        let bytes = data(2 * 65536, 17);
+        let map = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
+        let digest = map.digest();
+        // Any client's manifest may name the digest with sizes of its choosing.
+        store.vouch_size(digest, 10 * 65536);
+        store.vouch_size(digest, 65536);
+        store.check_size(&digest, map.size()).unwrap();
+        let blob = store.blob(&map).unwrap();
+        blob.put_chunk(0, &bytes[..65536]).unwrap();
+        assert_eq!(
+            blob.put_chunk(1, &bytes[65536..]).unwrap(),
+            PutOutcome::Completed
+        );
+        // Past the cap only the very size vouched for passes.
+        store.check_size(&digest, 10 * 65536).unwrap();
+        let e = store
+            .check_size(&digest, 11 * 65536)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("720896 bytes is more than max_blob_size (196608 bytes)"),
+            "{e}"
         );
     }
 
