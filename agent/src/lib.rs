@@ -19,6 +19,7 @@ pub mod bounded;
 pub mod config;
 pub mod containerd;
 pub mod dht;
+pub mod enroll;
 pub mod error;
 pub mod fetch;
 pub mod gc;

@@ -132,6 +132,7 @@ pub struct AgentMetrics {
     /// The DHT's routing table, traffic and refusals.
     dht: crate::dht::DhtMetrics,
     certificate_expiry: Gauge,
+    certificate_lifetime: Gauge,
 }
 
 impl Default for AgentMetrics {
@@ -158,6 +159,7 @@ impl AgentMetrics {
             gc: crate::gc::GcMetrics::default(),
             dht: crate::dht::DhtMetrics::default(),
             certificate_expiry: Gauge::default(),
+            certificate_lifetime: Gauge::default(),
         };
         let r = &mut m.registry;
         m.gc.register(r);
@@ -217,6 +219,12 @@ impl AgentMetrics {
             Unit::Seconds,
             m.certificate_expiry.clone(),
         );
+        r.register_with_unit(
+            "certificate_lifetime",
+            "How long this agent's peer certificate is valid in all (a signer's are short and renewed at two thirds)",
+            Unit::Seconds,
+            m.certificate_lifetime.clone(),
+        );
         m
     }
 
@@ -230,9 +238,10 @@ impl AgentMetrics {
         &self.dht
     }
 
-    /// The agent's certificate ends at `not_after` (Unix seconds).
-    pub fn certificate_expires(&self, not_after: i64) {
+    /// The agent's certificate is valid from `not_before` to `not_after` (Unix seconds).
+    pub fn certificate_valid(&self, not_before: i64, not_after: i64) {
         self.certificate_expiry.set(not_after);
+        self.certificate_lifetime.set(not_after - not_before);
     }
 
     /// Verified bytes of one chunk stored.
