@@ -490,12 +490,29 @@ struct RoleVerifier {
     role: Role,
 }
 
-/// A rustls error that carries our sentence to the log.
-fn refused(e: impl std::error::Error + Send + Sync + 'static) -> rustls::Error {
+/// A rustls error that carries our sentence to the log (rustls shows the
+/// inner error with `Debug`, which here is the sentence too).
+fn refused(e: impl std::fmt::Display) -> rustls::Error {
     rustls::Error::InvalidCertificate(rustls::CertificateError::Other(rustls::OtherError(
-        Arc::new(e),
+        Arc::new(Refusal(e.to_string())),
     )))
 }
+
+struct Refusal(String);
+
+impl std::fmt::Debug for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Refusal {}
 
 impl rustls::server::danger::ClientCertVerifier for RoleVerifier {
     fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
