@@ -296,7 +296,7 @@ impl Signer {
                 s.error.clone()
             }));
         }
-        if !s.audiences.iter().any(|a| *a == self.config.audience) {
+        if !s.audiences.contains(&self.config.audience) {
             return Err(SignerError::Unauthenticated(format!(
                 "it is not for the audience {:?} (the API server answered {:?})",
                 self.config.audience, s.audiences
