@@ -376,8 +376,8 @@ pub async fn run(b: PeerBench) -> Result<()> {
     let sender_id = ca.issue(SENDER_ID)?;
     for (name, text) in [
         ("ca.crt", ca.cert_pem.as_str()),
-        ("sender.crt", sender_id.cert_pem()),
-        ("sender.key", sender_id.key_pem()),
+        ("sender.crt", &sender_id.cert_pem()),
+        ("sender.key", &sender_id.key_pem()),
     ] {
         std::fs::write(dir.path().join(name), text)?;
     }

@@ -20,6 +20,7 @@ use dray_agent::containerd;
 use dray_agent::fetch::{PeerAddr, fetch_from_peers};
 use dray_agent::identity::{ClusterCa, Identity};
 use dray_agent::metrics::AgentMetrics;
+use dray_protocol::identity::Role;
 
 use dray_agent::registry::{Credentials, RegistryClient};
 use dray_agent::store::ChunkStore;
@@ -407,15 +408,21 @@ enum CaCommand {
         #[arg(long)]
         dir: PathBuf,
     },
-    /// Issue an agent certificate signed by the CA in --ca-dir: writes
-    /// agent.crt, agent.key and ca.crt into --out (with --tracker: the
-    /// tracker's, tracker.crt, tracker.key and ca.crt).
+    /// Issue an agent (node) certificate signed by the CA in --ca-dir:
+    /// writes agent.crt, agent.key and ca.crt into --out (with --preheater:
+    /// a preheater's, preheater.crt and preheater.key; with --tracker: the
+    /// tracker's, tracker.crt and tracker.key).
     Issue {
         #[arg(long)]
         ca_dir: PathBuf,
         /// The agent's peer id (a DNS name such as the node name).
         #[arg(long, required_unless_present = "tracker", conflicts_with = "tracker")]
         peer_id: Option<String>,
+        /// Issue a preheater's certificate (for `dray preheat`: the
+        /// tracker's preheat API only; refused by the peer plane, the DHT
+        /// and the tracker's agent API) for --peer-id.
+        #[arg(long, requires = "peer_id")]
+        preheater: bool,
         /// Issue the tracker's certificate (server authentication only) for
         /// each --name.
         #[arg(long, requires = "names")]
@@ -676,9 +683,16 @@ async fn tracker(args: TrackerArgs) -> Result<()> {
         "dray tracker listening on {scheme}://{}",
         listener.local_addr()?
     );
+    let signer = match &cfg.signer {
+        Some(s) => Some(
+            dray_tracker::signer::Signer::new(s, &cfg.ca)
+                .context("starting the certificate signer ([signer])")?,
+        ),
+        None => None,
+    };
     let stop = service::shutdown_signal()?;
     tokio::select! {
-        served = dray_tracker::serve(listener, Tracker::new(&cfg), transport) => served?,
+        served = dray_tracker::serve(listener, Tracker::with_signer(&cfg, signer), transport) => served?,
         signal = stop => eprintln!("dray tracker: {signal}: stopped"),
     }
     Ok(())
@@ -694,6 +708,7 @@ fn ca(cmd: CaCommand) -> Result<()> {
         CaCommand::Issue {
             ca_dir,
             peer_id,
+            preheater,
             tracker,
             names,
             days,
@@ -701,6 +716,14 @@ fn ca(cmd: CaCommand) -> Result<()> {
         } => {
             let ca = ClusterCa::load(&ca_dir.join("ca.crt"), &ca_dir.join("ca.key"))?;
             let (id, name) = match peer_id {
+                Some(peer) if preheater => (
+                    ca.issue_role(
+                        &peer,
+                        Role::Preheater,
+                        std::time::Duration::from_secs(u64::from(days) * 86_400),
+                    )?,
+                    "preheater",
+                ),
                 Some(peer) => (ca.issue_for_days(&peer, days)?, "agent"),
                 None if tracker => (ca.issue_tracker(&names, days)?, "tracker"),
                 None => anyhow::bail!("`dray ca issue` needs --peer-id or --tracker"),
@@ -709,8 +732,8 @@ fn ca(cmd: CaCommand) -> Result<()> {
             write_new(
                 &out,
                 &[
-                    (crt.as_str(), id.cert_pem()),
-                    (key.as_str(), id.key_pem()),
+                    (crt.as_str(), &id.cert_pem()),
+                    (key.as_str(), &id.key_pem()),
                     ("ca.crt", &ca.cert_pem),
                 ],
             )

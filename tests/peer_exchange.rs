@@ -285,8 +285,8 @@ async fn a_peer_whose_certificate_the_cluster_does_not_trust_is_refused() {
     // node-a refuses its client certificate.
     let outsider_id = other.issue("outsider").unwrap();
     let outsider_id = Identity::from_pem(
-        outsider_id.cert_pem(),
-        outsider_id.key_pem(),
+        &outsider_id.cert_pem(),
+        &outsider_id.key_pem(),
         &cluster.cert_pem,
     )
     .unwrap();

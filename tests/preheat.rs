@@ -25,11 +25,13 @@ fn dray(args: &[&str]) -> std::process::Output {
 /// `dray preheat` flags that speak to `tracker` with `id`'s certificate.
 fn as_caller(dir: &Path, id: &str, tracker: &str) -> Vec<String> {
     let f = |n: &str| dir.join(id).join(n).display().to_string();
+    // `ci` holds a preheater's certificate, the others a node's.
+    let kind = if id == "ci" { "preheater" } else { "agent" };
     vec![
         "--cert".into(),
-        f("agent.crt"),
+        f(&format!("{kind}.crt")),
         "--key".into(),
-        f("agent.key"),
+        f(&format!("{kind}.key")),
         "--ca".into(),
         f("ca.crt"),
         "--tracker".into(),
@@ -64,11 +66,24 @@ async fn a_preheated_image_rolls_out_with_no_registry_blob_bytes() {
     );
     let image = format!("{}/test/preheat:gzip", registry.host());
     let mut ids: Vec<String> = (0..NODES).map(|i| format!("node-{i}")).collect();
-    ids.extend(["ci".to_string(), "intruder".to_string()]);
+    ids.push("intruder".to_string());
     issue_certificates(
         dir.path(),
         &ids.iter().map(String::as_str).collect::<Vec<_>>(),
     );
+    let ca_dir = dir.path().join("ca");
+    let ci = dir.path().join("ci");
+    dray_ok(&[
+        "ca",
+        "issue",
+        "--ca-dir",
+        ca_dir.to_str().unwrap(),
+        "--peer-id",
+        "ci",
+        "--preheater",
+        "--out",
+        ci.to_str().unwrap(),
+    ]);
     let (_tracker, tracker_url) = start_tracker(
         dir.path(),
         "announce_interval = \"2s\"\nmin_fetch_timeout = \"2s\"\npreheaters = [\"ci\"]\n",
@@ -108,14 +123,15 @@ async fn a_preheated_image_rolls_out_with_no_registry_blob_bytes() {
         std::thread::sleep(Duration::from_millis(100));
     }
 
-    // A cluster certificate the tracker does not list may not preheat.
+    // A node's certificate may not preheat.
     let mut args = vec!["preheat".to_string(), image.clone(), "--json".into()];
     args.extend(as_caller(dir.path(), "intruder", &tracker_url));
     let out = dray(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
-        err.contains("403") && err.contains("peer \"intruder\" may not use the preheat API"),
+        err.contains("403")
+            && err.contains("\"intruder\" presented a node's certificate, and the preheat API accepts only a preheater's"),
         "{err}"
     );
 

@@ -122,8 +122,8 @@ async fn a_certificate_from_another_ca_is_refused_at_the_handshake() {
     // It trusts the cluster's CA, so only the tracker's check can refuse it.
     let foreign = ClusterCa::generate().unwrap().issue("node-a").unwrap();
     let foreign = Identity::from_pem(
-        foreign.cert_pem(),
-        foreign.key_pem(),
+        &foreign.cert_pem(),
+        &foreign.key_pem(),
         &cluster_ca().cert_pem,
     )
     .unwrap();
@@ -218,7 +218,9 @@ async fn an_agent_refuses_a_tracker_that_presents_a_nodes_certificate() {
         .unwrap_err();
     let chain = err.to_string();
     assert!(
-        chain.contains("presented as the tracker is a node's (it allows client authentication)"),
+        chain.contains(
+            "presented as the tracker is not the tracker's (the certificate's role is node"
+        ),
         "{chain}"
     );
     served.abort();

@@ -78,6 +78,11 @@ impl Agent {
         }
     }
 
+    /// Runs `task` (the certificate's renewal) until the agent stops.
+    pub(crate) fn keep_running(&mut self, task: JoinHandle<()>) {
+        self.loops.push(task);
+    }
+
     /// Stops the announcer and the collector (the first step of a stop).
     pub fn stop_loops(&self) {
         for l in &self.loops {

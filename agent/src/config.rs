@@ -31,9 +31,14 @@ pub struct AgentConfig {
     /// Loopback by default; a DaemonSet sets the node address for scraping.
     pub admin_listen: SocketAddr,
     /// PEM files: this agent's certificate and key, and the cluster CA.
+    /// In signer mode (`[enroll] signer`) the agent writes `cert` and `key`
+    /// itself.
     pub cert: PathBuf,
     pub key: PathBuf,
     pub ca: PathBuf,
+    /// Signer mode (`[enroll]`, see [`crate::enroll`]): the certificate
+    /// comes from the tracker's signer and is renewed in place.
+    pub enroll: crate::enroll::EnrollConfig,
     pub peer: PeerConfig,
     pub swarm: SwarmConfig,
     pub mirror: MirrorConfig,
@@ -78,6 +83,7 @@ impl Default for AgentConfig {
             cert: PathBuf::from("/etc/dray/tls/agent.crt"),
             key: PathBuf::from("/etc/dray/tls/agent.key"),
             ca: PathBuf::from("/etc/dray/tls/ca.crt"),
+            enroll: crate::enroll::EnrollConfig::default(),
             peer: PeerConfig::default(),
             swarm: SwarmConfig::default(),
             mirror: MirrorConfig::default(),

@@ -21,6 +21,7 @@ pub mod bounded;
 pub mod config;
 pub mod containerd;
 pub mod dht;
+pub mod enroll;
 pub mod error;
 pub mod events;
 pub mod fetch;

@@ -147,6 +147,7 @@ pub struct AgentMetrics {
     /// DHT-only node is not one that lost its tracker).
     tracker_reachable: Family<NoLabels, Gauge>,
     unpacked_bytes: Counter,
+    certificate_lifetime: Gauge,
 }
 
 /// The label set of a family with one unlabelled sample, present only once set.
@@ -179,6 +180,7 @@ impl AgentMetrics {
             certificate_expiry: Gauge::default(),
             tracker_reachable: Family::default(),
             unpacked_bytes: Counter::default(),
+            certificate_lifetime: Gauge::default(),
         };
         // Every series of the labelled counters exists from the start, at 0:
         // a rate or a dashboard panel then reads 0, not "no data", on a node
@@ -267,6 +269,12 @@ impl AgentMetrics {
             Unit::Bytes,
             m.unpacked_bytes.clone(),
         );
+        r.register_with_unit(
+            "certificate_lifetime",
+            "How long this agent's peer certificate is valid in all (a signer's are short and renewed at two thirds)",
+            Unit::Seconds,
+            m.certificate_lifetime.clone(),
+        );
         m
     }
 
@@ -280,9 +288,10 @@ impl AgentMetrics {
         &self.dht
     }
 
-    /// The agent's certificate ends at `not_after` (Unix seconds).
-    pub fn certificate_expires(&self, not_after: i64) {
+    /// The agent's certificate is valid from `not_before` to `not_after` (Unix seconds).
+    pub fn certificate_valid(&self, not_before: i64, not_after: i64) {
         self.certificate_expiry.set(not_after);
+        self.certificate_lifetime.set(not_after - not_before);
     }
 
     /// Whether a tracker replica answers this agent now.

@@ -46,11 +46,12 @@ PLAIN_VALUES = {"namespace": {"create": True}}
 # Other value sets whose rendering must also be valid.
 VARIANTS = {
     "tls-provided": {"tls": {"mode": "provided"}},
+    "tls-issue": {"tls": {"mode": "issue"}},
     "no-snapshotter": {"snapshotter": {"enabled": False}},
     "privileged-agent": {"agent": {"privileged": True, "priorityClassName": ""}},
     # No tracker: the agents find each other through the DHT alone; and
     # the DHT off.
-    "no-tracker": {"tracker": {"replicas": 0}},
+    "no-tracker": {"tracker": {"replicas": 0}, "tls": {"mode": "issue"}},
     "no-dht": {"agent": {"dht": {"enabled": False}}},
     "custom": {
         "tracker": {"replicas": 5, "listenAddress": "[::]"},
@@ -145,6 +146,23 @@ def validate(label, docs, versions, problems):
                 problems.append(f"{what} (Kubernetes {version}): {e}")
 
 
+def check_no_ca_key_on_nodes(label, docs, ca_secret, problems):
+    """No agent pod may reference the Secret holding the CA key: the node
+    authorizer lets a kubelet read every Secret its pods reference, so a
+    compromised node would mint any identity (issue 37)."""
+    for doc in docs:
+        if doc.get("kind") != "DaemonSet":
+            continue
+        name = doc.get("metadata", {}).get("name")
+        volumes = doc["spec"]["template"]["spec"].get("volumes", [])
+        secrets = [v["secret"].get("secretName") for v in volumes if "secret" in v]
+        secrets += [src["secret"].get("name") for v in volumes if "projected" in v
+                    for src in v["projected"].get("sources", []) if "secret" in src]
+        if ca_secret in secrets:
+            problems.append(f"{label}: DaemonSet/{name} mounts the CA Secret {ca_secret!r} (its key "
+                            "lets a node mint any identity): the default must be tls.mode signer")
+
+
 def check_monitoring(label, docs, values, problems):
     """The monitoring objects of one rendering with the monitoring values
     `values`: present exactly when enabled, well-formed, and pointing at the
@@ -232,10 +250,12 @@ def check_monitoring(label, docs, values, problems):
                 if want == "https":
                     tls = ep.get("tlsConfig") or {}
                     unknown(doc, f"{where}.tlsConfig", tls, TLS_FIELDS)
-                    ca = (tls.get("ca") or {}).get("secret") or {}
+                    ca = tls.get("ca") or {}
+                    ca = ca.get("secret") or ca.get("configMap") or {}
                     if not mon.get("serviceMonitor", {}).get("tlsConfig") and (
                             ca.get("key") != "ca.crt" or not ca.get("name") or not tls.get("serverName")):
-                        bad(doc, f"at {where}.tlsConfig: needs ca.secret (key ca.crt) and serverName")
+                        bad(doc, f"at {where}.tlsConfig: needs ca.secret or ca.configMap (key ca.crt) "
+                                 "and serverName")
 
     for doc in dashboards:
         meta = doc["metadata"]
@@ -439,6 +459,7 @@ def main():
         all_docs += docs
         validate(f"deploy/kubernetes/{name}", docs, args.kube_version, problems)
     check_monitoring("deploy/kubernetes", all_docs, PLAIN_VALUES, problems)
+    check_no_ca_key_on_nodes("deploy/kubernetes", all_docs, "dray-ca", problems)
     for variant, values in VARIANTS.items():
         variant_docs = []
         for name, text in render(values).items():

@@ -10,13 +10,14 @@
 //! replica that owns a blob by rendezvous hashing of its digest.
 //!
 //! Next to `POST /v1/tracker` the same listener serves `/metrics` (see
-//! [`metrics`]), `/healthz`, `/readyz`, and the preheat API (`POST
-//! /v1/preheat`, `GET /v1/preheat/{id}`; see [`preheat`]) for the peer ids
-//! named in `preheaters`.
+//! [`metrics`]), `/healthz`, `/readyz`, the preheat API (`POST
+//! /v1/preheat`, `GET /v1/preheat/{id}`; see [`preheat`]) for preheaters'
+//! certificates, and, when `[signer]` is configured, `POST /v1/certificate`
+//! (see [`signer`]): agents obtain their certificates there.
 //!
 //! The listener speaks TLS with a certificate from the cluster CA (see
-//! [`tls`]). The tracker API needs a client certificate from the same CA,
-//! and the peer id of every announce, publication and report is the
+//! [`tls`]). The tracker API needs a node's client certificate from the same
+//! CA (a preheater's or one without a role is refused), and the peer id of every announce, publication and report is the
 //! certificate's: a request naming another peer is refused. `/metrics`,
 //! `/healthz` and `/readyz` need none, so that probes and Prometheus reach
 //! them. Plain HTTP, where the request's own peer id is believed, exists only
@@ -24,6 +25,7 @@
 
 pub mod metrics;
 pub mod preheat;
+pub mod signer;
 pub mod tls;
 
 use axum::Router;
@@ -128,10 +130,15 @@ pub struct TrackerConfig {
     /// Floor on an assignment's deadline.
     #[serde(with = "duration", alias = "min_fetch_timeout_ms")]
     pub min_fetch_timeout: Duration,
-    /// Peer ids (of cluster certificates, e.g. one issued for CI) that may
-    /// start and read preheat jobs. A job makes nodes pull an image, so a
-    /// node's own certificate may not unless it is listed here.
+    /// Peer ids of preheater certificates (`dray ca issue --preheater`, or
+    /// the signer's) that may start and read preheat jobs; empty: any
+    /// preheater's. A node's certificate never may: a job makes nodes pull
+    /// an image.
     pub preheaters: Vec<String>,
+    /// The certificate signer (`[signer]`, see [`signer::SignerConfig`]);
+    /// absent: off, and `POST /v1/certificate` answers 404.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signer: Option<signer::SignerConfig>,
 }
 
 impl Default for TrackerConfig {
@@ -162,6 +169,7 @@ impl Default for TrackerConfig {
             min_fetch_bytes_per_s: s.min_fetch_rate,
             min_fetch_timeout: s.min_fetch_timeout,
             preheaters: Vec::new(),
+            signer: None,
         }
     }
 }
@@ -299,6 +307,8 @@ pub struct Tracker {
     api_slots: tokio::sync::Semaphore,
     /// Who may use the preheat API (`preheaters`).
     preheaters: Vec<String>,
+    /// The certificate signer, if configured.
+    signer: Option<signer::Signer>,
 }
 
 /// Tracker requests handled at once: about the cores a replica gets (the
@@ -362,7 +372,14 @@ fn digest(s: &str) -> Result<BlobDigest, TrackerError> {
 }
 
 impl Tracker {
+    /// A tracker without a signer.
     pub fn new(config: &TrackerConfig) -> Arc<Self> {
+        Self::with_signer(config, None)
+    }
+
+    /// A tracker serving `signer` at `POST /v1/certificate` (see
+    /// [`signer::Signer::new`]).
+    pub fn with_signer(config: &TrackerConfig, signer: Option<signer::Signer>) -> Arc<Self> {
         Arc::new(Self {
             state: Mutex::new(TrackerState {
                 scheduler: Scheduler::new(config.scheduler()),
@@ -381,6 +398,7 @@ impl Tracker {
             metrics: TrackerMetrics::new(),
             api_slots: tokio::sync::Semaphore::new(API_SLOTS),
             preheaters: config.preheaters.clone(),
+            signer,
         })
     }
 
@@ -560,16 +578,25 @@ impl Tracker {
         self.lock().preheats.view(id, now)
     }
 
-    /// Whether `caller` may use the preheat API: a certified peer id listed
-    /// in `preheaters`, or anyone on the insecure plain-HTTP listener.
+    /// Whether `caller` may use the preheat API: a preheater's certificate
+    /// (whose peer id `preheaters` lists, when it lists any), or anyone on
+    /// the insecure plain-HTTP listener.
     fn may_preheat(&self, caller: &Caller) -> Result<(), (StatusCode, String)> {
         match caller {
             Caller::InsecurePlainHttp => Ok(()),
-            Caller::Certified(id) if self.preheaters.contains(id) => Ok(()),
-            Caller::Certified(id) => Err((
+            Caller::Preheater(id) if self.preheaters.is_empty() || self.preheaters.contains(id) => {
+                Ok(())
+            }
+            Caller::Preheater(id) => Err((
                 StatusCode::FORBIDDEN,
                 format!(
-                    "peer {id:?} may not use the preheat API: the tracker's `preheaters` does not list it\n"
+                    "preheater {id:?} may not use the preheat API: the tracker's `preheaters` does not list it\n"
+                ),
+            )),
+            Caller::Node(id) => Err((
+                StatusCode::FORBIDDEN,
+                format!(
+                    "{id:?} presented a node's certificate, and the preheat API accepts only a preheater's (`dray ca issue --preheater`, or the signer's preheater service accounts)\n"
                 ),
             )),
             Caller::Anonymous(why) => Err((StatusCode::UNAUTHORIZED, format!("{why}\n"))),
@@ -997,6 +1024,10 @@ pub async fn serve(
         .route("/metrics", get(metrics_http))
         .route(PREHEAT_PATH, post(preheat_start_http))
         .route(&format!("{PREHEAT_PATH}/{{id}}"), get(preheat_http))
+        .route(
+            signer::CERTIFICATE_PATH,
+            post(certificate_http).layer(DefaultBodyLimit::max(signer::MAX_REQUEST_BYTES)),
+        )
         .layer(DefaultBodyLimit::max(MAX_TRACKER_FRAME))
         .with_state(tracker)
         .into_make_service_with_connect_info::<Caller>();
@@ -1068,6 +1099,49 @@ async fn preheat_start_http(
     }
 }
 
+/// `POST /v1/certificate`: a certificate signing request (PEM) and a
+/// projected service-account token; see [`signer`].
+async fn certificate_http(
+    State(tracker): State<Arc<Tracker>>,
+    ConnectInfo(caller): ConnectInfo<Caller>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
+    use signer::SignerError;
+    let issued = async {
+        let signer = tracker.signer.as_ref().ok_or(SignerError::Off)?;
+        if caller == Caller::InsecurePlainHttp {
+            return Err(SignerError::Refused(
+                "the signer answers over TLS only: a token must not cross the network in clear"
+                    .into(),
+            ));
+        }
+        let token = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .ok_or(SignerError::NoToken)?;
+        let csr = std::str::from_utf8(&body).map_err(|_| {
+            SignerError::Refused("the body is not a PEM certificate signing request".into())
+        })?;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64);
+        signer.issue(token.trim(), csr, now).await
+    }
+    .await;
+    match issued {
+        Ok(pem) => ([(header::CONTENT_TYPE, "application/x-pem-file")], pem).into_response(),
+        Err(e) => {
+            tracker.metrics.refused(e.reason());
+            tracing::info!(?caller, error = %e, "refused a certificate request");
+            let status =
+                StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            (status, format!("{e}\n")).into_response()
+        }
+    }
+}
+
 async fn preheat_http(
     State(tracker): State<Arc<Tracker>>,
     ConnectInfo(caller): ConnectInfo<Caller>,
@@ -1093,8 +1167,16 @@ async fn handle_http(
     body: Bytes,
 ) -> Response {
     let certified = match &caller {
-        Caller::Certified(id) => Some(id.clone()),
+        Caller::Node(id) => Some(id.clone()),
         Caller::InsecurePlainHttp => None,
+        Caller::Preheater(id) => {
+            tracker.metrics.refused("wrong_role");
+            return (
+                StatusCode::FORBIDDEN,
+                format!("{id:?} presented a preheater's certificate, and the tracker API accepts only a node's\n"),
+            )
+                .into_response();
+        }
         Caller::Anonymous(why) => {
             tracker.metrics.refused("unauthenticated");
             return (StatusCode::UNAUTHORIZED, format!("{why}\n")).into_response();

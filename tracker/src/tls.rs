@@ -1,7 +1,8 @@
 //! The tracker's listeners. Over TLS (the default), every connection's
 //! handshake runs in a task of its own under a deadline, at most
 //! `max_connections` connections are open at once, and each connection carries
-//! the [`Caller`] its client certificate proves. The plain-HTTP listener exists
+//! the [`Caller`] its client certificate proves: a node or a preheater, by
+//! the role the certificate carries (see `dray_protocol::identity`). The plain-HTTP listener exists
 //! for `insecure_plain_http` only: its callers are [`Caller::InsecurePlainHttp`].
 
 use axum::extract::connect_info::Connected;
@@ -23,10 +24,14 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Who is on the other end of a connection.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Caller {
-    /// A client certificate signed by the cluster CA, for this peer id.
-    Certified(String),
+    /// A node's client certificate signed by the cluster CA, for this peer id.
+    Node(String),
+    /// A preheater's client certificate signed by the cluster CA, for this
+    /// peer id: the preheat API only.
+    Preheater(String),
     /// TLS without a usable client certificate: probes and scrapers may read
-    /// `/healthz`, `/readyz` and `/metrics`, nothing else. Says why.
+    /// `/healthz`, `/readyz` and `/metrics`, and agents without a
+    /// certificate yet may ask the signer for one; nothing else. Says why.
     Anonymous(String),
     /// The plain-HTTP listener: peer ids are taken from the requests.
     InsecurePlainHttp,
@@ -39,11 +44,19 @@ fn caller_of(conn: &rustls::ServerConnection) -> Caller {
             "the tracker API needs a client certificate signed by the cluster CA, and this connection presented none".into(),
         );
     };
-    match dray_protocol::identity::peer_id_of(leaf) {
-        Ok(id) => Caller::Certified(id),
-        Err(e) => Caller::Anonymous(format!(
-            "the client certificate is signed by the cluster CA but names no peer: {e}"
-        )),
+    use dray_protocol::identity::{Role, peer_id_of, role_of};
+    let unusable = |e: String| {
+        Caller::Anonymous(format!(
+            "the client certificate is signed by the cluster CA but is not usable here: {e}"
+        ))
+    };
+    match (role_of(leaf), peer_id_of(leaf)) {
+        (Ok(Role::Node), Ok(id)) => Caller::Node(id),
+        (Ok(Role::Preheater), Ok(id)) => Caller::Preheater(id),
+        (Ok(Role::Tracker), _) => {
+            unusable("it is a tracker's, and a tracker is no client of another".into())
+        }
+        (Err(e), _) | (_, Err(e)) => unusable(e.to_string()),
     }
 }
 

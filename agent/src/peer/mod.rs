@@ -29,6 +29,7 @@ use crate::store::ChunkStore;
 use bytes::Bytes;
 use dray_protocol::defaults::DEFAULTS;
 use dray_protocol::framing::{self, FrameError, MAX_PEER_FRAME, PeerRequest};
+use dray_protocol::identity::Role;
 use dray_protocol::pb::{self, peer_message::Body, reject::Reason};
 use dray_protocol::{BlobDigest, PROTOCOL_VERSION};
 use serde::{Deserialize, Serialize};
@@ -301,8 +302,9 @@ impl PeerNode {
         config: PeerConfig,
         metrics: Arc<AgentMetrics>,
     ) -> Result<Arc<Self>> {
+        identity.require_role(Role::Node, "an agent's peer endpoint")?;
         match identity.warn_if_expiring("agent") {
-            Ok(not_after) => metrics.certificate_expires(not_after),
+            Ok((not_before, not_after)) => metrics.certificate_valid(not_before, not_after),
             Err(e) => tracing::warn!(error = %e, "could not read when the agent certificate ends"),
         }
         let transport = config.transport.transport();

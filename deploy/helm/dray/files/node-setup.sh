@@ -3,8 +3,9 @@
 #
 # It DOES:
 #   1. issue this node's peer certificate (peer id = the node name, the
-#      certificate's DNS SAN) from the cluster CA mounted from a Secret, unless
-#      TLS_MODE=provided (then it checks the files the node already has);
+#      certificate's DNS SAN) from the cluster CA mounted from a Secret if
+#      TLS_MODE=issue; with TLS_MODE=provided it checks the files the node
+#      already has; with TLS_MODE=signer (the default) the agent enrolls itself;
 #   2. write containerd's hosts.toml for each mirrored registry with
 #      `dray agent configure-containerd` (containerd re-reads these on every
 #      pull: no restart needed once `config_path` is set);
@@ -21,7 +22,7 @@ set -eu
 
 : "${NODE_NAME:?NODE_NAME must be set (the node name, from spec.nodeName)}"
 DRAY="${DRAY:-dray}"
-TLS_MODE="${TLS_MODE:-issue}"
+TLS_MODE="${TLS_MODE:-signer}"
 CA_DIR="${CA_DIR:-/etc/dray/ca}"
 TLS_DIR="${TLS_DIR:-/etc/dray/tls}"
 SETUP_DIR="${SETUP_DIR:-/etc/dray/setup}"
@@ -48,13 +49,16 @@ issue)
   rmdir "$fresh"
   log "issued the peer certificate for $NODE_NAME"
   ;;
+signer)
+  log "the agent enrolls with the tracker's signer: no certificate to place"
+  ;;
 provided)
   for f in ca.crt agent.crt agent.key; do
     [ -s "$TLS_DIR/$f" ] || die "TLS_MODE=provided but $TLS_DIR/$f is missing or empty"
   done
   log "using the node's own certificate in $TLS_DIR"
   ;;
-*) die "TLS_MODE must be 'issue' or 'provided', not '$TLS_MODE'" ;;
+*) die "TLS_MODE must be 'signer', 'issue' or 'provided', not '$TLS_MODE'" ;;
 esac
 
 # 2. hosts.toml per mirrored registry (NAME or NAME=SERVER_URL, space-separated).
