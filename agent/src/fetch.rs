@@ -1185,6 +1185,7 @@ mod tests {
         fast: Arc<PeerNode>,
         slow: Arc<PeerNode>,
         map: ChunkMap,
+        ca: ClusterCa,
     }
 
     fn fast_and_slow(dir: &std::path::Path, leech: PeerConfig) -> FastAndSlow {
@@ -1213,7 +1214,111 @@ mod tests {
             fast,
             slow,
             map,
+            ca,
         }
+    }
+
+    /// A peer that holds every chunk of `map`'s blob but the last with one
+    /// bit flipped, under the hashes of its flipped bytes: it answers
+    /// bitfields and hashes, and serves its bytes, as an honest peer would.
+    fn liar_node(
+        dir: &std::path::Path,
+        ca: &ClusterCa,
+        map: &ChunkMap,
+        bytes: &[u8],
+    ) -> Arc<PeerNode> {
+        let flip = |i: u32| {
+            let (at, len) = (map.offset(i) as usize, map.chunk_len(i));
+            let mut b = bytes[at..at + len].to_vec();
+            b[len / 2] ^= 0x40;
+            b
+        };
+        let hashes = (0..map.chunk_count())
+            .map(|i| dray_protocol::chunkmap::chunk_hash(&flip(i)))
+            .collect();
+        let lie = ChunkMap::new(map.digest(), map.size(), map.chunk_size(), hashes).unwrap();
+        let store = Arc::new(ChunkStore::open(&dir.join("liar")).unwrap());
+        let held = store.blob(&lie).unwrap();
+        for i in 0..lie.chunk_count() - 1 {
+            held.put_chunk(i, &flip(i)).unwrap();
+        }
+        let any = "127.0.0.1:0".parse().unwrap();
+        PeerNode::bind(ca.issue("liar").unwrap(), store, any, PeerConfig::default()).unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_liar_answering_first_is_found_out_by_one_registry_chunk_and_readers_see_none_of_its_bytes()
+     {
+        let dir = tempfile::tempdir().unwrap();
+        let nodes = fast_and_slow(dir.path(), PeerConfig::default());
+        let m = &nodes.map;
+        let bytes = std::fs::read(dir.path().join("src")).unwrap();
+        let liar = liar_node(dir.path(), &nodes.ca, m, &bytes);
+        let unhashed = ChunkMap::unhashed(m.digest(), m.size(), m.chunk_size()).unwrap();
+        let t = Transfer::start(&nodes.leech, &unhashed, true)
+            .await
+            .unwrap();
+        t.take_hashes_from_peers();
+        let readers = t.blob().subscribe();
+        // The liar answers first: its word is taken for every chunk it holds.
+        t.add_peer(addr_of(&liar));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while t.blob().held().count() < m.chunk_count() - 1 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "held {}",
+                t.blob().held().count()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Then an honest peer: the last chunk comes from it, and the blob
+        // fails its digest with every other chunk on the liar's word.
+        t.add_peer(addr_of(&nodes.fast));
+        while !t.blob().is_failed() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the blob never failed its digest"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let p = *readers.borrow();
+        assert_eq!(
+            (p.chunks, p.failed),
+            (0, false),
+            "readers were offered chunks on a peer's word: {p:?}"
+        );
+        assert_eq!(
+            t.blob().offered().count(),
+            0,
+            "chunks on peers' word are offered on"
+        );
+        // The suspect is the liar's: its claims outnumber the honest peer's.
+        let index = t.suspect().expect("a claim to check");
+        let (at, len) = (m.offset(index) as usize, m.chunk_len(index));
+        let registry = dray_protocol::chunkmap::chunk_hash(&bytes[at..at + len]);
+        // As the pull's check does: the registry's bytes are stored (they
+        // replace the liar's), then the ruling.
+        let from_registry = bytes[at..at + len].to_vec();
+        match t.store(index, from_registry, None).await {
+            // Still wrong: the liar's other chunks.
+            Err(Error::Verify(VerifyError::BlobDigest { .. })) => {}
+            other => panic!("{other:?}"),
+        }
+        t.checked(index, Some(registry)).unwrap();
+        let ruled = t.take_error();
+        assert!(
+            matches!(ruled, Some(Error::Ruled { chunks, .. }) if chunks == m.chunk_count() - 2),
+            "suspect {index}: {ruled:?}"
+        );
+        let report = t.finish().await.unwrap();
+        assert_eq!(report.liars.iter().collect::<Vec<_>>(), vec!["liar"]);
+        assert!(
+            report.bad_peers.is_empty() && report.slow_peers.is_empty(),
+            "{report:?}"
+        );
+        // Left: the registry's chunk, vouched, and the honest peer's.
+        assert_eq!(t.blob().held().count(), 2, "the liar's chunks were dropped");
+        assert_eq!(t.blob().offered().count(), 1);
     }
 
     fn addr_of(n: &PeerNode) -> PeerAddr {
