@@ -178,31 +178,25 @@ impl ChunkMap {
         index: u32,
         hash: ChunkHash,
     ) -> Result<Option<ChunkHash>, VerifyError> {
+        Ok(self.slot(index)?.replace(hash).filter(|old| *old != hash))
+    }
+
+    /// Chunk `index`'s hash slot, or the error naming an index out of range.
+    fn slot(&mut self, index: u32) -> Result<&mut Option<ChunkHash>, VerifyError> {
         let (digest, count) = (self.digest, self.chunk_count());
-        let slot = self
-            .hashes
+        self.hashes
             .get_mut(index as usize)
             .ok_or(VerifyError::OutOfRange {
                 digest,
                 index,
                 count,
-            })?;
-        Ok(slot.replace(hash).filter(|old| *old != hash))
+            })
     }
 
     /// Forgets chunk `index`'s hash (a claim ruled a lie); returns whether
     /// it had one.
     pub fn clear_hash(&mut self, index: u32) -> Result<bool, VerifyError> {
-        let (digest, count) = (self.digest, self.chunk_count());
-        let slot = self
-            .hashes
-            .get_mut(index as usize)
-            .ok_or(VerifyError::OutOfRange {
-                digest,
-                index,
-                count,
-            })?;
-        Ok(slot.take().is_some())
+        Ok(self.slot(index)?.take().is_some())
     }
 
     /// Takes every hash `other` knows that this map lacks; refuses conflicts
