@@ -369,9 +369,8 @@ impl Transfer {
     }
 
     fn arbiter(&self) -> std::sync::MutexGuard<'_, Arbiter<String>> {
-        let chunks = self.blob.map().chunk_count();
         self.arbiter
-            .get_or_init(|| Arc::new(Mutex::new(Arbiter::new(chunks))))
+            .get_or_init(|| Arc::new(Mutex::new(Arbiter::new(self.blob.map().chunk_count()))))
             .lock()
             .unwrap_or_else(|p| p.into_inner())
     }
