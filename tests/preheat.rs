@@ -2,8 +2,9 @@
 //! zones, the real registry. `dray preheat --percent 25` has the tracker
 //! choose 2 nodes (one per zone), which pull the image's blobs into their
 //! stores; then all 8 pull the image through their mirrors at once, and no
-//! blob byte comes from the registry. The preheat API refuses a
-//! certificate the tracker does not list.
+//! blob byte comes from the registry. A model artifact (CNCF ModelPack) is
+//! preheated as an image is. The preheat API refuses a certificate the
+//! tracker does not list.
 
 mod common;
 
@@ -272,6 +273,31 @@ async fn a_preheated_image_rolls_out_with_no_registry_blob_bytes() {
         lines[1].starts_with(&format!("preheated {image} on 1 nodes in ")),
         "{text}"
     );
+    // A model artifact (CNCF ModelPack: a model config, not an image's, and
+    // raw weight blobs) is preheated as an image is: its blobs pulled
+    // through the swarm, nothing unpacked.
+    let model = common::model::push_model(&registry, dir.path(), "test/model", "v1", 8 << 20);
+    let artifact = format!("{}/test/model:v1", registry.host());
+    let mut args = vec![
+        "preheat".to_string(),
+        artifact.clone(),
+        "--count".into(),
+        "2".into(),
+        "--timeout".into(),
+        "60s".into(),
+        "--json".into(),
+    ];
+    args.extend(as_caller(dir.path(), "ci", &tracker_url));
+    let out = dray(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let text = ok(&out, &format!("dray preheat {artifact}"));
+    let job: dray_protocol::preheat::PreheatJob = serde_json::from_str(&text).unwrap();
+    assert!(
+        job.done && job.failed == 0 && job.nodes.len() == 2,
+        "{job:?}"
+    );
+    for n in &job.nodes {
+        assert_eq!((n.have, n.size), (model.bytes, model.bytes), "{n:?}");
+    }
     // And a label no node has: refused, saying so.
     let mut args = vec![
         "preheat".to_string(),

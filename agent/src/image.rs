@@ -3,11 +3,18 @@
 //! platform) checked against its digest, and the config's diffIDs matched to
 //! the layers, so every layer can be pulled through the swarm and unpacked
 //! with its uncompressed digest known.
+//!
+//! An OCI artifact (a manifest whose config is not an image config, such as
+//! a CNCF ModelPack model: `application/vnd.cncf.model.config.v1+json` and
+//! weight blobs of `application/vnd.cncf.model.weight.v1.raw`) resolves to
+//! its blobs with no diffIDs: it is pulled, pinned and preheated as an image
+//! is, chunked and verified by digest alone, and never unpacked (nothing here
+//! assumes its blobs are tars).
 
 use crate::registry::{RegistryClient, RegistryError};
 use dray_protocol::BlobDigest;
 use oci_spec::distribution::Reference;
-use oci_spec::image::{ImageConfiguration, ImageIndex, ImageManifest, MediaType};
+use oci_spec::image::{ImageConfiguration, ImageIndex, ImageManifest};
 use reqwest::header::{ACCEPT, CONTENT_TYPE, HeaderMap, HeaderValue};
 
 /// Largest manifest or config read (the distribution spec's manifest limit).
@@ -79,8 +86,9 @@ pub struct Layer {
     pub digest: BlobDigest,
     pub size: u64,
     pub media_type: String,
-    /// `sha256:<hex>` of the uncompressed tar, from the image config.
-    pub diff_id: String,
+    /// `sha256:<hex>` of the uncompressed tar, from the image config; none
+    /// for an artifact's blob, which is not unpacked.
+    pub diff_id: Option<String>,
 }
 
 /// A manifest resolved to its layers.
@@ -92,6 +100,10 @@ pub struct Image {
     pub config: BlobDigest,
     /// The config's bytes (its body was read and checked).
     pub config_size: u64,
+    /// An artifact's type (the manifest's `artifactType`, else its config's
+    /// media type); none for an image.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub artifact_type: Option<String>,
     pub layers: Vec<Layer>,
 }
 
@@ -224,19 +236,33 @@ pub async fn resolve(
         .map_err(|e| invalid(&format!("manifest {digest}"), format!("config digest: {e}")))?;
     let (config_body, _, _) =
         fetch(client, repo, &format!("blobs/{config}"), Some(&config)).await?;
-    let image_config = ImageConfiguration::from_reader(config_body.as_slice())
-        .map_err(|e| invalid(&format!("config {config}"), e.to_string()))?;
-    let diff_ids = image_config.rootfs().diff_ids();
-    if diff_ids.len() != manifest.layers().len() {
-        return Err(invalid(
-            &format!("config {config}"),
-            format!(
-                "{} diffIDs for the manifest's {} layers",
-                diff_ids.len(),
-                manifest.layers().len()
-            ),
-        ));
-    }
+    let config_type = manifest.config().media_type().to_string();
+    let artifact_type = (!IMAGE_CONFIGS.contains(&config_type.as_str())).then(|| {
+        manifest
+            .artifact_type()
+            .as_ref()
+            .map(ToString::to_string)
+            .unwrap_or(config_type)
+    });
+    let diff_ids: Vec<Option<String>> = match artifact_type {
+        Some(_) => vec![None; manifest.layers().len()],
+        None => {
+            let image_config = ImageConfiguration::from_reader(config_body.as_slice())
+                .map_err(|e| invalid(&format!("config {config}"), e.to_string()))?;
+            let diff_ids = image_config.rootfs().diff_ids();
+            if diff_ids.len() != manifest.layers().len() {
+                return Err(invalid(
+                    &format!("config {config}"),
+                    format!(
+                        "{} diffIDs for the manifest's {} layers",
+                        diff_ids.len(),
+                        manifest.layers().len()
+                    ),
+                ));
+            }
+            diff_ids.iter().cloned().map(Some).collect()
+        }
+    };
     let layers = manifest
         .layers()
         .iter()
@@ -245,15 +271,11 @@ pub async fn resolve(
             let digest = l.digest().to_string().parse().map_err(|e| {
                 invalid(&format!("manifest {digest}"), format!("layer digest: {e}"))
             })?;
-            let media_type = match l.media_type() {
-                MediaType::Other(s) => s.clone(),
-                m => m.to_string(),
-            };
             Ok(Layer {
                 digest,
                 size: l.size(),
-                media_type,
-                diff_id: diff_id.clone(),
+                media_type: l.media_type().to_string(),
+                diff_id,
             })
         })
         .collect::<Result<Vec<_>, ImageError>>()?;
@@ -263,9 +285,17 @@ pub async fn resolve(
         manifest_digest: digest,
         config,
         config_size: config_body.len() as u64,
+        artifact_type,
         layers,
     })
 }
+
+/// The config media types of a runnable image (OCI and Docker); any other
+/// config makes the manifest an artifact.
+const IMAGE_CONFIGS: [&str; 2] = [
+    "application/vnd.oci.image.config.v1+json",
+    "application/vnd.docker.container.image.v1+json",
+];
 
 /// Refuses a manifest that lists one blob twice with two different diffIDs:
 /// one blob unpacks to one tar, so one of them is a lie, and which layer a
@@ -280,7 +310,9 @@ fn one_diff_id_per_digest(layers: &[Layer]) -> Result<(), String> {
         {
             return Err(format!(
                 "layer {} is listed twice with two diffIDs: {} (layer {j}) and {} (layer {i}); one blob cannot unpack to two different tars, so the image is refused",
-                layer.digest, first.diff_id, layer.diff_id
+                layer.digest,
+                first.diff_id.as_deref().unwrap_or_default(),
+                layer.diff_id.as_deref().unwrap_or_default()
             ));
         }
     }
@@ -328,7 +360,7 @@ mod tests {
             digest: digest(d).parse().unwrap(),
             size: 1,
             media_type: "application/vnd.oci.image.layer.v1.tar+gzip".into(),
-            diff_id: digest(diff),
+            diff_id: Some(digest(diff)),
         };
         // The same blob twice with one diffID (an empty layer repeated) is fine.
         one_diff_id_per_digest(&[layer('a', '1'), layer('b', '2'), layer('a', '1')]).unwrap();

@@ -311,6 +311,13 @@ impl LocalApi {
         let (image, client, layer) = self
             .layer(&req.image_ref, &req.manifest_digest, digest)
             .await?;
+        // An artifact's blob has no diffID to check a tar against.
+        let diff_id = layer.diff_id.clone().ok_or_else(|| {
+            bad(format!(
+                "blob {digest} ({}) of {} belongs to an artifact, not an image: it is pulled, never unpacked",
+                layer.media_type, req.image_ref
+            ))
+        })?;
         let compression = Compression::from_media_type(&layer.media_type)
             .map_err(|e| bad(format!("layer {digest}: {e}")))?;
         // The download starts now; the unpack waits for a slot (it catches up
@@ -331,7 +338,7 @@ impl LocalApi {
         let _hung_up = gone.clone().drop_guard();
         let stream = tokio_util::io::StreamReader::new(until_cancelled(reader.into_stream(), gone));
         let bridge = tokio_util::io::SyncIoBridge::new(stream);
-        let (target, diff_id) = (req.target.clone(), layer.diff_id.clone());
+        let target = req.target.clone();
         let limits = self.limits.clone();
         let unpacked: Unpacked = tokio::task::spawn_blocking(move || {
             unpack_layer_within(bridge, compression, &target, Some(&diff_id), &limits)

@@ -188,16 +188,15 @@ impl Registry {
             &["-X", "POST", "-D", "-", "-o", "/dev/null", &start],
         );
         let put_url = upload_url(&base, &headers, &digest).expect("Location header");
-        let body = format!("@{}", file.display());
+        // `-T` streams the file (`--data-binary @` reads it into memory,
+        // and fails past curl's limit of about 1 GiB).
         self.curl(
             "upload",
             &[
-                "-X",
-                "PUT",
                 "-H",
                 "Content-Type: application/octet-stream",
-                "--data-binary",
-                &body,
+                "-T",
+                &file.display().to_string(),
                 &put_url,
             ],
         );

@@ -4,6 +4,7 @@
 #![allow(dead_code, unused_imports)] // each test binary uses a different part of the harness
 
 pub mod cluster;
+pub mod model;
 
 pub use dray_testkit::oci_image;
 pub use dray_testkit::testbed::{Registry, file_digest, free_port};
