@@ -18,12 +18,18 @@
 //!    accepted, nothing answered) a moment into the pull: every copy still
 //!    completes, none later than `swarm.stall` plus the registry time, and
 //!    the DHT keeps egress at most 1.5 copies.
+//!
+//! And the local API refuses to unpack an artifact's blob (it has no diffID
+//! to check a tar against), before it fetches any of it.
 
 mod common;
 
 use common::cluster::*;
 use common::model::*;
 use common::*;
+use dray_agent::identity::ClusterCa;
+use dray_agent::local_api::UnpackRequest;
+use dray_agent::peer::PeerConfig;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -197,4 +203,48 @@ async fn a_modelpack_artifact_goes_through_four_mirrors_about_once_and_survives_
         hung_copies <= 1.5,
         "the registry sent {hung_copies:.3} copies with the tracker hung"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_local_api_refuses_to_unpack_an_artifacts_blob_and_fetches_none_of_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path();
+    let registry = Registry::start(None).await;
+    let model = push_model(&registry, work, "models/small", "v1", 1 << 20);
+    let agent = Agent::start(
+        &ClusterCa::generate().unwrap(),
+        "node-a",
+        work,
+        quick_swarm(Vec::new()),
+        PeerConfig::default(),
+    );
+    let api = LocalApiProc::start(
+        &agent,
+        &work.join("agent.sock"),
+        &[(registry.host(), registry.url())],
+    );
+    dray_agent::registry::install_crypto_provider();
+    let image = format!("{}/models/small:v1", registry.host());
+    let target = work.join("unpacked");
+    let before = registry.egress();
+    let (status, body) = api
+        .unpack(&UnpackRequest {
+            image_ref: image.clone(),
+            manifest_digest: model.manifest_digest.clone(),
+            layer_digest: model.blobs[1].clone(),
+            target: target.clone(),
+        })
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(
+        body["error"].as_str().unwrap_or_default(),
+        format!(
+            "blob {} (application/vnd.cncf.model.weight.v1.raw) of {image} belongs to an artifact, not an image: it is pulled, never unpacked",
+            model.blobs[1]
+        )
+    );
+    assert!(!target.exists(), "the refused unpack made its target");
+    // The manifest and the config were read; none of the weights.
+    let egress = registry.egress() - before;
+    assert!(egress < 64 << 10, "the registry sent {egress} bytes");
 }

@@ -9,6 +9,7 @@ use super::*;
 pub struct Pushed {
     pub repo: &'static str,
     pub tag: &'static str,
+    pub manifest_digest: String,
     pub blobs: Vec<String>,
     pub bytes: u64,
 }
@@ -29,6 +30,15 @@ fn push_random(registry: &Registry, repo: &str, dir: &Path, size: u64) -> (Strin
     let digest = registry.push(repo, &path);
     std::fs::remove_file(&path).unwrap();
     (digest, size)
+}
+
+/// `sha256:<hex>` of `text`.
+fn digest_of(dir: &Path, text: &str) -> String {
+    let path = dir.join("digested");
+    std::fs::write(&path, text).unwrap();
+    let digest = file_digest(&path);
+    std::fs::remove_file(&path).unwrap();
+    digest
 }
 
 fn descriptor(media_type: &str, (digest, size): &(String, u64), title: Option<&str>) -> String {
@@ -77,6 +87,7 @@ pub fn push_model(
     Pushed {
         repo,
         tag,
+        manifest_digest: digest_of(dir, &manifest),
         bytes: config.1 + weights.1 + doc.1,
         blobs: vec![config.0, weights.0, doc.0],
     }
@@ -106,6 +117,7 @@ pub fn push_image(
     Pushed {
         repo,
         tag,
+        manifest_digest: digest_of(dir, &manifest),
         bytes: config.1 + layer.1,
         blobs: vec![config.0, layer.0],
     }
