@@ -13,6 +13,10 @@
 //!   The rule file is loaded as shipped except that alert's `for:` (2m),
 //!   rewritten to 5s in the test's copy so the test stays short.
 //!
+//! With `DRAY_DASHBOARD_PICTURE=<file.png>` set, the dashboard is also
+//! rendered from this run into that file (`scripts/dashboard-picture.py`,
+//! which needs matplotlib; the operator guide's picture is made so).
+//!
 //! One refused request is sent to the tracker (from a caller without a
 //! certificate) so that its refusals panel has a series, as it would in any
 //! cluster that ever saw one.
@@ -335,6 +339,17 @@ async fn prometheus_scrapes_a_swarm_every_dashboard_expression_has_data_and_a_hu
         "expressions without data:\n{}",
         empty.join("\n")
     );
+    // The operator guide's picture of the dashboard, rendered from this run.
+    if let Ok(out) = std::env::var("DRAY_DASHBOARD_PICTURE") {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/dashboard-picture.py");
+        let made = Command::new(script)
+            .args(["--prometheus", &prometheus.url, "--out", &out])
+            .args(["--start", &format!("{window_start:.0}")])
+            .args(["--end", &format!("{end:.0}")])
+            .output()
+            .unwrap();
+        ok(&made, "scripts/dashboard-picture.py");
+    }
     // SAFETY: as above.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
 }
