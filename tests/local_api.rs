@@ -640,3 +640,42 @@ async fn a_registry_that_trickles_or_lies_about_sizes_holds_no_disk() {
     });
     assert!(freed, "still reserved: {:?}", stored_files(&work));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_the_store_could_never_hold_is_refused_before_any_blob_is_asked_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().canonicalize().unwrap();
+    let layer = vec![7u8; 4096];
+    // Manifest and HEAD agree on 900 MiB: under the 1 GiB budget, so each
+    // blob passes on its own, but over the 0.8 GiB the store may hold at
+    // its high watermark.
+    let claimed = 900 << 20;
+    let registry = LyingRegistry::start(OneLayer::new(layer, claimed), claimed, Ranges::Zeros);
+    let upstreams = [(registry.host(), registry.url())];
+    let (agent, _) = start_agent(&work, &upstreams, "[gc]\nbudget = 1073741824\n");
+    let connections = registry.connections();
+    let (status, result) = pull_image(
+        &work,
+        &format!("{}/huge/app:1", registry.host()),
+        Duration::from_secs(20),
+    )
+    .await;
+    assert_eq!(status, 507, "{result:?}");
+    let error = result.unwrap_err();
+    assert!(
+        error.contains(&format!(
+            "image refused: its blobs not held here take {claimed} bytes, more than the {} bytes the chunk store could ever hold (gc.high_watermark of gc.budget",
+            (0.8 * (1u64 << 30) as f64) as u64
+        )),
+        "{error}"
+    );
+    assert!(stored_files(&work).is_empty(), "{:?}", stored_files(&work));
+    // The manifest and the config; no HEAD and no range of the layer.
+    assert_eq!(registry.connections() - connections, 2);
+    let refusals = metric(
+        &work,
+        format!("http://{}", agent.banner_field("metrics on http://")).trim_end_matches("/metrics"),
+        "dray_agent_space_refusals_total",
+    );
+    assert_eq!(refusals, 1.0);
+}

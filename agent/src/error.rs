@@ -82,6 +82,8 @@ pub enum Error {
         size: u64,
         detail: String,
     },
+    #[error("image refused: {detail}")]
+    ImageTooLarge { detail: String },
     #[error(
         "the swarm of blob {digest} cuts it in {chunk_size}-byte chunks: pulling it again in those"
     )]

@@ -333,6 +333,21 @@ pub fn use_share(cfg: &GcConfig, u: &Usage) -> f64 {
         .map_or(fs, |budget| fs.max(of(u.store_bytes, budget)))
 }
 
+/// The most the store could ever hold, with everything else it holds
+/// evicted: under a `budget`, its `high_watermark` share (the collector
+/// keeps the store below it); on the filesystem, its `critical_watermark`
+/// share less what others keep there (past it the store refuses new blobs).
+pub fn capacity(cfg: &GcConfig, u: &Usage) -> u64 {
+    let fs = if u.fs_bytes > 0 {
+        let others = (u.fs_bytes.saturating_sub(u.fs_free)).saturating_sub(u.store_bytes);
+        share(u.fs_bytes, cfg.critical_watermark).saturating_sub(others)
+    } else {
+        u64::MAX
+    };
+    cfg.budget
+        .map_or(fs, |budget| fs.min(share(budget, cfg.high_watermark)))
+}
+
 /// How far `usage` is past `cfg`'s watermarks.
 pub fn pressure(cfg: &GcConfig, u: &Usage) -> Pressure {
     let fs_used = u.fs_bytes.saturating_sub(u.fs_free);
@@ -852,6 +867,34 @@ pub fn spawn(store: Arc<ChunkStore>) -> tokio::task::JoinHandle<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn capacity_is_the_watermarks_share_less_what_others_keep_on_the_filesystem() {
+        // 100 bytes of filesystem, 30 used, 10 of them the store's: others
+        // keep 20, so the store may hold 95 - 20 = 75 before it refuses.
+        let u = Usage {
+            store_bytes: 10,
+            store_blobs: 1,
+            open_blobs: 0,
+            fs_bytes: 100,
+            fs_free: 70,
+        };
+        let cfg = GcConfig::default();
+        assert_eq!(capacity(&cfg, &u), 75);
+        // A budget of 50 is kept below 40 by the collector.
+        let budgeted = GcConfig {
+            budget: Some(50),
+            ..cfg.clone()
+        };
+        assert_eq!(capacity(&budgeted, &u), 40);
+        // Others past the critical watermark leave the store nothing.
+        let full = Usage {
+            store_bytes: 0,
+            fs_free: 3,
+            ..u
+        };
+        assert_eq!(capacity(&cfg, &full), 0);
+    }
 
     fn cand(n: u8, bytes: u64, complete: bool, idle_s: u64) -> Candidate {
         Candidate {

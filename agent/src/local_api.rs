@@ -585,13 +585,21 @@ type BlobPulls = Vec<(BlobDigest, u64, watch::Receiver<PullState>)>;
 
 impl LocalApi {
     /// Starts (or joins) the swarm pulls of `blobs` of `image` at `client`
-    /// ([`Self::start_pull`]); the first refused ends it.
+    /// ([`Self::start_pull`]), once the store has said the whole image could
+    /// fit ([`crate::store::ChunkStore::check_image`]); the first refused
+    /// ends it.
     async fn start_pulls(
         &self,
         image: &ImageRef,
         client: &RegistryClient,
         blobs: Vec<(BlobDigest, u64)>,
     ) -> Result<BlobPulls, ApiError> {
+        self.pulls
+            .swarm()
+            .node()
+            .store()
+            .check_image(&blobs)
+            .map_err(|e| ApiError(StatusCode::INSUFFICIENT_STORAGE, e.to_string()))?;
         let mut pulls = Vec::new();
         for (digest, size) in blobs {
             let rx = self.start_pull(image, client, (digest, size)).await?;

@@ -773,6 +773,10 @@ impl Holding {
 /// read and an `open`.
 pub const DEFAULT_MAX_OPEN_IDLE_BLOBS: usize = 256;
 
+/// The most blobs an image pulled or preheated whole may list: its config
+/// and 500 layers, the deepest stack overlayfs mounts.
+pub const MAX_IMAGE_BLOBS: usize = 501;
+
 /// The default `max_blob_size`: 64 GiB. Above the largest layer any public
 /// registry accepts (ECR's 52,000 MiB; Docker Hub's and GHCR's 10 GB), so no
 /// real layer is refused, and what one lying size can reserve on a node's
@@ -1104,6 +1108,40 @@ impl ChunkStore {
             }
             _ => Ok(()),
         }
+    }
+
+    /// Refuses what a pull or preheat of a whole image may not reserve: more
+    /// than [`MAX_IMAGE_BLOBS`] blobs, or blobs not held yet that together
+    /// could not fit even with everything else evicted
+    /// ([`crate::gc::capacity`]). Such an image can never be held,
+    /// and pulling it would only evict the node's other blobs, the
+    /// cluster's last copies among them, for nothing.
+    pub fn check_image(&self, blobs: &[(BlobDigest, u64)]) -> Result<()> {
+        if blobs.len() > MAX_IMAGE_BLOBS {
+            return Err(Error::ImageTooLarge {
+                detail: format!(
+                    "it lists {} blobs, more than {MAX_IMAGE_BLOBS} (its config and the 500 layers overlayfs can stack)",
+                    blobs.len()
+                ),
+            });
+        }
+        let new: u64 = {
+            let entries = self.entries();
+            blobs
+                .iter()
+                .filter(|(d, _)| !entries.contains_key(d))
+                .fold(0u64, |sum, (_, size)| sum.saturating_add(*size))
+        };
+        let capacity = crate::gc::capacity(&self.gc.config(), &self.usage()?);
+        if new > capacity {
+            self.gc.count_refusal();
+            return Err(Error::ImageTooLarge {
+                detail: format!(
+                    "its blobs not held here take {new} bytes, more than the {capacity} bytes the chunk store could ever hold (gc.high_watermark of gc.budget, gc.critical_watermark of the filesystem less what others keep there)"
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// The registries (base URLs) a blob's bytes were pulled from.
@@ -1572,6 +1610,48 @@ mod tests {
         (0..n)
             .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 9) as u8)
             .collect()
+    }
+
+    #[test]
+    fn an_image_of_more_blobs_than_overlayfs_stacks_is_refused_and_held_blobs_cost_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(dir.path()).unwrap();
+        let blobs = |n: usize| -> Vec<(BlobDigest, u64)> {
+            (0..n)
+                .map(|i| (BlobDigest::of(&i.to_le_bytes()), 1))
+                .collect()
+        };
+        store.check_image(&blobs(MAX_IMAGE_BLOBS)).unwrap();
+        let e = store
+            .check_image(&blobs(MAX_IMAGE_BLOBS + 1))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "image refused: it lists 502 blobs, more than 501 (its config and the 500 layers overlayfs can stack)"
+        );
+        // A held blob counts nothing against the room; a new one does.
+        store.gc().configure(
+            crate::gc::GcConfig {
+                budget: Some(1000),
+                ..Default::default()
+            },
+            false,
+        );
+        let bytes = data(700, 3);
+        let map = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
+        let digest = map.digest();
+        let blob = store.blob(&map).unwrap();
+        assert_eq!(blob.put_chunk(0, &bytes).unwrap(), PutOutcome::Completed);
+        store.persist(&blob).unwrap();
+        store
+            .check_image(&[(digest, 700), (BlobDigest::of(b"x"), 800)])
+            .unwrap();
+        let e = store
+            .check_image(&[(digest, 700), (BlobDigest::of(b"x"), 801)])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("take 801 bytes, more than the 800 bytes"), "{e}");
     }
 
     #[test]
