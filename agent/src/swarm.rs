@@ -1086,11 +1086,12 @@ impl Swarm {
     /// also hands the pull its registry runs ([`dht_runs`]) among the
     /// blob's fetchers: its first candidates by
     /// [`dray_protocol::dht::fetcher_rank`] ([`FETCHERS`]) that answered
-    /// this pull's bitfield request (which every puller makes of them), so
-    /// a member named by a forged list, that neither holds nor pulls the
-    /// blob, is never given blocks to wait for; with no such member, the
-    /// pull fetches alone. A fetcher's blocks that never come are fetched
-    /// by the stall fallback.
+    /// this pull's bitfield request (which every puller makes of them; no
+    /// runs while one is still to answer), so a member named by a forged
+    /// list, that neither holds nor pulls the blob, is never given blocks
+    /// to wait for; with every candidate failed here, the pull fetches
+    /// alone. A fetcher's blocks that never come are fetched by the stall
+    /// fallback.
     async fn coordinate(
         self: Arc<Self>,
         dht: Arc<Dht>,
@@ -1177,19 +1178,21 @@ impl Swarm {
                     if since.elapsed() >= dht.config().settle {
                         // The candidates that answered here (every puller
                         // asks the same ones): the set every puller computes
-                        // the same. This node only if it is a candidate
-                        // (nobody else counts it), or if no other answered.
-                        let shown: Vec<&str> = now
+                        // the same, once none is still to answer. This node
+                        // only if it is a candidate (nobody else counts it),
+                        // or if every other failed here.
+                        let live: Vec<&PeerAddr> = now
                             .fetchers
                             .iter()
-                            .filter(|p| !t.is_gone(&p.peer_id) && t.has_shown(&p.peer_id))
-                            .map(|p| p.peer_id.as_str())
+                            .filter(|p| !t.is_gone(&p.peer_id))
                             .collect();
-                        let alone = shown.is_empty();
+                        let waiting = live.iter().any(|p| !t.has_shown(&p.peer_id));
+                        let alone = live.is_empty();
                         let fetchers = (now.fetcher || alone)
                             .then_some(me.as_str())
                             .into_iter()
-                            .chain(shown);
+                            .chain(live.iter().map(|p| p.peer_id.as_str()))
+                            .filter(|_| !waiting);
                         let mut held = t.held_by_peers();
                         for i in t.blob().held().ones() {
                             held.set(i);
