@@ -148,6 +148,9 @@ struct Shared {
     gone: std::collections::HashSet<String>,
     /// Peers that refused to be watched, at their watcher cap.
     refused: std::collections::HashSet<String>,
+    /// Peers that answered a bitfield request for the blob: they hold or
+    /// pull it.
+    shown: std::collections::HashSet<String>,
     /// Peer requests in flight, by chunk: one, or two in the endgame.
     requests: HashMap<u32, Vec<Request>>,
     /// Bytes per second of the last chunks peers sent, newest last.
@@ -311,6 +314,7 @@ impl Transfer {
                 raw: HashMap::new(),
                 gone: Default::default(),
                 refused: Default::default(),
+                shown: Default::default(),
                 requests: HashMap::new(),
                 rates: VecDeque::with_capacity(RATE_SAMPLES),
                 stopped: false,
@@ -340,6 +344,14 @@ impl Transfer {
     /// many watchers as it can: not gone, but not worth asking again.
     pub fn is_refused(&self, peer: &str) -> bool {
         self.lock().refused.contains(peer)
+    }
+
+    /// Whether `peer` showed in this transfer that it holds or pulls the
+    /// blob: it answered a bitfield request for it, or refused to be
+    /// watched at its watcher cap (which only a member of the blob does).
+    pub fn has_shown(&self, peer: &str) -> bool {
+        let sh = self.lock();
+        sh.shown.contains(peer) || sh.refused.contains(peer)
     }
 
     /// Chunks some peer's last bitfield shows, whatever their hashes:
@@ -873,6 +885,7 @@ async fn run_peer(t: Arc<Transfer>, p: PeerAddr, retired: CancellationToken) {
     let (link, seen) = match retired.run_until_cancelled(start).await {
         Some(Ok((link, bits))) => {
             let n = bits.count();
+            t.lock().shown.insert(p.peer_id.clone());
             t.offer(&p.peer_id, bits);
             (link, n)
         }

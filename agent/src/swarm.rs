@@ -50,7 +50,7 @@ use crate::registry::RegistryClient;
 use crate::store::{Blob, Holding, PutOutcome};
 use crate::tracker_client::TrackerClient;
 use dray_protocol::defaults::{DEFAULTS, announce_spread};
-use dray_protocol::dht::{dht_runs, lookup_after, overflow_list, pick_peers};
+use dray_protocol::dht::{FETCHERS, dht_runs, lookup_after, overflow_list, pick_peers};
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::preheat;
 use dray_protocol::pull::{Action, Arbiter, Fallback, News, PullConfig, PullMachine, RunId};
@@ -59,7 +59,7 @@ use dray_protocol::settings::duration;
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap, DEFAULT_CHUNK_SIZE, VerifyError};
 use prost::Message;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, watch};
@@ -365,32 +365,54 @@ impl Swarm {
     pub fn spawn_announcer(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let swarm = self.clone();
         tokio::spawn(async move {
-            if let Some(dht) = &swarm.dht {
-                // What the store holds is found through the DHT, as an
-                // announce tells the tracker; Kademlia republishes it.
-                for h in swarm.node.store().holdings() {
-                    dht.provide(&h.digest).await;
+            let provider = async {
+                if let Some(dht) = &swarm.dht {
+                    loop {
+                        swarm.provide_through(dht).await;
+                        tokio::time::sleep(PROVIDE_CHECK_EVERY).await;
+                    }
                 }
-            }
-            if !swarm.tracker.is_configured() {
-                return;
-            }
-            loop {
-                swarm.announce_once().await;
-                swarm
-                    .node
-                    .metrics()
-                    .tracker_reachable(swarm.tracker_reachable().unwrap_or(false));
-                let busy = !lock(&swarm.wanted).is_empty();
-                let wait = if busy {
-                    swarm.config.pull_announce
-                } else {
-                    swarm.config.idle_announce
-                };
-                let wait = announce_spread(wait, fastrand::f64());
-                let _ = tokio::time::timeout(wait, swarm.poke.notified()).await;
-            }
+            };
+            let announcer = async {
+                if swarm.tracker.is_configured() {
+                    swarm.announce_forever().await;
+                }
+            };
+            futures_util::future::join(provider, announcer).await;
         })
+    }
+
+    /// Makes the blobs this node provides through the DHT those its store
+    /// holds and those it pulls, while no tracker answers it (what an
+    /// announce tells the tracker; Kademlia republishes them), and none
+    /// while one does: a blob that left the store (evicted, removed) or a
+    /// pull given up is withdrawn within [`PROVIDE_CHECK_EVERY`].
+    async fn provide_through(&self, dht: &Dht) {
+        let tracker_answers = self.tracker.is_configured() && !self.tracker.all_down();
+        let mut wanted = HashSet::new();
+        if !tracker_answers {
+            wanted.extend(self.node.store().holdings().into_iter().map(|h| h.digest));
+            wanted.extend(lock(&self.wanted).keys().copied());
+        }
+        dht.provide_only(&wanted).await;
+    }
+
+    /// Announces to the tracker until the task is dropped.
+    async fn announce_forever(self: &Arc<Self>) {
+        loop {
+            self.announce_once().await;
+            self.node
+                .metrics()
+                .tracker_reachable(self.tracker_reachable().unwrap_or(false));
+            let busy = !lock(&self.wanted).is_empty();
+            let wait = if busy {
+                self.config.pull_announce
+            } else {
+                self.config.idle_announce
+            };
+            let wait = announce_spread(wait, fastrand::f64());
+            let _ = tokio::time::timeout(wait, self.poke.notified()).await;
+        }
     }
 
     /// Tells every replica this agent announced to that it is stopping, so
@@ -1061,8 +1083,15 @@ impl Swarm {
     /// A node the blob's list leaves out joins an overflow list
     /// ([`overflow_list`]), whose members are peers, not fetchers. After
     /// `dht.settle` (time for the other pullers of a storm to show up), it
-    /// also hands the pull its registry runs ([`dht_runs`]). A member's
-    /// blocks that never come are fetched by the stall fallback.
+    /// also hands the pull its registry runs ([`dht_runs`]) among the
+    /// blob's fetchers: its first candidates by
+    /// [`dray_protocol::dht::fetcher_rank`] ([`FETCHERS`]) that answered
+    /// this pull's bitfield request (which every puller makes of them; no
+    /// runs while one is still to answer), so a member named by a forged
+    /// list, that neither holds nor pulls the blob, is never given blocks
+    /// to wait for; with every candidate failed here, the pull fetches
+    /// alone. A fetcher's blocks that never come are fetched by the stall
+    /// fallback.
     async fn coordinate(
         self: Arc<Self>,
         dht: Arc<Dht>,
@@ -1073,13 +1102,13 @@ impl Swarm {
         let Ok(local) = self.node.local_addr() else {
             return;
         };
-        dht.provide(&digest).await;
         let me = self.node.peer_id().to_string();
         let mut standing_in: Option<Instant> = None;
-        // The members last found (the reachable ones of the blob's own list
-        // and of this node's overflow list, and whether the DHT lists this
-        // node), when, and how many answers in a row named them.
-        let mut found: Option<(Vec<PeerAddr>, Vec<PeerAddr>, bool)> = None;
+        // The members last found (the reachable fetcher candidates, watched
+        // ones of the blob's own list and of this node's overflow list, and
+        // whether the DHT lists this node and it is a candidate), and how
+        // many answers in a row named them.
+        let mut found: Option<Found> = None;
         // The overflow list this node provides the blob in, once its own
         // list is full without it.
         let mut overflow = None;
@@ -1098,14 +1127,18 @@ impl Swarm {
                         tracing::warn!(%digest, "every tracker replica is down: finding peers through the DHT");
                     }
                     t.take_hashes_from_peers();
+                    // Only now: while a tracker answers, it names the peers.
+                    dht.provide(&digest).await;
                     standing_in = Some(Instant::now());
                 }
                 (false, Some(since)) => {
                     let due = asked_at.elapsed() >= lookup_after(dht.config().lookup, unchanged);
-                    let (peers, more, listed) = match found.clone() {
+                    let watch = self.node.config.max_peers_per_blob.saturating_sub(FETCHERS);
+                    let now = match found.clone() {
                         Some(kept) if !due => kept,
                         _ => {
-                            let members = dht.members(&digest, overflow).await;
+                            let gone = |p: &str| t.is_gone(p);
+                            let members = dht.members(&digest, overflow, watch, gone).await;
                             asked_at = Instant::now();
                             if !members.listed && overflow.is_none() {
                                 let list = overflow_list(&me);
@@ -1126,11 +1159,12 @@ impl Swarm {
                                 peers.sort_by(|a, b| a.peer_id.cmp(&b.peer_id));
                                 peers
                             };
-                            let now = (
-                                reachable(members.others),
-                                reachable(members.overflow),
-                                members.listed,
-                            );
+                            let now = Found {
+                                fetchers: reachable(members.fetchers),
+                                peers: reachable(members.others),
+                                more: reachable(members.overflow),
+                                fetcher: members.fetcher,
+                            };
                             unchanged = if found.as_ref() == Some(&now) {
                                 unchanged + 1
                             } else {
@@ -1142,16 +1176,23 @@ impl Swarm {
                     };
                     let mut runs = Vec::new();
                     if since.elapsed() >= dht.config().settle {
-                        // Every member the DHT names that has not failed
-                        // here (not only the peers the transfer keeps):
-                        // the set every puller computes the same. This node
-                        // only if the DHT lists it: nobody else counts it.
-                        let fetchers = listed.then_some(me.as_str()).into_iter().chain(
-                            peers
-                                .iter()
-                                .filter(|p| !t.is_gone(&p.peer_id))
-                                .map(|p| p.peer_id.as_str()),
-                        );
+                        // The candidates that answered here (every puller
+                        // asks the same ones): the set every puller computes
+                        // the same, once none is still to answer. This node
+                        // only if it is a candidate (nobody else counts it),
+                        // or if every other failed here.
+                        let live: Vec<&PeerAddr> = now
+                            .fetchers
+                            .iter()
+                            .filter(|p| !t.is_gone(&p.peer_id))
+                            .collect();
+                        let waiting = live.iter().any(|p| !t.has_shown(&p.peer_id));
+                        let alone = live.is_empty();
+                        let fetchers = (now.fetcher || alone)
+                            .then_some(me.as_str())
+                            .into_iter()
+                            .chain(live.iter().map(|p| p.peer_id.as_str()))
+                            .filter(|_| !waiting);
                         let mut held = t.held_by_peers();
                         for i in t.blob().held().ones() {
                             held.set(i);
@@ -1165,7 +1206,7 @@ impl Swarm {
                         fetching: false,
                         runs_complete: false,
                         // Its overflow list's members are peers, not fetchers.
-                        peers: self.dht_peers(peers, more, &t),
+                        peers: self.dht_peers(now, &t),
                         runs,
                         map: None,
                     });
@@ -1176,24 +1217,39 @@ impl Swarm {
     }
 
     /// Of a blob's members, the peers a pull without a tracker hands its
-    /// transfer: those of the blob's list (`own`) and of its overflow list
-    /// (`more`) that have not failed there nor refused to be watched (at
-    /// their watcher cap), at most `peer.max_peers_per_blob`, half from each
-    /// list if it can ([`pick_peers`]), in an order of this node's own (a
-    /// hash of both ids), so that each node watches a different few of a
-    /// large swarm, and the same few at every lookup.
-    fn dht_peers(&self, own: Vec<PeerAddr>, more: Vec<PeerAddr>, t: &Transfer) -> Vec<PeerAddr> {
+    /// transfer: the fetcher candidates that have not failed there (asked
+    /// by every puller, so that each learns which answer), then those of
+    /// the blob's list (`peers`) and of its overflow list (`more`) that
+    /// have not failed there nor refused to be watched (at their watcher
+    /// cap), up to `peer.max_peers_per_blob` in all, half from each list
+    /// if it can ([`pick_peers`]), in an order of this node's own (a hash
+    /// of both ids), so that each node watches a different few of a large
+    /// swarm, and the same few at every lookup.
+    fn dht_peers(&self, found: Found, t: &Transfer) -> Vec<PeerAddr> {
         let fit = |mut v: Vec<PeerAddr>| {
             v.retain(|p| !t.is_gone(&p.peer_id) && !t.is_refused(&p.peer_id));
             v
         };
-        pick_peers(
-            self.node.peer_id(),
-            fit(own),
-            fit(more),
-            |p| p.peer_id.as_str(),
-            self.node.config.max_peers_per_blob,
-        )
+        let mut peers: Vec<PeerAddr> = found
+            .fetchers
+            .into_iter()
+            .filter(|p| !t.is_gone(&p.peer_id))
+            .collect();
+        let room = self
+            .node
+            .config
+            .max_peers_per_blob
+            .saturating_sub(peers.len());
+        if room > 0 {
+            peers.extend(pick_peers(
+                self.node.peer_id(),
+                fit(found.peers),
+                fit(found.more),
+                |p| p.peer_id.as_str(),
+                room,
+            ));
+        }
+        peers
     }
 
     async fn publish(&self, blob: &Blob) {
@@ -1252,6 +1308,20 @@ impl Swarm {
 /// node count). A second failure in the same pull means the swarm keeps
 /// getting it wrong.
 const MAP_FAILURES_BEFORE_ALONE: u32 = 2;
+
+/// The members a pull without a tracker last found through the DHT (see
+/// [`crate::dht::Members`]), with the addresses it can reach them at.
+#[derive(Clone, Debug, PartialEq)]
+struct Found {
+    fetchers: Vec<PeerAddr>,
+    peers: Vec<PeerAddr>,
+    more: Vec<PeerAddr>,
+    fetcher: bool,
+}
+
+/// How often the blobs a node provides through the DHT are checked against
+/// its store, its pulls and the tracker's health ([`Swarm::provide_through`]).
+const PROVIDE_CHECK_EVERY: Duration = Duration::from_secs(10);
 
 /// Errors that mean the published chunk map cannot be trusted.
 /// Aborts a task when dropped.

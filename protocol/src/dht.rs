@@ -14,6 +14,8 @@
 //! - [`overflow_list`]: where a node the blob's list left out provides the
 //!   blob instead, so that such nodes find each other (and not only the
 //!   listed few, who could not serve them all).
+//! - [`fetcher_rank`], [`FETCHERS`]: which few members fetch a blob's
+//!   blocks from the registry, in an order no member's list can skew.
 //! - [`dht_runs`]: the runs a member fetches from the registry.
 //! - [`watch_order`]: which of the members a pull watches as its peers.
 //! - [`lookup_after`]: how often a pull asks the DHT again.
@@ -35,6 +37,28 @@ pub const OVERFLOW_LISTS: u32 = 256;
 pub fn overflow_list(peer_id: &str) -> u32 {
     let h = blake3::hash(peer_id.as_bytes());
     u32::from_be_bytes(h.as_bytes()[..4].try_into().expect("4 bytes")) % OVERFLOW_LISTS
+}
+
+/// Members of a blob that fetch its blocks from the registry, at most:
+/// the first by [`fetcher_rank`] among those the DHT lists. The registry
+/// sends each block once however many share them; eight fetchers with
+/// `swarm.registry_parallel` runs each keep a registry busy, and leave half
+/// of a pull's `peer.max_peers_per_blob` watched peers to its own picks.
+/// A pull counts a member a fetcher only once it answered the pull's
+/// bitfield request (the agent's `Swarm::coordinate`): a forged list costs
+/// a dial per name, never a block left waiting for `swarm.stall`.
+pub const FETCHERS: usize = 8;
+
+/// The order in which a blob's members are candidates for fetching it
+/// ([`FETCHERS`]): a BLAKE3 hash of the blob and the member's id, the same
+/// at every node whatever list it was given, so a member naming others
+/// cannot place them first.
+pub fn fetcher_rank(digest: &BlobDigest, id: &[u8]) -> [u8; 32] {
+    *blake3::Hasher::new()
+        .update(digest.to_string().as_bytes())
+        .update(id)
+        .finalize()
+        .as_bytes()
 }
 
 /// Doublings of `dht.lookup` at most: 6.4 s between lookups at the default.

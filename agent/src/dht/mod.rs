@@ -6,18 +6,38 @@
 //! signed cannot connect, let alone publish a record. Two kinds of record
 //! live in it:
 //! - **Provider records**, one key per blob: the nodes that hold or are
-//!   pulling it. A node provides a blob when it starts pulling it, and every
-//!   blob its store holds when it starts; a record lives [`RECORD_TTL`]
-//!   unless republished. A puller stops counting a node the DHT names once
-//!   that node answers that its store does not know the blob (see
+//!   pulling it. A node provides the blobs its store holds or it pulls only
+//!   while no tracker answers it, and withdraws them when a tracker answers
+//!   again or a blob leaves its store (`Swarm`'s announcer calls
+//!   [`Dht::provide_only`]); a record lives [`RECORD_TTL`] unless
+//!   republished, and expired ones are purged every [`PURGE_EVERY`]. A
+//!   puller stops counting a node the DHT names once that node answers
+//!   that its store does not know the blob (see
 //!   [`crate::peer::PeerNode::bitfield_with_hashes`]). A store keeps the
 //!   first 256 providers of a key; a node a blob's list left out provides
 //!   it in one of the blob's overflow lists instead, where the others left
-//!   out find it ([`dray_protocol::dht::overflow_list`]).
+//!   out find it ([`dray_protocol::dht::overflow_list`]). What other members
+//!   may make a node store is quota'd per member ([`store`]).
 //! - **Node records**, one per node: its dray peer id and the peer-plane
 //!   address(es) to dial, as an announce to the tracker carries them. A node
 //!   stores another's record only when that node sent it itself (the TLS
 //!   handshake proved who sent it), so no member can speak for another.
+//!
+//! A lookup's answers come from members, and one of them may lie:
+//! - a provider list longer than a store keeps is forged: only the first
+//!   `dht_max_providers` of it are taken (the rest counted, and logged
+//!   once), and it is no witness for [`counts_itself`];
+//! - one lookup asks for at most [`FETCHERS`] + 2 × the watched peers' node
+//!   records: the blob's fetcher candidates, first by
+//!   [`dray_protocol::dht::fetcher_rank`] (the same order at every node,
+//!   whatever list it got), and the peers this node will watch;
+//! - a node record a lookup finds may come from a third party, which can
+//!   forge its address: it is kept [`RECORD_TTL`] (a record not found,
+//!   [`MISSING_TTL`]), its DHT addresses are taken only from the node
+//!   itself, and a peer-plane address is only ever dialled expecting the
+//!   peer id (the peer plane's mutual TLS checks the certificate names it,
+//!   [`crate::peer::PeerNode::connect`]): a forged address costs a pull one
+//!   failed dial, after which that member is gone for the pull.
 //!
 //! The data path is unchanged: chunks move over the authenticated QUIC peer
 //! plane. What the tracker did besides naming peers, choosing who fetches
@@ -28,17 +48,18 @@
 //! Service over the DaemonSet resolves to every node), dialled until the
 //! routing table holds peers, then Kademlia's own bootstrap fills it.
 
+pub mod store;
 pub mod tls;
 
 use crate::error::{Error, Result};
 use crate::identity::Identity;
 use dray_protocol::BlobDigest;
 use dray_protocol::defaults::DEFAULTS;
-use dray_protocol::dht::counts_itself;
+use dray_protocol::dht::{FETCHERS, counts_itself, fetcher_rank, overflow_list};
 use dray_protocol::settings::duration;
 use futures_util::StreamExt;
 use libp2p::core::ConnectedPoint;
-use libp2p::kad::store::{MemoryStore, MemoryStoreConfig, RecordStore};
+use libp2p::kad::store::RecordStore;
 use libp2p::kad::{self, GetProvidersOk, GetRecordOk, QueryId, QueryResult, Quorum, Record};
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::SwarmEvent;
@@ -52,7 +73,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+use store::BoundedStore;
 use tokio::sync::{mpsc, oneshot, watch};
 
 pub use tls::libp2p_id;
@@ -61,6 +83,10 @@ pub use tls::libp2p_id;
 const KAD_PROTOCOL: &str = "/dray/kad/1";
 /// A provider or node record lives this long unless its node republishes it.
 const RECORD_TTL: Duration = Duration::from_secs(30 * 60);
+/// How long a lookup that found no node record for a member keeps it so.
+const MISSING_TTL: Duration = Duration::from_secs(60);
+/// How often expired records leave the store (not only when read).
+pub const PURGE_EVERY: Duration = Duration::from_secs(60);
 /// How often a node republishes its provider records.
 const PROVIDE_EVERY: Duration = Duration::from_secs(10 * 60);
 /// How often a node refreshes its routing table and republishes its record.
@@ -88,6 +114,9 @@ pub struct DhtMetrics {
     peers: Gauge,
     bytes: Family<DirectionLabel, Counter>,
     refused: Counter,
+    ignored_providers: Counter,
+    refused_records: Counter,
+    stored_keys: Gauge,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -112,6 +141,21 @@ impl DhtMetrics {
             "dht_refused_connections",
             "DHT connections that failed their handshake (no node certificate the cluster CA signed, or no TLS at all)",
             self.refused.clone(),
+        );
+        r.register(
+            "dht_ignored_providers",
+            "Provider ids past dht_max_providers in one lookup answer (no store keeps so many: a forged list), ignored",
+            self.ignored_providers.clone(),
+        );
+        r.register(
+            "dht_refused_records",
+            "Provider records a member sent that were not kept: past its quota, or past the room for all members' records",
+            self.refused_records.clone(),
+        );
+        r.register(
+            "dht_stored_provider_keys",
+            "Provider records this node's DHT store holds (its own and other members'), after the last purge",
+            self.stored_keys.clone(),
         );
     }
 
@@ -210,21 +254,72 @@ struct Providers {
     answers: Vec<usize>,
 }
 
-/// A blob's members as the DHT lists them.
+/// A blob's members as the DHT lists them: the few whose node records a
+/// lookup found (see the module docs for the bounds).
 #[derive(Debug, Default)]
 pub struct Members {
-    /// The other nodes of the blob's own list, with their records: the
-    /// registry's fetchers.
+    /// The blob's fetcher candidates other than this node, first by
+    /// [`fetcher_rank`], at most [`FETCHERS`] with this node: those that
+    /// answer the pull fetch the registry's blocks.
+    pub fetchers: Vec<NodeRecord>,
+    /// Other nodes of the blob's own list this node watches, in its own
+    /// order.
     pub others: Vec<NodeRecord>,
     /// Those of this node's overflow list, if it looked one up: peers only.
     pub overflow: Vec<NodeRecord>,
-    /// Whether the DHT lists this node too: only then does it take blocks
-    /// of the registry's work.
+    /// Whether the DHT lists this node too ([`counts_itself`]).
     pub listed: bool,
+    /// Whether this node is listed and one of the blob's fetcher
+    /// candidates: only then does it take blocks of the registry's work.
+    pub fetcher: bool,
+}
+
+/// What this node knows of a member's node record.
+#[derive(Clone, Debug)]
+enum Known {
+    Found(NodeRecord),
+    /// No lookup found one.
+    Missing,
+}
+
+/// The node records lookups found, each until it expires ([`RECORD_TTL`],
+/// [`MISSING_TTL`] for one not found).
+#[derive(Debug, Default)]
+struct RecordCache(HashMap<PeerId, (Known, Instant)>);
+
+impl RecordCache {
+    /// What is known of `id` at `now`, if that has not expired.
+    fn get(&self, id: &PeerId, now: Instant) -> Option<&Known> {
+        self.0
+            .get(id)
+            .filter(|(_, until)| *until > now)
+            .map(|(k, _)| k)
+    }
+
+    /// Keeps what a lookup found of `id` at `now`, and drops what expired.
+    fn insert(&mut self, id: PeerId, found: Option<NodeRecord>, now: Instant) {
+        self.0.retain(|_, (_, until)| *until > now);
+        let entry = match found {
+            Some(r) => (Known::Found(r), now + RECORD_TTL),
+            None => (Known::Missing, now + MISSING_TTL),
+        };
+        self.0.insert(id, entry);
+    }
+}
+
+/// The order in which `me` picks the members it watches (a BLAKE3 hash of
+/// both ids): each node its own few.
+fn watch_rank(me: &PeerId, id: &PeerId) -> [u8; 32] {
+    *blake3::Hasher::new()
+        .update(&me.to_bytes())
+        .update(&id.to_bytes())
+        .finalize()
+        .as_bytes()
 }
 
 enum Command {
     Provide(kad::RecordKey),
+    Withdraw(kad::RecordKey),
     Providers(kad::RecordKey, oneshot::Sender<Providers>),
     Record(PeerId, oneshot::Sender<Option<NodeRecord>>),
     Routing(oneshot::Sender<usize>),
@@ -235,9 +330,13 @@ enum Command {
 pub struct Dht {
     commands: mpsc::Sender<Command>,
     local: PeerId,
+    /// This node's overflow list ([`overflow_list`]).
+    overflow_list: u32,
     listening: watch::Receiver<Listening>,
     /// Node records found so far, by libp2p id.
-    records: Mutex<HashMap<PeerId, NodeRecord>>,
+    records: Mutex<RecordCache>,
+    /// The blobs this node provides.
+    provided: Mutex<HashSet<BlobDigest>>,
     config: DhtConfig,
 }
 
@@ -282,15 +381,7 @@ impl Dht {
             .set_publication_interval(Some(REFRESH_EVERY * 10))
             .set_periodic_bootstrap_interval(Some(REFRESH_EVERY))
             .set_max_packet_size(MAX_PACKET);
-        let store = MemoryStore::with_config(
-            local,
-            MemoryStoreConfig {
-                max_records: 16 << 10,
-                max_value_bytes: MAX_NODE_RECORD,
-                max_providers_per_key: DEFAULTS.dht_max_providers,
-                max_provided_keys: 16 << 10,
-            },
-        );
+        let store = BoundedStore::new(local, MAX_NODE_RECORD, DEFAULTS.dht_max_providers);
         let mut behaviour = kad::Behaviour::with_config(local, store, kad_config);
         behaviour.set_mode(Some(kad::Mode::Server));
         let mut swarm = Swarm::new(
@@ -314,14 +405,17 @@ impl Dht {
             providers: HashMap::new(),
             records: HashMap::new(),
             published: false,
+            warned_oversize: false,
             metrics,
         };
         tokio::spawn(runner.run(rx));
         Ok(Arc::new(Self {
             commands,
             local,
+            overflow_list: overflow_list(&identity.peer_id),
             listening,
-            records: Mutex::new(HashMap::new()),
+            records: Mutex::new(RecordCache::default()),
+            provided: Mutex::new(HashSet::new()),
             config: config.clone(),
         }))
     }
@@ -354,7 +448,43 @@ impl Dht {
 
     /// Tells the DHT this node holds or pulls `digest`.
     pub async fn provide(&self, digest: &BlobDigest) {
+        lock(&self.provided).insert(*digest);
         let _ = self.commands.send(Command::Provide(blob_key(digest))).await;
+    }
+
+    /// Withdraws this node's provider records of `digest`: the blob's own
+    /// list and its overflow list.
+    async fn withdraw(&self, digest: &BlobDigest) {
+        lock(&self.provided).remove(digest);
+        for key in [blob_key(digest), overflow_key(digest, self.overflow_list)] {
+            let _ = self.commands.send(Command::Withdraw(key)).await;
+        }
+    }
+
+    /// Makes `wanted` the blobs this node provides: provides those it does
+    /// not yet, withdraws the others (a blob that left the store, a pull
+    /// given up, or every blob while a tracker answers).
+    pub async fn provide_only(&self, wanted: &HashSet<BlobDigest>) {
+        let (new, old): (Vec<BlobDigest>, Vec<BlobDigest>) = {
+            let provided = lock(&self.provided);
+            (
+                wanted.difference(&provided).copied().collect(),
+                provided.difference(wanted).copied().collect(),
+            )
+        };
+        for d in &old {
+            self.withdraw(d).await;
+        }
+        for d in &new {
+            self.provide(d).await;
+        }
+        if !old.is_empty() || !new.is_empty() {
+            tracing::debug!(
+                provided = new.len(),
+                withdrawn = old.len(),
+                "the blobs this node provides through the DHT changed"
+            );
+        }
     }
 
     /// Peers in this node's routing table.
@@ -364,11 +494,19 @@ impl Dht {
         rx.await.unwrap_or(0)
     }
 
-    /// The other nodes that hold or pull `digest`, with their records
-    /// (nodes whose record cannot be found are left out), and whether the
-    /// DHT lists this node among them ([`counts_itself`]); with `overflow`,
-    /// also those of that overflow list ([`Dht::provide_overflow`]).
-    pub async fn members(&self, digest: &BlobDigest, overflow: Option<u32>) -> Members {
+    /// The blob's members the DHT names ([`Members`]): its fetcher
+    /// candidates, at most `watch` others of its list and, with
+    /// `overflow`, of that overflow list ([`Dht::provide_overflow`]);
+    /// members `gone` (by dray peer id) and those whose record cannot be
+    /// found are left out. Asks for at most [`FETCHERS`] + 2 × `watch` node
+    /// records, however many members the answers name.
+    pub async fn members(
+        &self,
+        digest: &BlobDigest,
+        overflow: Option<u32>,
+        watch: usize,
+        gone: impl Fn(&str) -> bool,
+    ) -> Members {
         let more = async {
             match overflow {
                 Some(list) => self.providers(overflow_key(digest, list)).await,
@@ -377,11 +515,43 @@ impl Dht {
         };
         let (own, more) = futures_util::future::join(self.providers(blob_key(digest)), more).await;
         let listed = counts_itself(own.answers, DEFAULTS.dht_max_providers);
-        let extra: Vec<PeerId> = more.ids.difference(&own.ids).copied().collect();
+        let rank = |id: &PeerId| fetcher_rank(digest, &id.to_bytes());
+        let mut ranked: Vec<PeerId> = own
+            .ids
+            .iter()
+            .copied()
+            .filter(|id| *id != self.local)
+            .collect();
+        ranked.sort_by_cached_key(rank);
+        let mut fetchers = self.first_records(&ranked, FETCHERS, &gone).await;
+        let mine = rank(&self.local);
+        let above = fetchers
+            .iter()
+            .filter(|r| rank(&libp2p_id(&r.peer_id)) < mine)
+            .count();
+        let fetcher = listed && above < FETCHERS;
+        if fetcher {
+            fetchers.truncate(FETCHERS - 1);
+        }
+        let chosen: HashSet<&str> = fetchers.iter().map(|r| r.peer_id.as_str()).collect();
+        ranked.sort_by_cached_key(|id| watch_rank(&self.local, id));
+        let others = self
+            .first_records(&ranked, watch, |p: &str| gone(p) || chosen.contains(p))
+            .await;
+        let mut extra: Vec<PeerId> = more
+            .ids
+            .difference(&own.ids)
+            .copied()
+            .filter(|id| *id != self.local)
+            .collect();
+        extra.sort_by_cached_key(|id| watch_rank(&self.local, id));
+        let overflow = self.first_records(&extra, watch, &gone).await;
         Members {
-            others: self.records_of(own.ids).await,
-            overflow: self.records_of(extra).await,
+            fetchers,
+            others,
+            overflow,
             listed,
+            fetcher,
         }
     }
 
@@ -407,32 +577,56 @@ impl Dht {
         rx.await.unwrap_or_default()
     }
 
-    /// The node records of `ids` (this node and those not found left out).
-    async fn records_of(&self, ids: impl IntoIterator<Item = PeerId>) -> Vec<NodeRecord> {
-        let mut found = Vec::new();
+    /// The node records of the first `n` of `ids`, in their order, less
+    /// those `skip`ped (by dray peer id) or not found: at most `n` lookups,
+    /// fewer for records known; a record a lookup does not find this time
+    /// is looked up again at a later call.
+    async fn first_records(
+        &self,
+        ids: &[PeerId],
+        n: usize,
+        skip: impl Fn(&str) -> bool,
+    ) -> Vec<NodeRecord> {
+        let now = Instant::now();
+        let mut picked = Vec::new();
         let mut missing = Vec::new();
         {
-            let known = self.records.lock().unwrap_or_else(|p| p.into_inner());
-            for id in ids.into_iter().filter(|id| *id != self.local) {
-                match known.get(&id) {
-                    Some(r) => found.push(r.clone()),
-                    None => missing.push(id),
+            let known = lock(&self.records);
+            for (i, id) in ids.iter().enumerate() {
+                if picked.len() + missing.len() >= n {
+                    break;
+                }
+                match known.get(id, now) {
+                    Some(Known::Found(r)) if !skip(&r.peer_id) => picked.push((i, r.clone())),
+                    Some(_) => {}
+                    None => missing.push((i, *id)),
                 }
             }
         }
-        let looked_up = futures_util::future::join_all(missing.into_iter().map(|id| async move {
-            let (tx, rx) = oneshot::channel();
-            self.commands.send(Command::Record(id, tx)).await.ok()?;
-            Some((id, rx.await.ok()??))
-        }))
-        .await;
-        let mut known = self.records.lock().unwrap_or_else(|p| p.into_inner());
-        for (id, record) in looked_up.into_iter().flatten() {
-            known.insert(id, record.clone());
-            found.push(record);
+        let looked_up =
+            futures_util::future::join_all(missing.into_iter().map(|(i, id)| async move {
+                let (tx, rx) = oneshot::channel();
+                let found = match self.commands.send(Command::Record(id, tx)).await {
+                    Ok(()) => rx.await.ok().flatten(),
+                    Err(_) => None,
+                };
+                (i, id, found)
+            }))
+            .await;
+        let mut known = lock(&self.records);
+        for (i, id, found) in looked_up {
+            known.insert(id, found.clone(), now);
+            if let Some(r) = found.filter(|r| !skip(&r.peer_id)) {
+                picked.push((i, r));
+            }
         }
-        found
+        picked.sort_by_key(|(i, _)| *i);
+        picked.into_iter().map(|(_, r)| r).collect()
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The DHT addresses other nodes dial: the bound one, or, bound to every
@@ -468,7 +662,7 @@ fn socket_of(addr: &Multiaddr) -> Option<SocketAddr> {
 
 /// The DHT's task: the libp2p swarm, and the queries it runs for the handle.
 struct Runner {
-    swarm: Swarm<kad::Behaviour<MemoryStore>>,
+    swarm: Swarm<kad::Behaviour<BoundedStore>>,
     /// This node's record without its DHT addresses.
     me: NodeRecord,
     /// This node's record, once the listener is bound; published after
@@ -481,6 +675,8 @@ struct Runner {
     records: HashMap<QueryId, (PeerId, oneshot::Sender<Option<NodeRecord>>)>,
     /// Whether the own record went out since the routing table was empty.
     published: bool,
+    /// Whether a provider list longer than a store keeps was logged.
+    warned_oversize: bool,
     metrics: DhtMetrics,
 }
 
@@ -488,6 +684,8 @@ impl Runner {
     async fn run(mut self, mut commands: mpsc::Receiver<Command>) {
         let mut dial = tokio::time::interval(DIAL_EVERY);
         dial.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut purge = tokio::time::interval(PURGE_EVERY);
+        purge.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 command = commands.recv() => match command {
@@ -500,12 +698,24 @@ impl Runner {
                     self.metrics.peers.set(peers as i64);
                     self.dial_bootstrap().await;
                 }
+                _ = purge.tick() => self.purge(Instant::now()),
             }
         }
     }
 
-    fn kad(&mut self) -> &mut kad::Behaviour<MemoryStore> {
+    fn kad(&mut self) -> &mut kad::Behaviour<BoundedStore> {
         self.swarm.behaviour_mut()
+    }
+
+    /// Drops the records expired at `now` from the store.
+    fn purge(&mut self, now: Instant) {
+        let store = self.kad().store_mut();
+        let purged = store.purge(now);
+        let (keys, _) = store.size();
+        self.metrics.stored_keys.set(keys as i64);
+        if purged > 0 {
+            tracing::debug!(purged, keys, "purged expired DHT records");
+        }
     }
 
     fn routing_peers(&mut self) -> usize {
@@ -519,6 +729,7 @@ impl Runner {
                     tracing::warn!(error = %e, "the DHT cannot hold more provider records");
                 }
             }
+            Command::Withdraw(key) => self.kad().stop_providing(&key),
             Command::Providers(key, tx) => {
                 let id = self.kad().get_providers(key);
                 self.providers.insert(id, (Providers::default(), tx));
@@ -660,12 +871,28 @@ impl Runner {
                         return;
                     };
                     if let Ok(GetProvidersOk::FoundProviders { providers, .. }) = found {
-                        // Other stores leave this node out: one that names
-                        // it is its own, no witness (see `counts_itself`).
-                        if !providers.contains(&local) {
-                            seen.answers.push(providers.len());
+                        let max = DEFAULTS.dht_max_providers;
+                        if providers.len() > max {
+                            // No store keeps so many: a forged list, and no
+                            // witness either (see `counts_itself`).
+                            let extra = providers.len() - max;
+                            self.metrics.ignored_providers.inc_by(extra as u64);
+                            seen.ids.extend(providers.into_iter().take(max));
+                            if !std::mem::replace(&mut self.warned_oversize, true) {
+                                tracing::warn!(
+                                    listed = max + extra,
+                                    max,
+                                    "a DHT member answered a provider list longer than any store keeps: took {max}, ignoring the rest (counted in dht_ignored_providers)"
+                                );
+                            }
+                        } else {
+                            // Other stores leave this node out: one that
+                            // names it is its own, no witness.
+                            if !providers.contains(&local) {
+                                seen.answers.push(providers.len());
+                            }
+                            seen.ids.extend(providers);
                         }
-                        seen.ids.extend(providers);
                     }
                     if step.last
                         && let Some((seen, tx)) = self.providers.remove(&id)
@@ -678,11 +905,14 @@ impl Runner {
                         return;
                     };
                     let peer = *peer;
-                    let record = match found {
-                        Ok(GetRecordOk::FoundRecord(r)) => node_record(&peer, &r.record),
-                        _ => None,
+                    let (record, from) = match found {
+                        Ok(GetRecordOk::FoundRecord(r)) => (node_record(&peer, &r.record), r.peer),
+                        _ => (None, None),
                     };
-                    if let Some(node) = &record {
+                    // A third party's copy may name any address: only the
+                    // node's own answer routes the DHT to it (its peer-plane
+                    // address is dialled expecting its peer id anyway).
+                    if let Some(node) = record.as_ref().filter(|_| from == Some(peer)) {
                         self.learn_addresses(&peer, node);
                     }
                     if record.is_some() || step.last {
@@ -714,8 +944,10 @@ impl Runner {
             kad::InboundRequest::AddProvider {
                 record: Some(record),
             } => {
+                let provider = record.provider;
                 if let Err(e) = self.kad().store_mut().add_provider(record) {
-                    tracing::debug!(error = %e, "a DHT provider record was not kept");
+                    self.metrics.refused_records.inc();
+                    tracing::debug!(%provider, error = %e, "a DHT provider record was not kept");
                 }
             }
             kad::InboundRequest::PutRecord {
@@ -764,6 +996,138 @@ mod tests {
         assert!(node_record(&a, &Record::new(node_key(&a), b"{".to_vec())).is_none());
         let big = Record::new(node_key(&a), vec![b' '; MAX_NODE_RECORD + 1]);
         assert!(node_record(&a, &big).is_none());
+    }
+
+    /// A handle on a DHT whose task is `answer` (a member's forged
+    /// answers), and the node records it was asked for.
+    fn handle_on(
+        answer: impl Fn(&PeerId) -> Option<NodeRecord> + Send + 'static,
+        listed: Vec<PeerId>,
+    ) -> (Dht, Arc<Mutex<Vec<PeerId>>>) {
+        let (commands, mut rx) = mpsc::channel(256);
+        let asked = Arc::new(Mutex::new(Vec::new()));
+        let seen = asked.clone();
+        tokio::spawn(async move {
+            while let Some(c) = rx.recv().await {
+                match c {
+                    Command::Providers(_, tx) => {
+                        let _ = tx.send(Providers {
+                            ids: listed.iter().copied().collect(),
+                            answers: Vec::new(),
+                        });
+                    }
+                    Command::Record(id, tx) => {
+                        seen.lock().unwrap().push(id);
+                        let _ = tx.send(answer(&id));
+                    }
+                    _ => {}
+                }
+            }
+        });
+        let (_, listening) = watch::channel(Listening::Pending);
+        let dht = Dht {
+            commands,
+            local: libp2p_id("me"),
+            overflow_list: overflow_list("me"),
+            listening,
+            records: Mutex::new(RecordCache::default()),
+            provided: Mutex::new(HashSet::new()),
+            config: DhtConfig::default(),
+        };
+        (dht, asked)
+    }
+
+    #[tokio::test]
+    async fn a_forged_list_of_300_ids_costs_a_bounded_number_of_record_lookups() {
+        let digest = BlobDigest::of(b"blob");
+        let forged: Vec<PeerId> = (0..300).map(|_| PeerId::random()).collect();
+        // No record matches a made-up id (the DHT task checks a record's
+        // key and id, `node_record`): none is found.
+        let (dht, asked) = handle_on(|_| None, forged);
+        let watch = 8;
+        let members = dht.members(&digest, Some(3), watch, |_| false).await;
+        let asked_once = asked.lock().unwrap().len();
+        assert!(
+            asked_once <= FETCHERS + 2 * watch,
+            "{asked_once} record lookups for one answer"
+        );
+        assert!(members.fetchers.is_empty() && members.others.is_empty());
+        // The node is still a fetcher candidate: 300 ids do not push it out.
+        assert!(members.listed && members.fetcher);
+        // Ids found missing are not asked for again at the next lookup.
+        dht.members(&digest, Some(3), watch, |_| false).await;
+        assert!(asked.lock().unwrap().len() <= 2 * (FETCHERS + 2 * watch));
+    }
+
+    #[tokio::test]
+    async fn fetcher_candidates_are_the_first_by_rank_whatever_the_list() {
+        let digest = BlobDigest::of(b"blob");
+        let names: Vec<String> = (0..40).map(|i| format!("node-{i}")).collect();
+        let ids: Vec<PeerId> = names.iter().map(|n| libp2p_id(n)).collect();
+        let by_id: HashMap<PeerId, String> = ids.iter().copied().zip(names.clone()).collect();
+        let (dht, asked) = handle_on(
+            move |id| {
+                Some(NodeRecord {
+                    peer_id: by_id.get(id)?.clone(),
+                    address: "127.0.0.1:9".into(),
+                    dht: Vec::new(),
+                })
+            },
+            ids.clone(),
+        );
+        let members = dht.members(&digest, None, 4, |_| false).await;
+        let mut all: Vec<(PeerId, &str)> = ids
+            .iter()
+            .copied()
+            .zip(names.iter().map(String::as_str))
+            .collect();
+        all.push((libp2p_id("me"), "me"));
+        all.sort_by_cached_key(|(id, _)| fetcher_rank(&digest, &id.to_bytes()));
+        let first: Vec<&str> = all.iter().take(FETCHERS).map(|(_, n)| *n).collect();
+        let mut got: Vec<&str> = members
+            .fetchers
+            .iter()
+            .map(|r| r.peer_id.as_str())
+            .collect();
+        if members.fetcher {
+            got.push("me");
+        }
+        got.sort();
+        let mut want = first.clone();
+        want.sort();
+        assert_eq!(got, want);
+        assert_eq!(members.fetcher, first.contains(&"me"));
+        assert!(asked.lock().unwrap().len() <= FETCHERS + 4);
+        // A candidate gone for the pull makes room for the next.
+        let gone = members.fetchers[0].peer_id.clone();
+        let again = dht.members(&digest, None, 4, |p| p == gone).await;
+        assert!(again.fetchers.iter().all(|r| r.peer_id != gone));
+        assert_eq!(again.fetchers.len(), members.fetchers.len());
+    }
+
+    #[test]
+    fn a_node_record_found_by_a_lookup_expires() {
+        let id = libp2p_id("node-a");
+        let forged = NodeRecord {
+            peer_id: "node-a".into(),
+            address: "203.0.113.9:7881".into(),
+            dht: Vec::new(),
+        };
+        let mut cache = RecordCache::default();
+        let now = Instant::now();
+        cache.insert(id, Some(forged), now);
+        assert!(matches!(cache.get(&id, now), Some(Known::Found(_))));
+        assert!(
+            cache.get(&id, now + RECORD_TTL).is_none(),
+            "kept past its TTL"
+        );
+        let other = libp2p_id("node-b");
+        cache.insert(other, None, now);
+        assert!(matches!(cache.get(&other, now), Some(Known::Missing)));
+        assert!(cache.get(&other, now + MISSING_TTL).is_none());
+        // Expired entries leave the cache at the next insert.
+        cache.insert(libp2p_id("node-c"), None, now + RECORD_TTL);
+        assert_eq!(cache.0.len(), 1);
     }
 
     #[tokio::test]
