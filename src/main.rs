@@ -241,10 +241,12 @@ struct SimArgs {
     #[arg(long)]
     svg: Option<PathBuf>,
     /// A chaos sweep instead of a scenario: each seed draws a cluster and
-    /// one or two faults (tracker hang, crash or partition, a slow registry,
-    /// crashing or late nodes), runs it with and without them, and checks
-    /// that every node completes within the fault class's bounds on
-    /// registry egress and time. Exits 1 if a seed fails; each failure
+    /// one or two faults (tracker hang, crash or partition, a slow registry
+    /// or a burst of its server errors, crashing, frozen, lying or late
+    /// nodes), runs it with and without them, and checks that every node
+    /// completes within the fault class's bounds on registry egress and
+    /// time, that no node keeps a chunk failing its hash, and that liars
+    /// and only they are banned. Exits 1 if a seed fails; each failure
     /// prints the command that reproduces it.
     #[arg(long, conflicts_with_all = ["compare", "no_tracker", "svg"])]
     chaos: bool,
@@ -256,7 +258,7 @@ struct SimArgs {
     seed_from: u64,
     /// With --chaos: turn on a deliberately broken rule (test builds only),
     /// to see the sweep catch it: silence-ignored, starve-unpublished,
-    /// late-runs-kept.
+    /// late-runs-kept, hash-unchecked, no-retry, no-deadline.
     #[arg(long, requires = "chaos")]
     plant: Option<String>,
 }

@@ -1,6 +1,6 @@
 //! Issue 36: `dray sim --chaos` sweeps 200 seeded fault cases over storms of
 //! simulated nodes that run the agent's pull machine and the tracker's
-//! scheduler, with every invariant holding on every seed; and each of three
+//! scheduler, with every invariant holding on every seed; and each of six
 //! deliberately broken rules (`dray_protocol::planted`, in this test build)
 //! makes the same sweep report a failing seed, whose printed command
 //! reproduces the same failure. Each sweep runs the `dray` binary, so a
@@ -46,6 +46,9 @@ fn two_hundred_seeds_of_faults_keep_every_invariant() {
         "registry-slow",
         "peer-crash",
         "late-join",
+        "liars",
+        "peer-freeze",
+        "registry-errors",
     ] {
         assert!(classes.contains(&class), "{classes:?}");
     }
@@ -60,7 +63,14 @@ fn two_hundred_seeds_of_faults_keep_every_invariant() {
 
 #[test]
 fn each_planted_bug_makes_the_sweep_fail_and_its_seed_reproduces_it() {
-    for bug in ["silence-ignored", "starve-unpublished", "late-runs-kept"] {
+    for bug in [
+        "silence-ignored",
+        "starve-unpublished",
+        "late-runs-kept",
+        "hash-unchecked",
+        "no-retry",
+        "no-deadline",
+    ] {
         let (r, ok) = sweep(&["--seeds", "200", "--plant", bug]);
         assert!(!ok, "{bug}: the sweep passed with a broken rule");
         assert!(r["failed"].as_u64().unwrap() > 0, "{bug}");

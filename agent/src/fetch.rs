@@ -26,10 +26,12 @@
 //! `docs/results.md`). A fixed list of peers ([`fetch_from_peers`]) is not capped: retiring one
 //! there could leave chunks that only it holds with nobody to fetch them from.
 //!
-//! Every chunk request has a deadline: its length at the median rate of the
-//! transfer's last chunks from peers, times [`SLOW_FACTOR`], at least
-//! [`MIN_CHUNK_DEADLINE`]; before its first chunk, a transfer waits the
-//! length at `peer.min_chunk_bytes_per_s` plus `peer.request_timeout`. The
+//! Every chunk request has a deadline (the rule of
+//! [`dray_protocol::pull::deadline`], which the simulator runs too): its
+//! length at the median rate of the transfer's last chunks from peers,
+//! times `SLOW_FACTOR`, at least `MIN_CHUNK_DEADLINE`; before its first
+//! chunk, a transfer waits the length at `peer.min_chunk_bytes_per_s` plus
+//! `peer.request_timeout`. The
 //! deadline follows the swarm rather than a fixed rate: on a node starved of
 //! CPU every chunk is slow, and a fixed 256 KiB/s dropped honest peers by
 //! the dozen (16 nodes on 2 busy cores). The only other limit, a request
@@ -53,16 +55,16 @@
 
 use crate::error::{Error, Result};
 use crate::metrics::Source;
-use crate::peer::{MIN_CHUNK_DEADLINE, PeerLink, PeerNode};
+use crate::peer::{PeerLink, PeerNode};
 use crate::store::{Blob, PutOutcome};
 use dray_protocol::chunkmap::ChunkHash;
 use dray_protocol::defaults::DEFAULTS;
 use dray_protocol::peers::{Admit, Roster};
 use dray_protocol::picker::{ChunkPicker, DEFAULT_WINDOW};
-use dray_protocol::pull::{Arbiter, Claim, Ruling};
+use dray_protocol::pull::{Arbiter, ChunkRates, Claim, Ruling};
 use dray_protocol::{Bitfield, ChunkMap, VerifyError};
 use serde::Serialize;
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -84,16 +86,9 @@ const MIN_ASK_GAP: Duration = Duration::from_millis(100);
 /// Longest an idle lane sleeps before looking again. A safety net only: every
 /// change that can give it work wakes it.
 const IDLE_RECHECK: Duration = Duration::from_secs(1);
-/// A chunk request's deadline, in multiples of the time the transfer's
-/// median peer rate needs for it. Generous: peers on a busy node, or on a
-/// link shared by many uploads, vary several-fold from chunk to chunk.
-pub const SLOW_FACTOR: f64 = 8.0;
 /// A request outstanding this many times the median chunk time may be sent
 /// to a second peer.
 pub const RESCUE_FACTOR: f64 = 2.0;
-/// Chunk rates the median is taken over: the last ones, so that it follows
-/// a swarm whose load changes.
-const RATE_SAMPLES: usize = 16;
 /// Peers asked for one chunk at once (two in the endgame).
 const MAX_SOURCES: usize = 2;
 
@@ -153,9 +148,12 @@ struct Shared {
     shown: std::collections::HashSet<String>,
     /// Peer requests in flight, by chunk: one, or two in the endgame.
     requests: HashMap<u32, Vec<Request>>,
-    /// Bytes per second of the last chunks peers sent, newest last.
-    rates: VecDeque<f64>,
+    /// Bytes per second of the last chunks peers sent.
+    rates: ChunkRates,
     stopped: bool,
+    /// Chunks that failed their hash, with their senders, not yet taken by
+    /// [`Transfer::take_bad_chunks`].
+    unreported: Vec<(String, u32)>,
 }
 
 /// One chunk request to one peer.
@@ -181,13 +179,6 @@ impl Shared {
     /// Whether chunks may still be picked from `peer`.
     fn is_live(&self, peer: &str) -> bool {
         self.roster.is_live(peer)
-    }
-
-    /// The median of the recent peer chunk rates, bytes per second.
-    fn median_rate(&self) -> Option<f64> {
-        let mut r: Vec<f64> = self.rates.iter().copied().collect();
-        r.sort_by(f64::total_cmp);
-        r.get(r.len() / 2).copied()
     }
 
     /// Records a request for chunk `index` to `peer`; the token cancels it.
@@ -316,8 +307,9 @@ impl Transfer {
                 refused: Default::default(),
                 shown: Default::default(),
                 requests: HashMap::new(),
-                rates: VecDeque::with_capacity(RATE_SAMPLES),
+                rates: ChunkRates::default(),
                 stopped: false,
+                unreported: Vec::new(),
             }),
             blob,
             released: Notify::new(),
@@ -707,6 +699,14 @@ impl Transfer {
         self.lock().report.clone()
     }
 
+    /// The chunks that failed their hash since the last call, each with its
+    /// sender (banned from this transfer): the pull reports them to the
+    /// tracker at once, so that it stops counting the sender as a holder
+    /// of those chunks while the pull runs.
+    pub fn take_bad_chunks(&self) -> Vec<(String, u32)> {
+        std::mem::take(&mut self.lock().unreported)
+    }
+
     /// Stops every lane and makes what was stored durable.
     pub async fn finish(&self) -> Result<FetchReport> {
         self.lock().stopped = true;
@@ -754,7 +754,8 @@ impl Transfer {
         let held = self.blob.held();
         let endgame = held.len() - held.count() == sh.picker.in_flight();
         let rescue_after = sh
-            .median_rate()
+            .rates
+            .median()
             .map(|rate| Duration::from_secs_f64(RESCUE_FACTOR * f64::from(self.chunk_size) / rate));
         let known = self.blob.known();
         if let Some(i) = sh.second_source(peer, &known, endgame, rescue_after) {
@@ -773,12 +774,8 @@ impl Transfer {
     /// How long a request for a chunk of `len` bytes may take: see the
     /// module doc.
     fn deadline(&self, len: usize) -> Duration {
-        match self.lock().median_rate() {
-            Some(rate) => {
-                Duration::from_secs_f64(SLOW_FACTOR * len as f64 / rate).max(MIN_CHUNK_DEADLINE)
-            }
-            None => self.node.first_chunk_deadline(len),
-        }
+        let rates = self.lock().rates.clone();
+        rates.deadline(len, || self.node.first_chunk_deadline(len))
     }
 
     /// The end of `peer`'s request for chunk `index`. A held chunk cancels
@@ -798,10 +795,7 @@ impl Transfer {
                     }
                     sh.picker.completed(index);
                     if let Some(rate) = rate {
-                        if sh.rates.len() == RATE_SAMPLES {
-                            sh.rates.pop_front();
-                        }
-                        sh.rates.push_back(rate);
+                        sh.rates.record(rate);
                     }
                 }
                 Ended::Failed if left == 0 => {
@@ -1109,6 +1103,7 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
                     let mut sh = t.lock();
                     sh.picker.ban(&peer);
                     sh.report.bad_peers.insert(peer.clone(), index);
+                    sh.unreported.push((peer.clone(), index));
                 }
                 t.end_request(index, &peer, Ended::Failed);
                 return;

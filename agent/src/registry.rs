@@ -6,14 +6,12 @@
 
 use bytes::Bytes;
 use dray_protocol::BlobDigest;
+use dray_protocol::defaults::registry_retry_after;
 use reqwest::StatusCode;
 use reqwest::header::{AUTHORIZATION, HeaderValue, RANGE, WWW_AUTHENTICATE};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// Attempts per request on server errors and broken connections.
-const ATTEMPTS: u32 = 5;
 
 /// Why a registry request failed.
 #[derive(Debug, thiserror::Error)]
@@ -258,7 +256,9 @@ impl RegistryClient {
     ) -> Result<Bytes, RegistryError> {
         let range = format!("bytes={start}-{}", start + len - 1);
         let what = format!("{digest} {range}");
-        for attempt in 1..=ATTEMPTS {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
             let resp = self
                 .send(repo, digest, reqwest::Method::GET, Some(&range))
                 .await?;
@@ -282,12 +282,15 @@ impl RegistryClient {
             };
             let body = match self.read_span(resp, skip, len, &what).await {
                 Ok(b) => b,
-                Err(Read::Cut(e)) if attempt < ATTEMPTS => {
-                    tracing::debug!(error = %e, attempt, "registry body cut short; retrying");
-                    tokio::time::sleep(backoff(attempt)).await;
-                    continue;
-                }
-                Err(Read::Cut(e) | Read::Refused(e)) => return Err(e),
+                Err(Read::Cut(e)) => match registry_retry_after(attempt) {
+                    Some(wait) => {
+                        tracing::debug!(error = %e, attempt, "registry body cut short; retrying");
+                        tokio::time::sleep(wait).await;
+                        continue;
+                    }
+                    None => return Err(e),
+                },
+                Err(Read::Refused(e)) => return Err(e),
             };
             if body.len() as u64 != len {
                 return Err(RegistryError::Http {
@@ -298,7 +301,6 @@ impl RegistryClient {
             }
             return Ok(body);
         }
-        unreachable!("the last attempt returns")
     }
 
     /// Refuses a 206 whose length or `Content-Range` is not the range asked.
@@ -602,21 +604,26 @@ impl RegistryClient {
             if let Some(a) = auth {
                 req = req.header(AUTHORIZATION, a);
             }
-            match req.send().await {
-                Ok(r)
-                    if (r.status().is_server_error()
-                        || r.status() == StatusCode::TOO_MANY_REQUESTS)
-                        && attempt < ATTEMPTS =>
-                {
-                    tracing::debug!(status = %r.status(), attempt, "registry server error; retrying");
+            let answer = req.send().await;
+            let retry = match &answer {
+                Ok(r) => {
+                    r.status().is_server_error() || r.status() == StatusCode::TOO_MANY_REQUESTS
                 }
-                Ok(r) => return Ok(r),
-                Err(e) if attempt < ATTEMPTS => {
-                    tracing::debug!(error = %error_chain(&e), attempt, "registry request failed; retrying");
+                Err(_) => true,
+            };
+            let wait = match registry_retry_after(attempt) {
+                Some(wait) if retry => wait,
+                _ => return answer.map_err(|e| self.http_err(what, e)),
+            };
+            match answer {
+                Ok(r) => {
+                    tracing::debug!(status = %r.status(), attempt, "registry server error; retrying")
                 }
-                Err(e) => return Err(self.http_err(what, e)),
+                Err(e) => {
+                    tracing::debug!(error = %error_chain(&e), attempt, "registry request failed; retrying")
+                }
             }
-            tokio::time::sleep(backoff(attempt)).await;
+            tokio::time::sleep(wait).await;
         }
     }
 
@@ -918,10 +925,6 @@ fn basic(c: &Credentials) -> String {
         "Basic {}",
         base64::engine::general_purpose::STANDARD.encode(raw)
     )
-}
-
-fn backoff(attempt: u32) -> Duration {
-    Duration::from_millis(100 << attempt.min(6))
 }
 
 /// The error and its causes on one line (reqwest hides the cause otherwise).

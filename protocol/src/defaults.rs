@@ -86,7 +86,36 @@ pub fn announce_spread(period: Duration, unit: f64) -> Duration {
     period.mul_f64(0.9 + 0.2 * unit)
 }
 
+/// Attempts a registry request gets on server errors (5xx, 429) and broken
+/// connections, the first included.
+pub const REGISTRY_ATTEMPTS: u32 = 5;
+
+/// Attempt `attempt` (from 1) of a registry request failed with a server
+/// error or a broken connection: how long to wait before the next, or
+/// `None` if it was the last (the error is then the caller's). The agent's
+/// registry client and the simulated registry runs both follow it: 200 ms,
+/// doubling, 3 s in all over the five attempts.
+pub fn registry_retry_after(attempt: u32) -> Option<Duration> {
+    if attempt >= REGISTRY_ATTEMPTS || crate::planted::is(crate::planted::Bug::NoRetry) {
+        return None;
+    }
+    Some(Duration::from_millis(100 << attempt.min(6)))
+}
+
 /// Milliseconds as seconds, the simulator's unit.
 pub fn secs(ms: u64) -> f64 {
     ms as f64 / 1e3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_registry_request_gets_five_attempts_three_seconds_apart_in_all() {
+        let waits: Vec<Duration> = (1..).map_while(registry_retry_after).collect();
+        assert_eq!(waits.len() as u32, REGISTRY_ATTEMPTS - 1);
+        assert_eq!(waits[0], Duration::from_millis(200));
+        assert_eq!(waits.iter().sum::<Duration>(), Duration::from_secs(3));
+    }
 }

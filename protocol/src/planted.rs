@@ -17,13 +17,23 @@ pub enum Bug {
     /// The scheduler never takes back a run past its deadline, so a crashed
     /// fetcher's chunks wait until its announces expire.
     LateRunsKept,
+    /// A chunk from a peer is taken whatever its bytes hash to.
+    HashUnchecked,
+    /// A registry server error is not retried: the request fails at once.
+    NoRetry,
+    /// A chunk request is waited for forever: a frozen peer (its
+    /// connections open, no answers) holds the chunks asked of it.
+    NoDeadline,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 3] = [
+    pub const ALL: [Bug; 6] = [
         Bug::SilenceIgnored,
         Bug::StarveUnpublished,
         Bug::LateRunsKept,
+        Bug::HashUnchecked,
+        Bug::NoRetry,
+        Bug::NoDeadline,
     ];
 
     pub fn name(self) -> &'static str {
@@ -31,6 +41,9 @@ impl Bug {
             Bug::SilenceIgnored => "silence-ignored",
             Bug::StarveUnpublished => "starve-unpublished",
             Bug::LateRunsKept => "late-runs-kept",
+            Bug::HashUnchecked => "hash-unchecked",
+            Bug::NoRetry => "no-retry",
+            Bug::NoDeadline => "no-deadline",
         }
     }
 

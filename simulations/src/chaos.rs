@@ -3,26 +3,42 @@
 //!
 //! Each seed makes one case: a cluster (16-64 nodes, 1-3 layers, 64-320 MiB,
 //! a registry of 1-4 Gbit/s) and one or two fault classes with their times,
-//! all drawn from the seed. The case runs twice, with its faults and without
+//! and on half the seeds with one fault an adversary more (liars, frozen
+//! peers, registry errors), all drawn from the seed. The case runs twice, with its faults and without
 //! (the same seed otherwise), and these invariants are checked:
-//! - every node that stays completes (the simulated registry never fails,
-//!   so a direct pull would have);
+//! - every node that stays completes (the simulated registry never fails
+//!   for longer than a request's retries, so a direct pull would have);
 //! - registry egress within the bound of its fault classes
 //!   ([`Class::egress_bound`], copies of the image);
 //! - the last node done within `k` times the fault-free run's last node
 //!   plus the time the faults themselves last ([`Class::time_bound`]).
 //!
+//! - no node that does not lie holds a chunk whose bytes fail its hash;
+//!   every liar that sent a chunk was banned, and no other peer was;
+//! - no pull failed on registry errors (they last less than the retries).
+//!
+//! The adversaries run the agent's rules through shared code: a chunk's
+//! bytes are checked with `dray_protocol::chunkmap::hash_matches` (a
+//! simulated chunk's content is its hash) and a peer that fails it is
+//! banned from the pull, as the agent's lane does; a request to a frozen
+//! peer waits out the deadline of `dray_protocol::pull::deadline`; a
+//! registry request refused with a server error is sent again after
+//! `dray_protocol::defaults::registry_retry_after`, and one whose last
+//! attempt fails fails the pull.
+//!
 //! The same seed gives the same events in the same order on any machine
 //! (the simulator's clock is simulated and its randomness seeded), so a
 //! failing seed's line `dray sim --chaos --seed-from S --seeds 1` reproduces
-//! it exactly. Not modelled here: peers that lie (corrupt chunks, forged
-//! maps, false reports: `tests/hostile_swarm.rs` runs those against real
-//! agents), registry errors and truncated bodies, frozen or trickling peers
-//! (the agent's lane deadlines), disk full.
+//! it exactly. Not modelled here: liars in DHT mode (claims of chunk hashes,
+//! the `Arbiter`), forged maps and false reports (`tests/hostile_swarm.rs`
+//! runs those against real agents; the simulated tracker hears no bad-chunk
+//! reports), truncated registry bodies, trickling peers and deadlines of
+//! live peers (a simulated flow always ends), the endgame's second
+//! requests (a chunk asked of a frozen peer waits its deadline), disk full.
 
 use crate::net::Rng;
 use crate::report::SimReport;
-use crate::scenario::{Churn, LateJoiners, Outage, Partition, Scenario};
+use crate::scenario::{Churn, Freeze, LateJoiners, Outage, Partition, Scenario};
 use crate::{SimError, Strategy};
 use serde::Serialize;
 
@@ -41,16 +57,31 @@ pub enum Class {
     PeerCrash,
     /// A share of the nodes start late, into a swarm under way.
     LateJoin,
+    /// A share of the nodes (at most a quarter) lie: every chunk asked of
+    /// them comes with bytes that fail its hash.
+    Liars,
+    /// A share of the nodes freeze mid-pull (SIGSTOP: connections open, no
+    /// answers), for good.
+    PeerFreeze,
+    /// The registry answers every request with a server error for up to
+    /// 2.5 s (shorter than the agent's retries: a direct pull rides it out).
+    RegistryErrors,
 }
 
 impl Class {
-    pub const ALL: [Class; 6] = [
+    /// Where the adversaries start in [`Class::ALL`].
+    pub const ADVERSARIES: usize = 6;
+
+    pub const ALL: [Class; 9] = [
         Class::TrackerHang,
         Class::TrackerCrash,
         Class::TrackerPartition,
         Class::RegistrySlow,
         Class::PeerCrash,
         Class::LateJoin,
+        Class::Liars,
+        Class::PeerFreeze,
+        Class::RegistryErrors,
     ];
 
     pub fn name(self) -> &'static str {
@@ -61,6 +92,9 @@ impl Class {
             Class::RegistrySlow => "registry-slow",
             Class::PeerCrash => "peer-crash",
             Class::LateJoin => "late-join",
+            Class::Liars => "liars",
+            Class::PeerFreeze => "peer-freeze",
+            Class::RegistryErrors => "registry-errors",
         }
     }
 
@@ -75,12 +109,14 @@ impl Class {
             Class::TrackerHang | Class::TrackerCrash | Class::TrackerPartition => {
                 1.5 + f64::from(hit)
             }
-            Class::RegistrySlow | Class::LateJoin => 1.1,
+            Class::RegistrySlow | Class::LateJoin | Class::RegistryErrors => 1.1,
             // Chunks only a crashed node held, their hashes published, are
             // fetched by every pull that starves for them (issue 36's
             // finding: the tracker knows the holder is gone only when its
             // announces expire).
-            Class::PeerCrash => 1.5 + f64::from(hit),
+            // A banned liar or a frozen peer is to the others a crashed
+            // holder, whose published chunks they starve for.
+            Class::PeerCrash | Class::Liars | Class::PeerFreeze => 1.5 + f64::from(hit),
         }
     }
 
@@ -102,8 +138,37 @@ impl Class {
             // peer until it can (no DHT in this mode): such a fault may
             // delay it by its whole length.
             Class::LateJoin => (2.0, 1.0, grace_s()),
+            // The chunks only banned liars hold are starved for, and
+            // fetched from the registry a tracker grace later.
+            Class::Liars => (2.0, 0.0, grace_s()),
+            // A request to a frozen peer waits out its deadline (the first
+            // chunk's, at most) before the peer is dropped; its runs and
+            // unpublished chunks are the tracker's until it expires.
+            Class::PeerFreeze => (2.0, 0.0, expiry_s() + first_deadline_s()),
+            // Each request is sent again until the burst ends, plus the
+            // last backoff.
+            Class::RegistryErrors => (2.0, 1.0, retries_s()),
         }
     }
+}
+
+/// The longest a chunk request waits before the pull has seen a rate.
+fn first_deadline_s() -> f64 {
+    use dray_protocol::pull::deadline::{MIN_CHUNK_BYTES_PER_S, REQUEST_TIMEOUT, first_deadline};
+    first_deadline(
+        crate::scenario::CHUNK_BYTES as usize,
+        MIN_CHUNK_BYTES_PER_S,
+        REQUEST_TIMEOUT,
+    )
+    .as_secs_f64()
+}
+
+/// How long a registry request is retried on server errors, in all.
+fn retries_s() -> f64 {
+    (1..)
+        .map_while(dray_protocol::defaults::registry_retry_after)
+        .map(|d| d.as_secs_f64())
+        .sum()
 }
 
 /// How much slower than every node pulling directly from the registry a
@@ -155,8 +220,9 @@ pub fn case(seed: u64) -> Case {
     let calm = sc.clone();
     let mut classes: Vec<Class> = Vec::new();
     let count = 1 + rng.below(2);
+    let (faults, adversaries) = Class::ALL.split_at(Class::ADVERSARIES);
     while classes.len() < count {
-        let c = Class::ALL[rng.below(Class::ALL.len())];
+        let c = faults[rng.below(faults.len())];
         // Two tracker faults at once are one longer fault.
         let tracker = |c: Class| c <= Class::TrackerPartition;
         if !classes
@@ -165,6 +231,15 @@ pub fn case(seed: u64) -> Case {
         {
             classes.push(c);
         }
+    }
+    // The adversaries come from a stream of their own, so that every seed
+    // keeps the faults, with their times, it drew before they came (and a
+    // planted bug stays caught on the seeds that caught it); half the seeds
+    // with one fault add one (a third class widens the bounds enough to
+    // hide the planted `late-runs-kept`).
+    let mut adversary = Rng::new(seed.wrapping_mul(0xd1b5_4a32_d192_ed03) ^ 0xad5e_5a21);
+    if count == 1 && adversary.below(2) == 1 {
+        classes.push(adversaries[adversary.below(adversaries.len())]);
     }
     classes.sort();
     let mut faults = Vec::new();
@@ -206,6 +281,20 @@ pub fn case(seed: u64) -> Case {
                 sc.late_joiners = Some(LateJoiners { fraction, at_s });
                 (0.0, fraction)
             }
+            Class::Liars => {
+                sc.liars = Some(fraction);
+                (0.0, fraction)
+            }
+            Class::PeerFreeze => {
+                sc.freeze = Some(Freeze { fraction, at_s });
+                (0.0, fraction)
+            }
+            Class::RegistryErrors => {
+                // 0.5-2.5 s, from the same draw.
+                let for_s = 0.5 + 2.0 * (for_s - 2.0) / 13.0;
+                sc.registry_errors = Some(Outage { at_s, for_s });
+                (for_s, 1.0)
+            }
         };
         faults.push(Fault {
             class: class.name(),
@@ -238,6 +327,8 @@ pub struct SeedOutcome {
     pub fault_free_max_s: f64,
     pub fallbacks: u64,
     pub events: u64,
+    /// What liars, frozen peers and registry errors did.
+    pub adversity: crate::Adversity,
     /// Broken invariants, each in a sentence; empty if the seed passed.
     pub violations: Vec<String>,
 }
@@ -252,10 +343,11 @@ pub fn check(seed: u64) -> Result<SeedOutcome, SimError> {
     let staying = sc.nodes - faulted.left;
     if faulted.completed != staying {
         violations.push(format!(
-            "{} of {staying} staying nodes completed (the registry never failed: a direct pull would have)",
+            "{} of {staying} staying nodes completed (the registry never failed for longer than its retries: a direct pull would have)",
             faulted.completed
         ));
     }
+    violations.extend(adversity_violations(&faulted.adversity));
     let hit = |f: &Fault| (f.fraction * f64::from(sc.nodes)).round() as u32;
     let egress_bound = case
         .classes
@@ -291,6 +383,36 @@ pub fn check(seed: u64) -> Result<SeedOutcome, SimError> {
     Ok(outcome(&case, &faulted, &calm, violations))
 }
 
+/// The invariants against liars, frozen peers and registry errors.
+fn adversity_violations(a: &crate::Adversity) -> Vec<String> {
+    let mut v = Vec::new();
+    if a.bad_chunks > 0 {
+        v.push(format!(
+            "{} chunks that fail their hash held by nodes that do not lie",
+            a.bad_chunks
+        ));
+    }
+    if a.liars_banned != a.liars_served {
+        v.push(format!(
+            "{} of the {} liars that sent a chunk banned",
+            a.liars_banned, a.liars_served
+        ));
+    }
+    if a.honest_dropped > 0 {
+        v.push(format!(
+            "{} bans of peers that neither lie nor froze",
+            a.honest_dropped
+        ));
+    }
+    if a.failed_pulls > 0 {
+        v.push(format!(
+            "{} pulls failed on registry errors shorter than the retries",
+            a.failed_pulls
+        ));
+    }
+    v
+}
+
 fn outcome(
     case: &Case,
     faulted: &SimReport,
@@ -309,6 +431,7 @@ fn outcome(
         fault_free_max_s: calm.max_s,
         fallbacks: faulted.fallbacks,
         events: faulted.events + calm.events,
+        adversity: faulted.adversity.clone(),
         violations,
     }
 }

@@ -96,10 +96,10 @@ mod scenario;
 mod sim;
 mod tracker;
 
-pub use report::{DhtReport, EgressBucket, SimReport, write_svg};
+pub use report::{Adversity, DhtReport, EgressBucket, SimReport, write_svg};
 pub use scenario::{
-    CHUNK_BYTES, Churn, Emulated, LateJoiners, Outage, Partition, Racks, SCENARIOS, Scenario,
-    scenario,
+    CHUNK_BYTES, Churn, Emulated, Freeze, LateJoiners, Outage, Partition, Racks, SCENARIOS,
+    Scenario, scenario,
 };
 
 use serde::Serialize;

@@ -54,6 +54,13 @@ pub(crate) enum Ev {
     Lookup(u32),
     /// The DHT's answers to a `dray-dht` node's lookups arrive.
     Found(u32),
+    /// Requests a node sent to frozen peers may be past their deadlines.
+    Deadline(u32),
+    /// A node sends again the registry request of its run (blob, run id)
+    /// that a server error failed.
+    Retry(u32, u16, u64),
+    /// The scenario's peers freeze.
+    Freeze,
 }
 
 /// Where a flow's bytes come from.
@@ -81,6 +88,26 @@ pub(crate) struct Payload {
     pub blob: u16,
     pub chunk: u32,
     pub purpose: Purpose,
+    /// When the request was sent.
+    pub asked_ns: u64,
+    /// A peer chunk request's deadline (`dray_protocol::pull::deadline`),
+    /// taken as the request is sent; `u64::MAX` where no peer can freeze.
+    pub deadline_ns: u64,
+}
+
+impl Payload {
+    /// A request sent now (the flow's start stamps `asked_ns`), with no deadline.
+    pub fn new(to: u32, from: Source, blob: u16, chunk: u32, purpose: Purpose) -> Self {
+        Self {
+            to,
+            from,
+            blob,
+            chunk,
+            purpose,
+            asked_ns: 0,
+            deadline_ns: u64::MAX,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -176,6 +203,11 @@ impl Net {
         let at = self.now_ns().saturating_add(to_ns(secs));
         self.queue.push(at, ev);
         at
+    }
+
+    /// Queues `ev` at absolute time `ns`.
+    pub fn at_ns(&mut self, ns: u64, ev: Ev) {
+        self.queue.push(ns, ev);
     }
 
     /// Queues `ev` at absolute time `secs`.
@@ -488,13 +520,7 @@ mod tests {
     use super::*;
 
     fn payload(to: u32) -> Payload {
-        Payload {
-            to,
-            from: Source::Registry,
-            blob: 0,
-            chunk: 0,
-            purpose: Purpose::Whole,
-        }
+        Payload::new(to, Source::Registry, 0, 0, Purpose::Whole)
     }
 
     #[test]

@@ -100,6 +100,29 @@ pub struct SimReport {
     pub registry_egress: Vec<EgressBucket>,
     /// What the DHT cost (`dray-dht` only).
     pub dht: Option<DhtReport>,
+    pub adversity: Adversity,
+}
+
+/// What liars, frozen peers and registry errors did to a run, and how the
+/// pull rules answered: what `dray sim --chaos` checks beyond completion.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Adversity {
+    /// Chunks held at the end by nodes that do not lie whose bytes fail
+    /// their hash: bytes handed to a mirror's client (0 unless a rule is broken).
+    pub bad_chunks: u64,
+    /// Liars; those that sent some node a chunk (all bytes that fail its
+    /// hash); those some node banned for it.
+    pub liars: u32,
+    pub liars_served: u32,
+    pub liars_banned: u32,
+    /// Times a node banned or dropped a peer that neither lies nor froze.
+    pub honest_dropped: u64,
+    /// Times a node dropped a frozen peer past a request's deadline.
+    pub frozen_dropped: u64,
+    /// Registry requests a server error failed, and pulls that failed as
+    /// the last attempt did.
+    pub registry_errors: u64,
+    pub failed_pulls: u32,
 }
 
 /// The DHT's own cost in a `dray-dht` run (see `kademlia`): counted, not
@@ -148,6 +171,7 @@ pub(crate) struct Outcome {
     pub samples: Samples,
     pub wall_s: f64,
     pub dht: Option<DhtReport>,
+    pub adversity: Adversity,
 }
 
 impl SimReport {
@@ -164,6 +188,7 @@ impl SimReport {
             samples,
             wall_s,
             dht,
+            adversity,
         } = o;
         times.sort_by(f64::total_cmp);
         let completed = times.len() as u32;
@@ -218,6 +243,7 @@ impl SimReport {
             completion_cdf: cdf,
             registry_egress,
             dht,
+            adversity,
         }
     }
 }

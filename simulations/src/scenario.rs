@@ -1,6 +1,6 @@
 //! Named storm scenarios: cluster size, image, bandwidths and the disturbances
-//! (churn or crashes, late joiners, a tracker outage, hang or partition) a
-//! run injects.
+//! (churn or crashes, late joiners, a tracker outage, hang or partition;
+//! liars, frozen peers, registry errors) a run injects.
 
 use crate::SimError;
 use dray_protocol::defaults::{DEFAULTS, secs};
@@ -77,6 +77,14 @@ pub struct LateJoiners {
     pub at_s: f64,
 }
 
+/// A fraction of nodes (chosen at random) freeze at `at_s`, for good: their
+/// process stops (SIGSTOP), their connections stay open and answer nothing.
+#[derive(Clone, Debug, Serialize)]
+pub struct Freeze {
+    pub fraction: f64,
+    pub at_s: f64,
+}
+
 /// The tracker answers nothing in `[at_s, at_s + for_s)`, then comes back
 /// restarted (empty state).
 #[derive(Clone, Debug, Serialize)]
@@ -118,6 +126,13 @@ pub struct Scenario {
     /// `[at_s, at_s + for_s)`: it answers nothing, then carries on with its state.
     pub hang: Option<Outage>,
     pub partition: Option<Partition>,
+    /// A fraction of nodes (chosen at random) that lie: every chunk asked
+    /// of them comes with bytes that fail its hash. They pull honestly.
+    pub liars: Option<f64>,
+    pub freeze: Option<Freeze>,
+    /// The registry answers every request sent in `[at_s, at_s + for_s)`
+    /// with a server error (a 5xx burst).
+    pub registry_errors: Option<Outage>,
     /// Concurrent peer chunk downloads per node.
     pub max_downloads: u32,
     /// Concurrent chunk uploads per node.
@@ -169,6 +184,9 @@ impl Scenario {
             outage: None,
             hang: None,
             partition: None,
+            liars: None,
+            freeze: None,
+            registry_errors: None,
             max_downloads: DEFAULTS.max_downloads as u32,
             max_uploads: DEFAULTS.max_uploads as u32,
             max_peers_per_blob: DEFAULTS.max_peers_per_blob,
@@ -272,12 +290,19 @@ impl Scenario {
                 .late_joiners
                 .as_ref()
                 .is_some_and(|l| !fraction_ok(l.fraction, l.at_s))
+            || self
+                .freeze
+                .as_ref()
+                .is_some_and(|f| !fraction_ok(f.fraction, f.at_s))
+            || self.liars.is_some_and(|f| !fraction_ok(f, 0.0))
         {
-            return bad("churn and late-joiner fractions must be in 0..=1 at a time >= 0");
+            return bad(
+                "churn, late-joiner, freeze and liar fractions must be in 0..=1 at a time >= 0",
+            );
         }
         let window_ok =
             |at: f64, for_s: f64| at.is_finite() && at >= 0.0 && for_s.is_finite() && for_s >= 0.0;
-        if [&self.outage, &self.hang]
+        if [&self.outage, &self.hang, &self.registry_errors]
             .into_iter()
             .flatten()
             .any(|o| !window_ok(o.at_s, o.for_s))
@@ -286,7 +311,9 @@ impl Scenario {
                 .as_ref()
                 .is_some_and(|p| !(window_ok(p.at_s, p.for_s) && (0.0..=1.0).contains(&p.fraction)))
         {
-            return bad("an outage, hang or partition needs a start and a duration >= 0");
+            return bad(
+                "an outage, hang, registry error burst or partition needs a start and a duration >= 0",
+            );
         }
         Ok(())
     }

@@ -254,3 +254,50 @@ fn storm_10k_dray_stays_near_the_bound() {
     assert_eq!(r.completed, 10_000);
     assert!(r.registry_egress_ratio < 1.5, "{r:?}");
 }
+
+#[test]
+fn liars_are_banned_by_the_nodes_they_lie_to_and_no_bad_chunk_is_kept() {
+    let mut sc = small();
+    sc.liars = Some(0.25);
+    let r = run(&sc, Strategy::Dray, 1).unwrap();
+    let a = &r.adversity;
+    assert_eq!(r.completed, 16, "liars pull honestly: {r:?}");
+    assert_eq!(a.liars, 4);
+    assert!(a.liars_served > 0, "{a:?}");
+    assert_eq!(a.liars_banned, a.liars_served, "{a:?}");
+    assert_eq!((a.bad_chunks, a.honest_dropped), (0, 0), "{a:?}");
+}
+
+#[test]
+fn a_frozen_peer_is_dropped_when_a_request_misses_its_deadline() {
+    let mut sc = small();
+    sc.freeze = Some(Freeze {
+        fraction: 0.25,
+        at_s: 8.0,
+    });
+    let r = run(&sc, Strategy::Dray, 1).unwrap();
+    assert_eq!((r.left, r.completed), (4, 12), "{r:?}");
+    assert!(r.adversity.frozen_dropped > 0, "{:?}", r.adversity);
+    assert_eq!(r.adversity.honest_dropped, 0);
+}
+
+#[test]
+fn registry_errors_shorter_than_the_retries_fail_no_pull_and_longer_ones_do() {
+    let mut sc = small();
+    sc.registry_errors = Some(Outage {
+        at_s: 0.5,
+        for_s: 2.5,
+    });
+    let r = run(&sc, Strategy::Dray, 1).unwrap();
+    let a = &r.adversity;
+    assert!(a.registry_errors > 0, "{a:?}");
+    assert_eq!((r.completed, a.failed_pulls), (16, 0), "{r:?}");
+    // The agent's client gives up after its last attempt, 3 s in.
+    sc.registry_errors = Some(Outage {
+        at_s: 0.5,
+        for_s: 10.0,
+    });
+    let r = run(&sc, Strategy::Dray, 1).unwrap();
+    assert!(r.adversity.failed_pulls > 0, "{r:?}");
+    assert_eq!(r.completed + r.adversity.failed_pulls, 16, "{r:?}");
+}

@@ -11,7 +11,7 @@
 //! `storm-10k` took 62-65 s of wall time instead of 78-93 s.
 
 use dray_protocol::BlobDigest;
-use dray_protocol::scheduler::{Announce, AnnounceDecision, Scheduler, SchedulerConfig};
+use dray_protocol::scheduler::{Announce, AnnounceDecision, BadChunk, Scheduler, SchedulerConfig};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -22,6 +22,8 @@ enum Call {
     Leave(String),
     /// The tracker took a chunk's hash (as its publication handler does).
     HashSettled(BlobDigest, u32, Instant),
+    /// A peer reports a chunk that failed its hash.
+    BadChunk(Box<BadChunk>, Instant),
     /// The tracker restarts empty.
     Restart,
 }
@@ -60,6 +62,8 @@ impl Tracker {
                         Call::Tick(at) => _ = sched.tick(at),
                         Call::Leave(peer) => _ = sched.leave(&peer),
                         Call::HashSettled(d, i, at) => sched.hash_settled(&d, i, at),
+                        // Refused reports (an unknown peer, say) change nothing.
+                        Call::BadChunk(r, at) => _ = sched.report_bad_chunk(&r, at),
                         Call::Restart => sched = Scheduler::new(config.clone()),
                     }
                 }
@@ -108,6 +112,10 @@ impl Tracker {
 
     pub fn hash_settled(&mut self, digest: BlobDigest, index: u32, at: Instant) {
         self.send(Call::HashSettled(digest, index, at));
+    }
+
+    pub fn report_bad_chunk(&mut self, report: BadChunk, at: Instant) {
+        self.send(Call::BadChunk(Box::new(report), at));
     }
 
     pub fn restart(&mut self) {

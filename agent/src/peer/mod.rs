@@ -43,9 +43,7 @@ use tokio::sync::{Semaphore, TryAcquireError};
 /// chunk, so a capped upload streams instead of starting late.
 const PACE_SLICE: usize = 64 << 10;
 
-/// The shortest deadline a chunk request gets, whatever its size and rate:
-/// a round trip and the scheduling jitter of a busy node fit in it.
-pub const MIN_CHUNK_DEADLINE: Duration = Duration::from_secs(2);
+pub use dray_protocol::pull::deadline::MIN_CHUNK_DEADLINE;
 
 /// QUIC transport settings for the peer plane. The defaults are the measured
 /// best on this project's benchmark (see `dray bench peer`).
@@ -159,8 +157,8 @@ impl Default for PeerConfig {
             max_downloads: DEFAULTS.max_downloads,
             max_peers_per_blob: DEFAULTS.max_peers_per_blob,
             max_watchers_per_blob: DEFAULTS.max_watchers_per_blob,
-            request_timeout: Duration::from_secs(20),
-            min_chunk_bytes_per_s: 256 << 10,
+            request_timeout: dray_protocol::pull::deadline::REQUEST_TIMEOUT,
+            min_chunk_bytes_per_s: dray_protocol::pull::deadline::MIN_CHUNK_BYTES_PER_S,
             max_connections_per_peer: 16,
             max_connections: 8_192,
             transport: TransportTuning::default(),
@@ -238,8 +236,7 @@ impl PeerNode {
     /// `request_timeout`. Transfers then take it from observed rates.
     pub fn first_chunk_deadline(&self, len: usize) -> Duration {
         let rate = self.slowest_rate(self.config.download_bytes_per_s, self.config.max_downloads);
-        Duration::from_secs_f64(len as f64 / rate as f64).max(MIN_CHUNK_DEADLINE)
-            + self.config.request_timeout
+        dray_protocol::pull::deadline::first_deadline(len, rate, self.config.request_timeout)
     }
 
     /// The longest `len` bytes of chunks may hold an upload slot: longer than

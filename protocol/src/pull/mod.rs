@@ -10,12 +10,15 @@
 //!
 //! [`fallback`] holds the rules that choose the fallback's mode;
 //! [`machine`] the run book and the choice of the fallback's runs;
-//! [`arbiter`] who decides a chunk's hash when no tracker vouches for it.
+//! [`arbiter`] who decides a chunk's hash when no tracker vouches for it;
+//! [`deadline`] how long a chunk request to a peer is waited for.
 
 pub mod arbiter;
+pub mod deadline;
 pub mod fallback;
 pub mod machine;
 
 pub use arbiter::{Arbiter, Claim, Ruling};
+pub use deadline::ChunkRates;
 pub use fallback::{Fallback, FallbackRule};
 pub use machine::{Action, News, PullConfig, PullMachine, RunId, RunKind};

@@ -1,23 +1,45 @@
-//! Disturbances a scenario injects: nodes leaving or crashing, the tracker
-//! going down and restarting, hanging, or cut off from some nodes.
+//! Disturbances a scenario injects: nodes leaving, crashing or freezing,
+//! the tracker going down and restarting, hanging, or cut off from some
+//! nodes, the registry failing requests.
 
 use super::*;
 
+/// How a node goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Exit {
+    /// It tells the tracker.
+    Leave,
+    /// Without telling the tracker; its connections break.
+    Crash,
+    /// Without telling the tracker; its connections stay open, and what
+    /// was asked of it is never answered (its askers wait out their deadlines).
+    Freeze,
+}
+
 impl World<'_> {
-    /// `n` leaves; `crash`: without telling the tracker.
-    pub(super) fn leave(&mut self, n: u32, crash: bool) {
+    /// `n` goes.
+    pub(super) fn leave(&mut self, n: u32, how: Exit) {
         let nu = n as usize;
         if !self.nodes[nu].alive {
             return;
         }
         self.nodes[nu].alive = false;
+        self.nodes[nu].frozen = how == Exit::Freeze;
         // Its uploads end below; a zero count lets askers see it is gone.
         self.uploads[nu] = 0;
         if self.nodes[nu].done_at.is_none() {
             self.pending -= 1;
         }
-        if self.strategy == Strategy::Dray && self.tracker_up && !crash && !self.nodes[nu].cut_off {
+        if self.strategy == Strategy::Dray
+            && self.tracker_up
+            && how == Exit::Leave
+            && !self.nodes[nu].cut_off
+        {
             self.sched.leave(&self.names[nu]);
+        }
+        for h in std::mem::take(&mut self.nodes[nu].hung) {
+            let up = &mut self.uploads[h.peer as usize];
+            *up = up.saturating_sub(1);
         }
         for id in std::mem::take(&mut self.nodes[nu].in_flows) {
             let (p, _) = self.net.remove(id);
@@ -34,6 +56,19 @@ impl World<'_> {
             let r = p.to;
             remove_item(&mut self.nodes[r as usize].in_flows, id);
             match p.purpose {
+                // Its askers hear nothing: the request hangs until its deadline.
+                Purpose::PeerChunk if how == Exit::Freeze => {
+                    self.nodes[r as usize].hung.push(Hung {
+                        blob: p.blob,
+                        chunk: p.chunk,
+                        peer: n,
+                        due_ns: p.deadline_ns,
+                    });
+                    self.uploads[nu] += 1;
+                    if p.deadline_ns != u64::MAX {
+                        self.net.at_ns(p.deadline_ns, Ev::Deadline(r));
+                    }
+                }
                 Purpose::PeerChunk => {
                     let rn = &mut self.nodes[r as usize];
                     rn.downloads = rn.downloads.saturating_sub(1);
@@ -79,8 +114,30 @@ impl World<'_> {
         self.rng.shuffle(&mut order);
         let count = (c.fraction * f64::from(self.pullers)).round() as usize;
         for n in order.into_iter().take(count) {
-            self.leave(n, c.crash);
+            self.leave(n, if c.crash { Exit::Crash } else { Exit::Leave });
         }
+    }
+
+    /// The scenario's share of nodes freeze.
+    pub(super) fn freeze(&mut self) {
+        let Some(f) = &self.sc.freeze else {
+            return;
+        };
+        let mut order: Vec<u32> = (0..self.pullers).collect();
+        self.rng.shuffle(&mut order);
+        let count = (f.fraction * f64::from(self.pullers)).round() as usize;
+        for n in order.into_iter().take(count) {
+            self.leave(n, Exit::Freeze);
+        }
+    }
+
+    /// Whether the registry answers a request sent now with a server error.
+    pub(super) fn registry_failing(&self) -> bool {
+        let now = self.net.now();
+        self.sc
+            .registry_errors
+            .as_ref()
+            .is_some_and(|o| now >= o.at_s && now < o.at_s + o.for_s)
     }
 
     pub(super) fn sample(&mut self) {
@@ -121,6 +178,9 @@ impl World<'_> {
             Ev::Lookup(n) => self.dht_lookup(n),
             Ev::Found(n) => self.dht_found(n),
             Ev::Churn => self.churn(),
+            Ev::Freeze => self.freeze(),
+            Ev::Deadline(n) => self.deadlines(n),
+            Ev::Retry(n, b, run) => self.retry(n, b, RunId(run)),
             Ev::OutageStart | Ev::HangStart => self.tracker_up = false,
             // A hung tracker carries on where it stopped.
             Ev::HangEnd => self.tracker_up = true,

@@ -4,6 +4,8 @@
 //! decides nothing of its own about the registry.
 
 use super::*;
+use disturbances::Exit;
+use dray_protocol::defaults::registry_retry_after;
 
 impl World<'_> {
     pub(super) fn announce(&mut self, n: u32) {
@@ -264,6 +266,7 @@ impl World<'_> {
             chunks,
             next: 0,
             flow: None,
+            attempts: 0,
         });
         let k = self.nodes[nu].runs.len() - 1;
         self.advance_run(n, k);
@@ -330,6 +333,10 @@ impl World<'_> {
         let run = &self.nodes[n as usize].runs[k];
         if let Some(&c) = run.chunks.get(run.next) {
             let b = run.blob;
+            if self.registry_failing() {
+                self.registry_error(n, k);
+                return;
+            }
             let id = self.registry_chunk(n, b, c, Purpose::RunChunk);
             self.nodes[n as usize].runs[k].flow = Some(id);
         } else {
@@ -344,6 +351,44 @@ impl World<'_> {
                 // answer (the next run) comes a round trip later.
                 self.schedule_announce(n, self.sc.rtt_s);
             }
+        }
+    }
+
+    /// The registry answers the request for run `k`'s next chunk with a
+    /// server error, a round trip after it was sent: `n` sends it again
+    /// after the agent's registry client's backoff, and a request whose
+    /// last attempt failed fails the run, and the pull with it (the
+    /// agent's pull engine returns the run's error).
+    fn registry_error(&mut self, n: u32, k: usize) {
+        self.adversity.registry_errors += 1;
+        let run = &mut self.nodes[n as usize].runs[k];
+        run.attempts += 1;
+        let retry = Ev::Retry(n, run.blob, run.id.0);
+        match registry_retry_after(run.attempts) {
+            Some(wait) => {
+                self.net.after(self.sc.rtt_s + wait.as_secs_f64(), retry);
+            }
+            None => {
+                self.adversity.failed_pulls += 1;
+                // It pulls no more: gone, as far as this storm is concerned.
+                self.leave(n, Exit::Crash);
+            }
+        }
+    }
+
+    /// `n` sends again the request its run `run` of blob `b` was refused,
+    /// if the run was not stopped meanwhile.
+    pub(super) fn retry(&mut self, n: u32, b: u16, run: RunId) {
+        let nu = n as usize;
+        if !self.nodes[nu].alive {
+            return;
+        }
+        if let Some(k) = self.nodes[nu]
+            .runs
+            .iter()
+            .position(|r| r.id == run && r.blob == b && r.flow.is_none())
+        {
+            self.advance_run(n, k);
         }
     }
 

@@ -39,13 +39,7 @@ pub(super) fn build_kraken_graph(w: &mut World, origins: u32) {
             // Not a puller: never polls, never counts as pending.
             w.nodes[o].done_at = Some(0.0);
             let bytes = w.blobs[b].bytes as f64;
-            let payload = Payload {
-                to: origin,
-                from: Source::Registry,
-                blob: b as u16,
-                chunk: 0,
-                purpose: Purpose::Whole,
-            };
+            let payload = Payload::new(origin, Source::Registry, b as u16, 0, Purpose::Whole);
             w.start_flow(payload, bytes);
         }
     }

@@ -51,13 +51,7 @@ impl World<'_> {
         if let Source::Peer(s) = from {
             self.uploads[s as usize] += 1;
         }
-        let payload = Payload {
-            to: n,
-            from,
-            blob,
-            chunk: 0,
-            purpose: Purpose::Whole,
-        };
+        let payload = Payload::new(n, from, blob, 0, Purpose::Whole);
         self.start_flow(payload, bytes);
     }
 
@@ -159,7 +153,15 @@ impl World<'_> {
             Purpose::Whole => self.receive(to, p.blob, None),
             Purpose::PeerChunk => {
                 self.nodes[to as usize].downloads -= 1;
-                self.receive(to, p.blob, Some(p.chunk));
+                let verified = match p.from {
+                    Source::Peer(s) => {
+                        self.check_peer_chunk(to, p.blob as usize, p.chunk, s, p.asked_ns)
+                    }
+                    Source::Registry => true,
+                };
+                if verified {
+                    self.receive(to, p.blob, Some(p.chunk));
+                }
             }
             Purpose::RunChunk => {
                 // The fetcher publishes the chunk's hash to the tracker, if
@@ -176,6 +178,7 @@ impl World<'_> {
                     let run = &mut self.nodes[to as usize].runs[k];
                     run.flow = None;
                     run.next += 1;
+                    run.attempts = 0;
                     self.advance_run(to, k);
                 }
             }

@@ -30,13 +30,14 @@ mod transfers;
 
 use crate::Strategy;
 use crate::net::{Ev, FlowId, LinkId, Net, Payload, Purpose, Rng, Source, to_ns};
-use crate::report::{Outcome, Samples, SimReport};
+use crate::report::{Adversity, Outcome, Samples, SimReport};
 use crate::scenario::Scenario;
 use crate::tracker::Tracker;
+use dray_protocol::chunkmap::ChunkHash;
 use dray_protocol::defaults::{DEFAULTS, announce_spread, secs};
 use dray_protocol::peers::{Admit, Member, Roster, may_watch};
 use dray_protocol::picker::{ChunkPicker, DEFAULT_WINDOW};
-use dray_protocol::pull::{Action, News, PullConfig, PullMachine, RunId};
+use dray_protocol::pull::{Action, ChunkRates, News, PullConfig, PullMachine, RunId};
 use dray_protocol::scheduler::{Announce, AnnounceDecision, BlobAnnounce, Held, SchedulerConfig};
 use dray_protocol::{Bitfield, BlobDigest};
 use std::collections::{BTreeMap, HashMap};
@@ -57,7 +58,25 @@ struct RunState {
     chunks: Vec<u32>,
     next: usize,
     flow: Option<FlowId>,
+    /// Failed attempts of the current chunk's request that a server error failed.
+    attempts: u32,
 }
+
+/// A chunk request to a frozen peer: sent, never answered.
+#[derive(Clone, Copy, Debug)]
+struct Hung {
+    blob: u16,
+    chunk: u32,
+    peer: u32,
+    /// Its deadline.
+    due_ns: u64,
+}
+
+/// A simulated chunk carries no bytes: its content is its hash, the true
+/// one or, from a liar, another; a node checks it with the agent's check
+/// ([`dray_protocol::chunkmap::hash_matches`]).
+const TRUE_HASH: ChunkHash = [0; 32];
+const FORGED_HASH: ChunkHash = [0xff; 32];
 
 /// A pull's timings and limits as the agent's defaults set them (without a
 /// tracker configured, no tracker-silence rule).
@@ -106,6 +125,11 @@ struct NodeBlob {
     /// Chunks verified since the last successful announce.
     added: Vec<u32>,
     complete: bool,
+    /// Held chunks whose bytes fail their hash (taken only if the check is
+    /// broken: a planted bug).
+    bad: Bitfield,
+    /// The rates of the last chunks from peers, for request deadlines.
+    rates: ChunkRates,
 }
 
 struct Node {
@@ -125,6 +149,15 @@ struct Node {
     cut_off: bool,
     runs: Vec<RunState>,
     rotor: usize,
+    /// Serves bytes that fail their hash for every chunk asked of it.
+    liar: bool,
+    /// A liar that sent some node a chunk, and one that some node banned.
+    lied: bool,
+    caught: bool,
+    /// Stopped for good, its connections open (not `alive`).
+    frozen: bool,
+    /// Requests to frozen peers in flight.
+    hung: Vec<Hung>,
 }
 
 struct World<'a> {
@@ -165,6 +198,8 @@ struct World<'a> {
     dht: Option<dht::DhtWorld>,
     /// Escalations of pull machines' fallbacks.
     fallbacks: u64,
+    /// What the adversaries and the rules against them did.
+    adversity: Adversity,
 }
 
 impl World<'_> {
@@ -292,7 +327,8 @@ impl World<'_> {
         }
     }
 
-    fn start_flow(&mut self, payload: Payload, bytes: f64) -> FlowId {
+    fn start_flow(&mut self, mut payload: Payload, bytes: f64) -> FlowId {
+        payload.asked_ns = self.net.now_ns();
         let (links, hops) = self.path(payload.from, payload.to);
         let sigma = self.sc.flow_weight_sigma;
         let weight = if sigma > 0.0 {
@@ -313,13 +349,7 @@ impl World<'_> {
 
     fn registry_chunk(&mut self, to: u32, blob: u16, chunk: u32, purpose: Purpose) -> FlowId {
         let bytes = self.chunk_bytes(blob, chunk);
-        let payload = Payload {
-            to,
-            from: Source::Registry,
-            blob,
-            chunk,
-            purpose,
-        };
+        let payload = Payload::new(to, Source::Registry, blob, chunk, purpose);
         self.start_flow(payload, bytes)
     }
 
@@ -437,6 +467,8 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
                     watchers: Vec::new(),
                     added: Vec::new(),
                     complete: false,
+                    bad: Bitfield::new(chunks),
+                    rates: ChunkRates::default(),
                 })
                 .collect(),
             downloads: 0,
@@ -448,6 +480,11 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             cut_off: false,
             runs: Vec::new(),
             rotor: 0,
+            liar: false,
+            lied: false,
+            caught: false,
+            frozen: false,
+            hung: Vec::new(),
         })
         .collect();
     let sched_config = SchedulerConfig::default();
@@ -479,6 +516,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
         registry_link,
         dht: (strategy == Strategy::DrayDht).then(|| dht::DhtWorld::new(total, layers, &mut rng)),
         fallbacks: 0,
+        adversity: Adversity::default(),
     };
 
     // Late joiners are a random subset; everyone else starts at 0.
@@ -497,6 +535,17 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
         last_start = last_start.max(at);
         w.nodes[n as usize].start = at;
         w.net.at_secs(at, Ev::Start(n));
+    }
+    if let Some(f) = sc.liars {
+        rng.shuffle(&mut order);
+        let count = (f * f64::from(pullers)).round() as usize;
+        for &n in &order[..count] {
+            w.nodes[n as usize].liar = true;
+        }
+        w.adversity.liars = count as u32;
+    }
+    if let Some(f) = &sc.freeze {
+        w.net.at_secs(f.at_s, Ev::Freeze);
     }
     if strategy == Strategy::KrakenLike {
         kraken::build_kraken_graph(&mut w, origins);
@@ -543,6 +592,13 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
 
     let mut times: Vec<f64> = Vec::new();
     let mut left = 0;
+    for n in w.nodes[..pullers as usize].iter().filter(|n| !n.liar) {
+        w.adversity.bad_chunks += n
+            .blobs
+            .iter()
+            .map(|b| u64::from(b.bad.count()))
+            .sum::<u64>();
+    }
     for n in &w.nodes[..pullers as usize] {
         if !n.alive {
             left += 1;
@@ -564,6 +620,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             samples: w.samples,
             wall_s: wall.elapsed().as_secs_f64(),
             dht: w.dht.as_ref().map(|d| d.report(sc)),
+            adversity: w.adversity,
         },
     )
 }

@@ -1,7 +1,10 @@
 //! Peer transfers: filling a node's download slots from the peers it knows,
-//! and the flows that carry chunks between nodes.
+//! the flows that carry chunks between nodes, and the requests to frozen
+//! peers that hang until their deadlines
+//! (`dray_protocol::pull::deadline`, the agent's rule).
 
 use super::*;
+use dray_protocol::pull::deadline::{MIN_CHUNK_BYTES_PER_S, REQUEST_TIMEOUT, first_deadline};
 
 impl World<'_> {
     /// Fills `n`'s free download slots with chunks its picker chooses from
@@ -43,12 +46,17 @@ impl World<'_> {
                 // Upload counts sit in one dense array: most peers of a busy
                 // swarm are busy, and this is the hot check.
                 if self.uploads[pu] >= max_up {
-                    // The agent's request would be refused BUSY.
-                    busy = true;
+                    // The agent's request would be refused BUSY (a frozen
+                    // peer's lanes are all waiting on it).
+                    busy |= !self.nodes[pu].frozen;
                     continue;
                 }
                 if !self.nodes[pu].alive {
-                    gone.push(p);
+                    if self.nodes[pu].frozen {
+                        self.hang(n, b, p);
+                    } else {
+                        gone.push(p);
+                    }
                     continue;
                 }
                 while self.nodes[nu].downloads < max_down && self.uploads[pu] < max_up {
@@ -62,13 +70,13 @@ impl World<'_> {
                     self.nodes[nu].downloads += 1;
                     self.uploads[pu] += 1;
                     let bytes = self.chunk_bytes(b as u16, c);
-                    let payload = Payload {
-                        to: n,
-                        from: Source::Peer(p),
-                        blob: b as u16,
-                        chunk: c,
-                        purpose: Purpose::PeerChunk,
-                    };
+                    let mut payload =
+                        Payload::new(n, Source::Peer(p), b as u16, c, Purpose::PeerChunk);
+                    // Only a frozen peer misses a deadline here (a flow
+                    // always ends): it is taken only where peers may freeze.
+                    if self.sc.freeze.is_some() {
+                        payload.deadline_ns = self.deadline_ns(n, b, c);
+                    }
                     self.start_flow(payload, bytes);
                 }
             }
@@ -85,6 +93,142 @@ impl World<'_> {
             };
             self.schedule_poll(n, wait);
         }
+    }
+
+    /// When a request `n` sends now for chunk `c` of blob `b` is past its
+    /// deadline, by the agent's rule.
+    fn deadline_ns(&self, n: u32, b: usize, c: u32) -> u64 {
+        let len = self.chunk_bytes(b as u16, c) as usize;
+        let first = || first_deadline(len, MIN_CHUNK_BYTES_PER_S, REQUEST_TIMEOUT);
+        let d = self.nodes[n as usize].blobs[b].rates.deadline(len, first);
+        match u64::try_from(d.as_nanos()) {
+            Ok(ns) => self.net.now_ns().saturating_add(ns),
+            Err(_) => u64::MAX,
+        }
+    }
+
+    /// `n` asks frozen peer `p` for chunks of blob `b` in its free slots:
+    /// the requests go out and nothing comes back.
+    fn hang(&mut self, n: u32, b: usize, p: u32) {
+        let (nu, pu) = (n as usize, p as usize);
+        while self.nodes[nu].downloads < self.sc.max_downloads
+            && self.uploads[pu] < self.sc.max_uploads
+        {
+            let Some(c) = self.nodes[nu].blobs[b]
+                .picker
+                .as_mut()
+                .and_then(|picker| picker.pick(&p))
+            else {
+                break;
+            };
+            self.nodes[nu].downloads += 1;
+            self.uploads[pu] += 1;
+            let due_ns = self.deadline_ns(n, b, c);
+            self.nodes[nu].hung.push(Hung {
+                blob: b as u16,
+                chunk: c,
+                peer: p,
+                due_ns,
+            });
+            if due_ns != u64::MAX {
+                self.net.at_ns(due_ns, Ev::Deadline(n));
+            }
+        }
+    }
+
+    /// `n`'s requests to frozen peers past their deadlines: as the agent's
+    /// lane does, each chunk goes back to the picker and the peer is dropped
+    /// from the pull of the blob for good, its other requests cancelled.
+    pub(super) fn deadlines(&mut self, n: u32) {
+        let nu = n as usize;
+        let now = self.net.now_ns();
+        while let Some(h) = self.nodes[nu]
+            .hung
+            .iter()
+            .find(|h| h.due_ns <= now)
+            .copied()
+        {
+            let b = h.blob as usize;
+            let mut k = 0;
+            while k < self.nodes[nu].hung.len() {
+                let o = self.nodes[nu].hung[k];
+                if o.peer != h.peer || o.blob != h.blob {
+                    k += 1;
+                    continue;
+                }
+                self.nodes[nu].hung.swap_remove(k);
+                self.nodes[nu].downloads -= 1;
+                let up = &mut self.uploads[h.peer as usize];
+                *up = up.saturating_sub(1);
+                if let Some(picker) = self.nodes[nu].blobs[b].picker.as_mut() {
+                    picker.failed(o.chunk);
+                }
+            }
+            self.drop_peer(n, b, h.peer);
+            if let Some(picker) = self.nodes[nu].blobs[b].picker.as_mut() {
+                picker.ban(&h.peer);
+            }
+            self.adversity.frozen_dropped += 1;
+        }
+        self.try_fill(n);
+    }
+
+    /// `n` received chunk `c` of blob `b` from peer `p`, sent `asked_ns`
+    /// ago: its bytes are checked against the chunk's hash as the agent's
+    /// store checks them. True if they pass; if not, `n` bans `p` from its
+    /// pull of the blob (the agent's lane) and the chunk may be picked again.
+    pub(super) fn check_peer_chunk(
+        &mut self,
+        n: u32,
+        b: usize,
+        c: u32,
+        p: u32,
+        asked_ns: u64,
+    ) -> bool {
+        let (nu, pu) = (n as usize, p as usize);
+        if self.nodes[pu].liar && !std::mem::replace(&mut self.nodes[pu].lied, true) {
+            self.adversity.liars_served += 1;
+        }
+        let bad = self.nodes[pu].liar || self.nodes[pu].blobs[b].bad.get(c);
+        let got = if bad { FORGED_HASH } else { TRUE_HASH };
+        if dray_protocol::chunkmap::hash_matches(&TRUE_HASH, &got) {
+            if bad {
+                self.nodes[nu].blobs[b].bad.set(c);
+            }
+            if self.sc.freeze.is_some() {
+                let took = (self.net.now_ns() - asked_ns).max(1) as f64 / 1e9;
+                let rate = self.chunk_bytes(b as u16, c) / took;
+                self.nodes[nu].blobs[b].rates.record(rate);
+            }
+            return true;
+        }
+        if let Some(picker) = self.nodes[nu].blobs[b].picker.as_mut() {
+            picker.failed(c);
+        }
+        // Reported to the tracker at once, as the agent's pull does.
+        if self.reaches_tracker(n) {
+            let report = dray_protocol::scheduler::BadChunk {
+                reporter: self.names[nu].clone(),
+                offender: self.names[pu].clone(),
+                digest: self.blobs[b].digest,
+                index: c,
+                confirmed: false,
+            };
+            let at = self.instant();
+            self.sched.report_bad_chunk(report, at);
+        }
+        self.drop_peer(n, b, p);
+        if let Some(picker) = self.nodes[nu].blobs[b].picker.as_mut()
+            && !picker.is_banned(&p)
+        {
+            picker.ban(&p);
+            if !self.nodes[pu].liar {
+                self.adversity.honest_dropped += 1;
+            } else if !std::mem::replace(&mut self.nodes[pu].caught, true) {
+                self.adversity.liars_banned += 1;
+            }
+        }
+        false
     }
 
     /// Forgets a peer that left; the kraken-like graph gets a random live
