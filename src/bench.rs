@@ -20,6 +20,9 @@ pub enum BenchCommand {
     /// The sending process of `dray bench peer` (started by it).
     #[command(hide = true)]
     PeerSend(crate::bench_peer::PeerSend),
+    /// The receiving process of `dray bench peer`'s counted runs (started by it).
+    #[command(hide = true)]
+    PeerRecv(crate::bench_peer::PeerRecv),
     /// N agents pulling one blob through the swarm vs N direct pulls, from the
     /// real registry (`docker-registry`) on loopback.
     Swarm(SwarmBench),
@@ -229,6 +232,7 @@ pub async fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Peer(b) => crate::bench_peer::run(b).await,
         BenchCommand::PeerSend(s) => crate::bench_peer::send(s).await,
+        BenchCommand::PeerRecv(r) => crate::bench_peer::recv(r).await,
         BenchCommand::Swarm(b) => swarm(b).await,
         BenchCommand::Mirror(b) => mirror(b).await,
         BenchCommand::Storm(b) => crate::storm::run(b).await,
@@ -581,7 +585,7 @@ pub(crate) fn write_random(path: &std::path::Path, size: u64) -> Result<()> {
 }
 
 /// [`write_random`] with a seed, for several distinct files.
-fn write_random_seeded(path: &std::path::Path, size: u64, seed: u64) -> Result<()> {
+pub(crate) fn write_random_seeded(path: &std::path::Path, size: u64, seed: u64) -> Result<()> {
     let mut f = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(path)?);
     std::io::copy(&mut RandomBytes::new(seed).take(size), &mut f)?;
     f.flush()?;

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_peer;
+mod bench_peer_counted;
 mod bench_unpack;
 mod client;
 mod cluster;

@@ -754,6 +754,12 @@ impl Drop for Cluster {
 /// every link goes with them (the switch's holds the bridge and one end of
 /// each link; deleting a veth end deletes its pair).
 fn remove_leftovers() {
+    remove_namespaces(PREFIX);
+}
+
+/// Kills the processes in the network namespaces whose names start with
+/// `prefix` and deletes those namespaces, with the links in them.
+pub(crate) fn remove_namespaces(prefix: &str) {
     let output = |args: &[&str]| {
         std::process::Command::new(args[0])
             .args(&args[1..])
@@ -766,7 +772,7 @@ fn remove_leftovers() {
     for ns in namespaces
         .lines()
         .filter_map(|l| l.split_whitespace().next())
-        .filter(|n| n.starts_with(PREFIX))
+        .filter(|n| n.starts_with(prefix))
     {
         let pids = output(&["ip", "netns", "pids", ns]);
         let pids: Vec<&str> = pids.split_whitespace().collect();
@@ -779,7 +785,7 @@ fn remove_leftovers() {
     }
 }
 
-async fn run_ip(args: &[&str]) -> Result<String> {
+pub(crate) async fn run_ip(args: &[&str]) -> Result<String> {
     run_cmd("ip".as_ref(), &os(args)).await
 }
 

@@ -9,7 +9,9 @@ use common::dray_ok;
 
 #[test]
 fn bench_peer_reports_each_sides_cpu_and_every_baseline_in_one_json_object() {
-    let out = dray_ok(&["bench", "peer", "--size", "64MiB", "--json"]);
+    let out = dray_ok(&[
+        "bench", "peer", "--size", "64MiB", "--only", "timed", "--rounds", "1", "--json",
+    ]);
     let r: serde_json::Value = serde_json::from_str(&out)
         .unwrap_or_else(|e| panic!("dray bench peer printed no JSON ({e}): {out}"));
     for field in [
@@ -42,4 +44,45 @@ fn bench_peer_reports_each_sides_cpu_and_every_baseline_in_one_json_object() {
     // The agents verified the blob over loopback, whose MTU is 64K.
     assert!(r["path_mtu"].as_u64().unwrap() > 1500, "{out}");
     assert_eq!(r["size_bytes"], 64 << 20);
+}
+
+/// Issue 40: the agent's user-space instructions per GiB, both sides summed,
+/// stay within 1.2x of raw quinn's, counted under cachegrind (a count, not a
+/// time, so stable enough for a test).
+#[test]
+#[ignore = "the agent is at 4.0x raw quinn (issue 40); its receiver's count also moves with wall time"]
+fn agent_instructions_per_gib_stay_within_1_2x_of_raw_quinn() {
+    let out = dray_ok(&[
+        "bench",
+        "peer",
+        "--only",
+        "counted",
+        "--counted-size",
+        "8MiB",
+        "--json",
+    ]);
+    let r: serde_json::Value = serde_json::from_str(&out)
+        .unwrap_or_else(|e| panic!("dray bench peer printed no JSON ({e}): {out}"));
+    let both = |path: &str| -> f64 {
+        ["sender", "receiver"]
+            .iter()
+            .map(|side| {
+                r[format!("{path}_instructions_per_gib_{side}")]
+                    .as_f64()
+                    .unwrap_or_else(|| panic!("no {path} {side} instructions in {out}"))
+            })
+            .sum()
+    };
+    let (agent, quinn) = (both("agent"), both("quinn"));
+    assert!(quinn > 0.0, "{out}");
+    assert!(
+        agent <= 1.2 * quinn,
+        "agent {agent:.3e} against quinn {quinn:.3e}: {out}"
+    );
+    assert!(r["agent_syscalls_per_gib"].as_f64().unwrap() > 0.0, "{out}");
+    assert!(
+        r["quinn_datagrams_per_gib"].as_f64().unwrap() > 0.0,
+        "{out}"
+    );
+    assert_eq!(r["net"], "loopback", "{out}");
 }
