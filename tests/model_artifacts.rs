@@ -135,14 +135,7 @@ async fn a_modelpack_artifact_goes_through_four_mirrors_about_once_and_survives_
         Some(&[]),
         for_oci_clients,
     );
-    let started = Instant::now();
-    while metric(dir.path(), &tracker_url, "dray_tracker_nodes") < NODES as f64 {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the agents did not announce"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    until_announced(dir.path(), &tracker_url, NODES);
     let mirrors: Vec<String> = agents
         .iter()
         .map(|a| {

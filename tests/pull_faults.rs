@@ -23,7 +23,6 @@ mod common;
 use common::cluster::*;
 use common::*;
 use std::path::Path;
-use std::time::{Duration, Instant};
 
 const NODES: usize = 4;
 const SIZE: u64 = 192 << 20;
@@ -43,18 +42,6 @@ async fn registry_with_blob(dir: &Path) -> (Registry, String) {
 fn tracker_for(dir: &Path, ids: &[String]) -> (DrayProc, String) {
     issue_certificates(dir, &ids.iter().map(String::as_str).collect::<Vec<_>>());
     start_tracker(dir, "")
-}
-
-/// Waits until the tracker counts `n` nodes.
-fn until_announced(dir: &Path, tracker_url: &str, n: usize) {
-    let started = Instant::now();
-    while metric(dir, tracker_url, "dray_tracker_nodes") < n as f64 {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the agents did not announce"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 /// Fallbacks the agents took for `reason`.

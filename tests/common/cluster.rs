@@ -190,3 +190,15 @@ pub fn storm(
         dht_bytes: dht_bytes(dir, agents) - dht_before,
     }
 }
+
+/// Waits until the tracker counts `n` nodes.
+pub fn until_announced(dir: &Path, tracker_url: &str, n: usize) {
+    let started = Instant::now();
+    while metric(dir, tracker_url, "dray_tracker_nodes") < n as f64 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the agents did not announce"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
