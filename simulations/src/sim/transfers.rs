@@ -59,16 +59,7 @@ impl World<'_> {
                     }
                     continue;
                 }
-                while self.nodes[nu].downloads < max_down && self.uploads[pu] < max_up {
-                    let Some(c) = self.nodes[nu].blobs[b]
-                        .picker
-                        .as_mut()
-                        .and_then(|picker| picker.pick(&p))
-                    else {
-                        break;
-                    };
-                    self.nodes[nu].downloads += 1;
-                    self.uploads[pu] += 1;
+                while let Some(c) = self.take_request(n, b, p) {
                     let bytes = self.chunk_bytes(b as u16, c);
                     let mut payload =
                         Payload::new(n, Source::Peer(p), b as u16, c, Purpose::PeerChunk);
@@ -95,6 +86,22 @@ impl World<'_> {
         }
     }
 
+    /// A download slot of `n` and an upload slot of `p` taken for the next
+    /// chunk of blob `b` that `p` offers and `n` lacks; none when either
+    /// side has no slot free or the picker has nothing from `p`.
+    fn take_request(&mut self, n: u32, b: usize, p: u32) -> Option<u32> {
+        let (nu, pu) = (n as usize, p as usize);
+        if self.nodes[nu].downloads >= self.sc.max_downloads
+            || self.uploads[pu] >= self.sc.max_uploads
+        {
+            return None;
+        }
+        let c = self.nodes[nu].blobs[b].picker.as_mut()?.pick(&p)?;
+        self.nodes[nu].downloads += 1;
+        self.uploads[pu] += 1;
+        Some(c)
+    }
+
     /// When a request `n` sends now for chunk `c` of blob `b` is past its
     /// deadline, by the agent's rule.
     fn deadline_ns(&self, n: u32, b: usize, c: u32) -> u64 {
@@ -110,21 +117,9 @@ impl World<'_> {
     /// `n` asks frozen peer `p` for chunks of blob `b` in its free slots:
     /// the requests go out and nothing comes back.
     fn hang(&mut self, n: u32, b: usize, p: u32) {
-        let (nu, pu) = (n as usize, p as usize);
-        while self.nodes[nu].downloads < self.sc.max_downloads
-            && self.uploads[pu] < self.sc.max_uploads
-        {
-            let Some(c) = self.nodes[nu].blobs[b]
-                .picker
-                .as_mut()
-                .and_then(|picker| picker.pick(&p))
-            else {
-                break;
-            };
-            self.nodes[nu].downloads += 1;
-            self.uploads[pu] += 1;
+        while let Some(c) = self.take_request(n, b, p) {
             let due_ns = self.deadline_ns(n, b, c);
-            self.nodes[nu].hung.push(Hung {
+            self.nodes[n as usize].hung.push(Hung {
                 blob: b as u16,
                 chunk: c,
                 peer: p,
