@@ -58,33 +58,16 @@ async fn eight_agents_without_a_tracker_find_each_other_in_the_dht_and_leave_the
     // first registry runs may go out before its peers' first bitfields
     // come: a block of 4 chunks it wins, seen here; not asserted.)
     let members = vec![agents[0].banner_field("DHT on ")];
-    let late = start_agents(
-        dir.path(),
-        &["node-late".to_string()],
-        "",
-        &registry,
-        Some(&members),
-    );
-    let late_admin = admin_of(&late[0]);
-    let started = Instant::now();
-    while metric(dir.path(), &late_admin, "dray_agent_dht_peers") < 1.0 {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "the late node did not join"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let out = pull_through(
-        &late[0],
+    let what = "the late node did not join";
+    let late = join_dht(dir.path(), "node-late", &registry, &members, what);
+    let late_admin = admin_of(&late);
+    pull_whole(
+        &late,
         &registry,
         "test/dht",
         &digest,
         dir.path().join("late"),
-    )
-    .join()
-    .unwrap()
-    .0;
-    assert_eq!(file_digest(&out), digest);
+    );
     let (late_registry, late_peers) = (
         received(dir.path(), &late_admin, "registry"),
         received(dir.path(), &late_admin, "peer"),
@@ -112,17 +95,13 @@ async fn eight_agents_without_a_tracker_find_each_other_in_the_dht_and_leave_the
         Some(&members),
     );
     let outsider = &outsider[0];
-    let out = pull_through(
+    pull_whole(
         outsider,
         &registry,
         "test/dht",
         &digest,
         other.path().join("out"),
-    )
-    .join()
-    .unwrap()
-    .0;
-    assert_eq!(file_digest(&out), digest);
+    );
     let admin = admin_of(outsider);
     assert_eq!(
         received(other.path(), &admin, "peer"),
@@ -217,4 +196,160 @@ async fn a_storm_whose_tracker_dies_as_it_starts_finds_its_peers_in_the_dht() {
         dht.peer_copies
     );
     assert!(dht.registry_copies < today.registry_copies);
+}
+
+/// Issue 37, finding 9: a bootstrap name whose DNS server never answers
+/// holds up no DHT query. The second node runs in a mount namespace of its
+/// own whose resolv.conf names a DNS server on loopback that reads queries
+/// and answers none (30 s a lookup, the resolver's longest); its bootstrap
+/// list names a host there first, then the seed. It joins and pulls from
+/// the seed through the DHT while that lookup still hangs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bootstrap_name_whose_dns_never_answers_holds_up_no_dht_query() {
+    const SIZE: u64 = 32 << 20;
+    const SILENT_DNS: &str = "127.53.53.53";
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Registry::start(None).await;
+    let blob = dir.path().join("blob");
+    random_file(&blob, SIZE);
+    let digest = registry.push("test/dns", &blob);
+    issue_certificates(dir.path(), &["node-0", "node-1"]);
+    let seed = start_agents(dir.path(), &["node-0".into()], "", &registry, Some(&[]));
+    pull_whole(
+        &seed[0],
+        &registry,
+        "test/dns",
+        &digest,
+        dir.path().join("0"),
+    );
+
+    let silent = std::net::UdpSocket::bind((SILENT_DNS, 53)).unwrap();
+    silent.set_nonblocking(true).unwrap();
+    let resolv = dir.path().join("resolv.conf");
+    std::fs::write(
+        &resolv,
+        format!("nameserver {SILENT_DNS}\noptions timeout:30 attempts:1\n"),
+    )
+    .unwrap();
+    let extra = format!(
+        "[swarm.dht]\nlisten = \"127.0.0.1:0\"\nbootstrap = [\"bootstrap.dray-test.invalid:7882\", {:?}]\n",
+        seed[0].banner_field("DHT on ")
+    );
+    let cfg = dir.path().join("node-1.toml");
+    std::fs::write(
+        &cfg,
+        agent_toml(dir.path(), "node-1", "", &registry, &extra),
+    )
+    .unwrap();
+    let script = format!(
+        "mount --bind {} /etc/resolv.conf && exec \"$@\"",
+        resolv.display()
+    );
+    let started = Instant::now();
+    let node = DrayProc::start_wrapped(
+        &["unshare", "--mount", "sh", "-c", &script, "sh"],
+        &["agent", "-c", cfg.to_str().unwrap()],
+        &dir.path().join("node-1.log"),
+    );
+    let admin = admin_of(&node);
+    // The lookup takes 30 s; a loop that waited for it would not be here
+    // before then.
+    until_metric(
+        dir.path(),
+        &admin,
+        "dray_agent_dht_peers",
+        1.0,
+        Duration::from_secs(10).saturating_sub(started.elapsed()),
+        "the node did not join the DHT while its bootstrap name's lookup hung",
+    );
+    let joined = started.elapsed();
+    pull_whole(&node, &registry, "test/dns", &digest, dir.path().join("1"));
+    assert!(
+        silent.recv(&mut [0u8; 512]).is_ok(),
+        "the node's lookup never reached the silent DNS server"
+    );
+    let done = started.elapsed();
+    eprintln!(
+        "joined the DHT {:.1} s and pulled {} MiB from the seed {:.1} s after start, the bootstrap name's lookup hanging",
+        joined.as_secs_f64(),
+        SIZE >> 20,
+        done.as_secs_f64()
+    );
+    assert_eq!(received(dir.path(), &admin, "registry"), 0.0);
+    assert_eq!(received(dir.path(), &admin, "peer"), SIZE as f64);
+    assert!(
+        done < Duration::from_secs(30),
+        "the pull ended only once the lookup gave up ({:.1} s)",
+        done.as_secs_f64()
+    );
+}
+
+/// Issue 37, finding 9: connections to the DHT port that never finish their
+/// TLS handshake cost the node a bounded number of descriptors. From one
+/// address, they fill only that address's room, and a member joins while
+/// they stand; from many, the room of all addresses together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_open_connections_to_the_dht_port_are_capped() {
+    const FLOOD: usize = 600;
+    /// The DHT's caps on handshakes at once, from one address
+    /// (`MAX_PENDING_PER_ADDRESS`) and in all (`MAX_PENDING_INCOMING`), and
+    /// room for the descriptors a node opens meanwhile.
+    const PER_ADDRESS: usize = 16;
+    const IN_ALL: usize = 128;
+    const SLACK: usize = 32;
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Registry::start(None).await;
+    issue_certificates(dir.path(), &["node-0", "node-1"]);
+    let seed = start_agents(dir.path(), &["node-0".into()], "", &registry, Some(&[]));
+    let port: std::net::SocketAddr = seed[0].banner_field("DHT on ").parse().unwrap();
+    let admin = admin_of(&seed[0]);
+    let over_limit = || {
+        metric(
+            dir.path(),
+            &admin,
+            "dray_agent_dht_connections_over_limit_total",
+        )
+    };
+    let pid = seed[0].pid();
+    let before = open_fds(pid).unwrap();
+    // `FLOOD` connections from `addresses` loopback addresses, held open
+    // until the node has closed all those past `cap`, which is then all it
+    // holds more than before; returns them.
+    let flood = |addresses: usize, cap: usize| async move {
+        let closed_before = over_limit();
+        let mut held = Vec::new();
+        for i in 0..FLOOD {
+            let from = std::net::Ipv4Addr::new(127, 0, 1, (1 + i % addresses) as u8);
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind((from, 0).into()).unwrap();
+            held.push(socket.connect(port).await.unwrap());
+        }
+        let started = Instant::now();
+        while over_limit() - closed_before < (FLOOD - cap) as f64 {
+            assert!(
+                started.elapsed() < Duration::from_secs(8),
+                "{} of {FLOOD} connections closed over the limits",
+                over_limit() - closed_before
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let during = open_fds(pid).unwrap();
+        eprintln!(
+            "{FLOOD} half-open connections from {addresses} address(es): {} descriptors more than before",
+            during.saturating_sub(before)
+        );
+        assert!(
+            during <= before + cap + SLACK,
+            "{during} descriptors open during the flood, {before} before"
+        );
+        held
+    };
+
+    let held = flood(1, PER_ADDRESS).await;
+    let members = vec![port.to_string()];
+    let what = "a member did not join while one address flooded the port";
+    let _late = join_dht(dir.path(), "node-1", &registry, &members, what);
+    drop(held);
+
+    drop(flood(40, IN_ALL).await);
 }

@@ -260,14 +260,14 @@ async fn agents_enroll_with_the_signer_join_the_swarm_renew_in_place_and_roles_a
         assert_eq!(dray_protocol::identity::role_of(&der).unwrap(), Role::Node);
     }
     // ...and joined the swarm: both announce, and node-b pulls from node-a.
-    let started = Instant::now();
-    while metric(dir.path(), &tracker_url, "dray_tracker_nodes") < 2.0 {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "the tracker does not know both agents"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    until_metric(
+        dir.path(),
+        &tracker_url,
+        "dray_tracker_nodes",
+        2.0,
+        Duration::from_secs(20),
+        "the tracker does not know both agents",
+    );
     for (i, a) in agents.iter().enumerate() {
         let url = format!(
             "{}/v2/test/identity/blobs/{digest}?ns={}",

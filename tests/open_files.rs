@@ -22,13 +22,6 @@ const TRACKER_MAX_BLOBS: usize = 512;
 const MAX_OPEN_IDLE: usize = 16;
 const READ_BLOBS: usize = 300;
 
-/// Open file descriptors of process `pid`.
-fn open_fds(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .unwrap()
-        .count()
-}
-
 /// The value of `series` at the agent's admin endpoint (0 if absent).
 fn metric(admin: &str, series: &str) -> f64 {
     let (status, body) = http_get(admin, "/metrics");
@@ -165,7 +158,7 @@ async fn an_agent_holding_600_blobs_keeps_its_files_and_its_announce_within_boun
         .banner_field("metrics on http://")
         .trim_end_matches("/metrics")
         .to_string();
-    let fds_at_start = open_fds(pid);
+    let fds_at_start = open_fds(pid).unwrap();
     eprintln!("node-a: {fds_at_start} open files at start, holding {BLOBS} blobs");
     assert_eq!(metric(&admin, "dray_agent_store_blobs"), BLOBS as f64);
     assert_eq!(metric(&admin, "dray_agent_store_open_blobs"), 0.0);
@@ -231,7 +224,7 @@ async fn an_agent_holding_600_blobs_keeps_its_files_and_its_announce_within_boun
         let chunk = b_node.fetch_chunk(&link, map, 0).await.unwrap();
         map.verify_chunk(0, &chunk).unwrap();
         assert_eq!(chunk, blob_bytes(i));
-        most_fds = most_fds.max(open_fds(pid));
+        most_fds = most_fds.max(open_fds(pid).unwrap());
         if i % 20 == 19 {
             most_open = most_open.max(metric(&admin, "dray_agent_store_open_blobs"));
         }

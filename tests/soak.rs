@@ -266,11 +266,6 @@ fn du(dir: &Path) -> u64 {
         .unwrap_or(0)
 }
 
-/// Open file descriptors of process `pid`; `None` once it is gone.
-fn open_fds(pid: u32) -> Option<usize> {
-    Some(std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count())
-}
-
 /// One agent's sample: what counts against the watermarks, and its fds.
 #[derive(Clone, Copy)]
 struct Sample {

@@ -45,6 +45,21 @@ pub fn pull_through(
     })
 }
 
+/// [`pull_through`], waited for, and the copy checked against `digest`.
+pub fn pull_whole(agent: &DrayProc, registry: &Registry, repo: &str, digest: &str, out: PathBuf) {
+    let out = pull_through(agent, registry, repo, digest, out)
+        .join()
+        .unwrap()
+        .0;
+    assert_eq!(
+        file_digest(&out),
+        digest,
+        "{} through {}",
+        out.display(),
+        agent.banner
+    );
+}
+
 /// A cluster of `dray agent` processes under `dir` (their certificates
 /// from [`issue_certificates`] there), each mirroring `registry`, announcing to `tracker`
 /// (none if empty) and, with `dht`, joined in one DHT on loopback: the
@@ -124,6 +139,29 @@ pub fn start_agents_tuned(
         }
     }
     agents
+}
+
+/// Starts agent `id` with no tracker, bootstrapping from the DHT
+/// `members`, and waits until it has a DHT peer; fails with `what` after
+/// 20 s.
+pub fn join_dht(
+    dir: &Path,
+    id: &str,
+    registry: &Registry,
+    members: &[String],
+    what: &str,
+) -> DrayProc {
+    let agent = start_agents(dir, &[id.to_string()], "", registry, Some(members)).remove(0);
+    let within = Duration::from_secs(20);
+    until_metric(
+        dir,
+        &admin_of(&agent),
+        "dray_agent_dht_peers",
+        1.0,
+        within,
+        what,
+    );
+    agent
 }
 
 /// The bytes all `agents` sent on DHT connections so far.

@@ -19,7 +19,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Logs to the test's stderr, filtered by `DRAY_LOG` (e.g. `dray_agent=debug`).
 pub fn init_logs() {
@@ -471,6 +471,11 @@ pub fn hosts_dir(dir: &Path, registry: &str, server: &str, mirror: &str) -> Path
     hosts
 }
 
+/// Open file descriptors of process `pid`; `None` once it is gone.
+pub fn open_fds(pid: u32) -> Option<usize> {
+    Some(std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count())
+}
+
 /// A `dray` process started by a test; killed when dropped.
 pub struct DrayProc {
     child: std::process::Child,
@@ -489,13 +494,24 @@ impl DrayProc {
     /// stderr line containing `marker` (lines before it, such as logs, go to
     /// `log` too).
     pub fn start_until(args: &[&str], envs: &[(&str, &str)], marker: &str, log: &Path) -> DrayProc {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dray"));
+        cmd.args(args).envs(envs.iter().copied());
+        DrayProc::spawn(cmd, args, marker, log)
+    }
+
+    /// As [`DrayProc::start`], run by `wrapper` (a program and its first
+    /// arguments, such as `unshare`), which gets the dray binary and `args`.
+    pub fn start_wrapped(wrapper: &[&str], args: &[&str], log: &Path) -> DrayProc {
+        let mut cmd = Command::new(wrapper[0]);
+        cmd.args(&wrapper[1..])
+            .arg(env!("CARGO_BIN_EXE_dray"))
+            .args(args);
+        DrayProc::spawn(cmd, args, "", log)
+    }
+
+    fn spawn(mut cmd: Command, args: &[&str], marker: &str, log: &Path) -> DrayProc {
         use std::io::{BufRead, Write};
-        let mut child = Command::new(env!("CARGO_BIN_EXE_dray"))
-            .args(args)
-            .envs(envs.iter().copied())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = cmd.stderr(std::process::Stdio::piped()).spawn().unwrap();
         let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
         let mut file = std::fs::File::create(log).unwrap();
         let mut banner = String::new();
@@ -777,6 +793,23 @@ fn terminate(child: &mut std::process::Child) -> bool {
     // SAFETY: kill(2) on our own child's pid.
     unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
     child.wait().unwrap().success()
+}
+
+/// Waits until `series` at `base` reaches `at_least`; fails with `what`
+/// after `within`.
+pub fn until_metric(
+    dir: &Path,
+    base: &str,
+    series: &str,
+    at_least: f64,
+    within: Duration,
+    what: &str,
+) {
+    let started = Instant::now();
+    while metric(dir, base, series) < at_least {
+        assert!(started.elapsed() < within, "{what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// The value of the sample `series` in the exposition at `base` (0 if

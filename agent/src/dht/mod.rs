@@ -46,8 +46,23 @@
 //!
 //! A node joins through `dht.bootstrap`: addresses or DNS names (a headless
 //! Service over the DaemonSet resolves to every node), dialled until the
-//! routing table holds peers, then Kademlia's own bootstrap fills it.
+//! routing table holds peers, then Kademlia's own bootstrap fills it. Names
+//! are resolved off the event loop, one lookup per entry at a time, so a
+//! DNS server that never answers delays only that entry's dials, never a
+//! query; rounds back off from [`DIAL_EVERY`] to [`DIAL_EVERY_MAX`] while
+//! the routing table is not empty (a cluster smaller than [`ENOUGH_PEERS`]
+//! never fills it).
+//!
+//! The DHT port takes connections from anyone who can reach it, before the
+//! TLS handshake says who they are; they are capped
+//! ([`MAX_PENDING_INCOMING`] handshakes at once, [`MAX_ESTABLISHED_INCOMING`]
+//! members, [`MAX_PER_PEER`] per member) by libp2p's connection limits, and
+//! to [`limits::MAX_PENDING_PER_ADDRESS`] handshakes per remote address, so
+//! a flood of half-open connections costs the node a bounded number of
+//! descriptors and tasks, and one host cannot keep new members out; what
+//! the caps close is counted in `dht_connections_over_limit`.
 
+pub mod limits;
 pub mod store;
 pub mod tls;
 
@@ -96,8 +111,21 @@ const REFRESH_EVERY: Duration = Duration::from_secs(60);
 const DIAL_EVERY: Duration = Duration::from_secs(2);
 /// Bootstrap addresses dialled per round, at most.
 const DIALS_PER_ROUND: usize = 16;
+/// The longest pause between bootstrap rounds while the routing table holds
+/// peers (a table that empties goes back to [`DIAL_EVERY`]).
+const DIAL_EVERY_MAX: Duration = Duration::from_secs(60);
 /// Routing-table peers past which bootstrap addresses are not dialled again.
 const ENOUGH_PEERS: usize = 16;
+/// Incoming connections in their TLS handshake at once, at most: anyone
+/// who reaches the port can open one (10 s each at most, the upgrade's
+/// timeout), and a member joining needs one only for milliseconds.
+const MAX_PENDING_INCOMING: u32 = 128;
+/// Members connected to this node at their initiative, at most: Kademlia's
+/// queries reach a node from about k × log2(nodes) others (20 × 14 at
+/// 16,000 nodes), and idle connections close after 5 minutes.
+const MAX_ESTABLISHED_INCOMING: u32 = 1024;
+/// Connections one member keeps to this node, at most (each side may dial).
+const MAX_PER_PEER: u32 = 2;
 /// A DHT query gives up after this long (a cluster network answers in ms).
 const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest node record taken (a peer id and two addresses need far less).
@@ -114,6 +142,7 @@ pub struct DhtMetrics {
     peers: Gauge,
     bytes: Family<DirectionLabel, Counter>,
     refused: Counter,
+    over_limit: Counter,
     ignored_providers: Counter,
     refused_records: Counter,
     stored_keys: Gauge,
@@ -141,6 +170,11 @@ impl DhtMetrics {
             "dht_refused_connections",
             "DHT connections that failed their handshake (no node certificate the cluster CA signed, or no TLS at all)",
             self.refused.clone(),
+        );
+        r.register(
+            "dht_connections_over_limit",
+            "Incoming DHT connections closed at once because too many were in their handshake or connected (see the DHT module's caps)",
+            self.over_limit.clone(),
         );
         r.register(
             "dht_ignored_providers",
@@ -382,8 +416,17 @@ impl Dht {
             .set_periodic_bootstrap_interval(Some(REFRESH_EVERY))
             .set_max_packet_size(MAX_PACKET);
         let store = BoundedStore::new(local, MAX_NODE_RECORD, DEFAULTS.dht_max_providers);
-        let mut behaviour = kad::Behaviour::with_config(local, store, kad_config);
-        behaviour.set_mode(Some(kad::Mode::Server));
+        let mut kad = kad::Behaviour::with_config(local, store, kad_config);
+        kad.set_mode(Some(kad::Mode::Server));
+        let limits = libp2p::connection_limits::ConnectionLimits::default()
+            .with_max_pending_incoming(Some(MAX_PENDING_INCOMING))
+            .with_max_established_incoming(Some(MAX_ESTABLISHED_INCOMING))
+            .with_max_established_per_peer(Some(MAX_PER_PEER));
+        let behaviour = Behaviour {
+            per_address: limits::PendingPerAddress::new(limits::MAX_PENDING_PER_ADDRESS),
+            limits: libp2p::connection_limits::Behaviour::new(limits),
+            kad,
+        };
         let mut swarm = Swarm::new(
             transport,
             behaviour,
@@ -401,6 +444,9 @@ impl Dht {
             me,
             own: None,
             bootstrap: config.bootstrap.clone(),
+            resolving: HashSet::new(),
+            pause: DIAL_EVERY,
+            next_round: Instant::now(),
             bound,
             providers: HashMap::new(),
             records: HashMap::new(),
@@ -660,15 +706,44 @@ fn socket_of(addr: &Multiaddr) -> Option<SocketAddr> {
     }
 }
 
+/// The DHT's libp2p behaviour: Kademlia behind the connection caps.
+#[derive(libp2p::swarm::NetworkBehaviour)]
+struct Behaviour {
+    // First: it must see every handshake end (`limits::PendingPerAddress`).
+    per_address: limits::PendingPerAddress,
+    limits: libp2p::connection_limits::Behaviour,
+    kad: kad::Behaviour<BoundedStore>,
+}
+
+/// A bootstrap entry's addresses, as its lookup found them.
+type Resolved = (String, Vec<SocketAddr>);
+
+/// The pause before the next bootstrap round after one that found the
+/// routing table holding `peers`: doubling while it holds any, up to
+/// [`DIAL_EVERY_MAX`]; back to [`DIAL_EVERY`] once it is empty.
+fn next_pause(pause: Duration, peers: usize) -> Duration {
+    if peers == 0 {
+        DIAL_EVERY
+    } else {
+        (pause * 2).min(DIAL_EVERY_MAX)
+    }
+}
+
 /// The DHT's task: the libp2p swarm, and the queries it runs for the handle.
 struct Runner {
-    swarm: Swarm<kad::Behaviour<BoundedStore>>,
+    swarm: Swarm<Behaviour>,
     /// This node's record without its DHT addresses.
     me: NodeRecord,
     /// This node's record, once the listener is bound; published after
     /// every refresh.
     own: Option<Record>,
     bootstrap: Vec<String>,
+    /// The bootstrap entries whose lookup is under way (one each at most:
+    /// the resolver's own timeouts bound it).
+    resolving: HashSet<String>,
+    /// The pause after the last bootstrap round, and when the next is due.
+    pause: Duration,
+    next_round: Instant,
     /// The address listened on, once bound.
     bound: watch::Sender<Listening>,
     providers: HashMap<QueryId, (Providers, oneshot::Sender<Providers>)>,
@@ -682,8 +757,10 @@ struct Runner {
 
 impl Runner {
     async fn run(mut self, mut commands: mpsc::Receiver<Command>) {
-        let mut dial = tokio::time::interval(DIAL_EVERY);
-        dial.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // One message per lookup under way, at most one per bootstrap entry.
+        let (found, mut resolved) = mpsc::unbounded_channel::<Resolved>();
+        let mut tick = tokio::time::interval(DIAL_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut purge = tokio::time::interval(PURGE_EVERY);
         purge.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -693,10 +770,19 @@ impl Runner {
                     None => return,
                 },
                 event = self.swarm.select_next_some() => self.on_event(event),
-                _ = dial.tick() => {
+                _ = tick.tick() => {
                     let peers = self.routing_peers();
                     self.metrics.peers.set(peers as i64);
-                    self.dial_bootstrap().await;
+                    let now = Instant::now();
+                    if now >= self.next_round {
+                        self.resolve_bootstrap(peers, &found);
+                        self.pause = next_pause(self.pause, peers);
+                        self.next_round = now + self.pause;
+                    }
+                }
+                Some((entry, addrs)) = resolved.recv() => {
+                    self.resolving.remove(&entry);
+                    self.dial_bootstrap(addrs);
                 }
                 _ = purge.tick() => self.purge(Instant::now()),
             }
@@ -704,7 +790,7 @@ impl Runner {
     }
 
     fn kad(&mut self) -> &mut kad::Behaviour<BoundedStore> {
-        self.swarm.behaviour_mut()
+        &mut self.swarm.behaviour_mut().kad
     }
 
     /// Drops the records expired at `now` from the store.
@@ -744,25 +830,36 @@ impl Runner {
         }
     }
 
-    /// Dials the bootstrap addresses while the routing table is short of peers.
-    async fn dial_bootstrap(&mut self) {
-        if self.bootstrap.is_empty() || self.routing_peers() >= ENOUGH_PEERS {
+    /// Starts a lookup of each bootstrap entry not already being looked up,
+    /// while the routing table (`peers`) is short: off this loop, so that a
+    /// DNS server that never answers holds up no query.
+    fn resolve_bootstrap(&mut self, peers: usize, found: &mpsc::UnboundedSender<Resolved>) {
+        if peers >= ENOUGH_PEERS {
             return;
         }
-        let mut addrs = Vec::new();
         for entry in &self.bootstrap {
-            match tokio::net::lookup_host(entry.as_str()).await {
-                Ok(found) => {
-                    let own = match *self.bound.borrow() {
-                        Listening::On(a) => Some(a),
-                        _ => None,
-                    };
-                    addrs.extend(found.filter(|a| Some(*a) != own));
-                }
-                Err(e) => {
-                    tracing::debug!(%entry, error = %e, "a DHT bootstrap entry does not resolve")
-                }
+            if !self.resolving.insert(entry.clone()) {
+                continue;
             }
+            let (entry, found) = (entry.clone(), found.clone());
+            tokio::spawn(async move {
+                let addrs = match tokio::net::lookup_host(entry.as_str()).await {
+                    Ok(addrs) => addrs.collect(),
+                    Err(e) => {
+                        tracing::debug!(%entry, error = %e, "a DHT bootstrap entry does not resolve");
+                        Vec::new()
+                    }
+                };
+                let _ = found.send((entry, addrs));
+            });
+        }
+    }
+
+    /// Dials up to [`DIALS_PER_ROUND`] of the addresses a bootstrap entry
+    /// resolved to, chosen at random, leaving out this node's own.
+    fn dial_bootstrap(&mut self, mut addrs: Vec<SocketAddr>) {
+        if let Listening::On(own) = *self.bound.borrow() {
+            addrs.retain(|a| *a != own);
         }
         fastrand::shuffle(&mut addrs);
         for addr in addrs.into_iter().take(DIALS_PER_ROUND) {
@@ -788,7 +885,7 @@ impl Runner {
         }
     }
 
-    fn on_event(&mut self, event: SwarmEvent<kad::Event>) {
+    fn on_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
         match event {
             SwarmEvent::ConnectionEstablished {
                 peer_id,
@@ -844,6 +941,15 @@ impl Runner {
                 self.bound.send_replace(Listening::Closed(why));
             }
             SwarmEvent::IncomingConnectionError {
+                error: libp2p::swarm::ListenError::Denied { cause },
+                send_back_addr,
+                ..
+            } => {
+                // At most one line a connection a flood opens, at debug.
+                self.metrics.over_limit.inc();
+                tracing::debug!(from = %send_back_addr, error = %cause, "closed a DHT connection over the limits");
+            }
+            SwarmEvent::IncomingConnectionError {
                 error,
                 send_back_addr,
                 ..
@@ -854,7 +960,7 @@ impl Runner {
             SwarmEvent::OutgoingConnectionError { error, .. } => {
                 tracing::debug!(error = %error, "a DHT dial failed");
             }
-            SwarmEvent::Behaviour(event) => self.on_kad(event),
+            SwarmEvent::Behaviour(BehaviourEvent::Kad(event)) => self.on_kad(event),
             _ => {}
         }
     }
@@ -973,6 +1079,19 @@ impl Runner {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bootstrap_rounds_back_off_while_the_routing_table_holds_peers() {
+        let mut pause = DIAL_EVERY;
+        let mut seen = Vec::new();
+        for _ in 0..7 {
+            pause = next_pause(pause, 3);
+            seen.push(pause.as_secs());
+        }
+        assert_eq!(seen, [4, 8, 16, 32, 60, 60, 60]);
+        assert_eq!(next_pause(DIAL_EVERY_MAX, 0), DIAL_EVERY, "an empty table");
+        assert_eq!(next_pause(DIAL_EVERY, 0), DIAL_EVERY);
+    }
 
     #[test]
     fn a_node_record_is_taken_only_under_its_own_key_and_id() {
