@@ -83,6 +83,8 @@ pub(super) struct DhtWorld {
     lookups: u64,
     bytes: f64,
     joins: Vec<Join>,
+    /// Per blob: the nodes its runs were handed to.
+    fetchers: Vec<Vec<u32>>,
 }
 
 /// Joins sampled to report a join's cost.
@@ -103,6 +105,7 @@ impl DhtWorld {
             lookups: 0,
             bytes: 0.0,
             joins,
+            fetchers: vec![Vec::new(); blobs],
             kad,
         }
     }
@@ -149,6 +152,7 @@ impl DhtWorld {
                 .max()
                 .unwrap_or(0)
                 .min(DEFAULTS.dht_max_providers),
+            max_fetchers: self.fetchers.iter().map(Vec::len).max().unwrap_or(0),
         }
     }
 }
@@ -398,6 +402,10 @@ impl World<'_> {
                 }
                 runs = runs_in(&view.blocks, &held, DEFAULTS.run_chunks);
                 runs.truncate(self.sc.registry_parallel.max(1));
+            }
+            let fetchers = &mut self.dht().fetchers[b];
+            if !runs.is_empty() && !fetchers.contains(&n) {
+                fetchers.push(n);
             }
             // The coordinator's news, as the agent's: the next few runs, a
             // partial list.
