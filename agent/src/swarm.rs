@@ -50,7 +50,9 @@ use crate::registry::RegistryClient;
 use crate::store::{Blob, Holding, PutOutcome};
 use crate::tracker_client::TrackerClient;
 use dray_protocol::defaults::{DEFAULTS, announce_spread};
-use dray_protocol::dht::{FETCHERS, dht_runs, lookup_after, overflow_list, pick_peers};
+use dray_protocol::dht::{
+    FETCHERS, counted_fetchers, dht_runs, lookup_after, overflow_list, pick_peers,
+};
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::preheat;
 use dray_protocol::pull::{Action, Arbiter, Fallback, News, PullConfig, PullMachine, RunId};
@@ -1193,23 +1195,24 @@ impl Swarm {
                         // the same, once none is still to answer. This node
                         // only if it is a candidate (nobody else counts it),
                         // or if every other failed here.
-                        let live: Vec<&PeerAddr> = now
+                        let live: Vec<(&str, bool)> = now
                             .fetchers
                             .iter()
                             .filter(|p| !t.is_gone(&p.peer_id))
+                            .map(|p| (p.peer_id.as_str(), t.has_shown(&p.peer_id)))
                             .collect();
-                        let waiting = live.iter().any(|p| !t.has_shown(&p.peer_id));
-                        let alone = live.is_empty();
-                        let fetchers = (now.fetcher || alone)
-                            .then_some(me.as_str())
-                            .into_iter()
-                            .chain(live.iter().map(|p| p.peer_id.as_str()))
-                            .filter(|_| !waiting);
+                        let fetchers = counted_fetchers(&me, now.fetcher, &live);
                         let mut held = t.held_by_peers();
                         for i in t.blob().held().ones() {
                             held.set(i);
                         }
-                        runs = dht_runs(&digest, &me, fetchers, &held, self.config.run_chunks);
+                        runs = dht_runs(
+                            &digest,
+                            &me,
+                            fetchers.into_iter(),
+                            &held,
+                            self.config.run_chunks,
+                        );
                         // As many as run at once: the next come as these finish.
                         runs.truncate(self.config.registry_parallel.max(1));
                     }

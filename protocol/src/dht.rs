@@ -14,8 +14,9 @@
 //! - [`overflow_list`]: where a node the blob's list left out provides the
 //!   blob instead, so that such nodes find each other (and not only the
 //!   listed few, who could not serve them all).
-//! - [`fetcher_rank`], [`FETCHERS`]: which few members fetch a blob's
-//!   blocks from the registry, in an order no member's list can skew.
+//! - [`fetcher_rank`], [`FETCHERS`], [`fetcher_candidates`],
+//!   [`counted_fetchers`]: which few members fetch a blob's blocks from the
+//!   registry, in an order no member's list can skew.
 //! - [`dht_runs`]: the runs a member fetches from the registry.
 //! - [`watch_order`]: which of the members a pull watches as its peers.
 //! - [`lookup_after`]: how often a pull asks the DHT again.
@@ -59,6 +60,55 @@ pub fn fetcher_rank(digest: &BlobDigest, id: &[u8]) -> [u8; 32] {
         .update(id)
         .finalize()
         .as_bytes()
+}
+
+/// Which of a blob's members are its fetcher candidates, as `mine` (this
+/// node's [`fetcher_rank`]) sees them: `ranked` holds the other members it
+/// could reach, first by [`fetcher_rank`] (`rank`), those failed in this
+/// pull or without a node record left out by the caller (the agent's
+/// lookups skip them, so the next ones move up). The first [`FETCHERS`] of
+/// them are candidates; this node is one too if the DHT lists it
+/// ([`counts_itself`]: nobody else counts it otherwise) and fewer than
+/// `FETCHERS` rank above it, and then it takes the last place. Returns the
+/// other candidates, in rank order, and whether this node is one: the same
+/// set at every node that reached the same members.
+pub fn fetcher_candidates<T>(
+    mine: &[u8; 32],
+    listed: bool,
+    mut ranked: Vec<T>,
+    rank: impl Fn(&T) -> [u8; 32],
+) -> (Vec<T>, bool) {
+    ranked.truncate(FETCHERS);
+    let above = ranked.iter().filter(|m| rank(m) < *mine).count();
+    let me = listed && above < FETCHERS;
+    if me {
+        ranked.truncate(FETCHERS - 1);
+    }
+    (ranked, me)
+}
+
+/// The fetchers among which [`dht_runs`] splits the blocks, as `me` counts
+/// them now: of its candidates ([`fetcher_candidates`]), `live` are those
+/// not failed in this pull, each with whether it answered this pull's
+/// bitfield request (every puller asks them, so every puller learns the
+/// same). None while one is still to answer: a member a forged list names,
+/// that neither holds nor pulls the blob, is never given blocks to wait
+/// `swarm.stall` for. This node counts if it is a `candidate`, or alone if
+/// every candidate failed here (a list of made-up ids then leaves the pull
+/// fetching alone, not waiting).
+pub fn counted_fetchers<'a>(
+    me: &'a str,
+    candidate: bool,
+    live: &[(&'a str, bool)],
+) -> Vec<&'a str> {
+    if live.iter().any(|&(_, shown)| !shown) {
+        return Vec::new();
+    }
+    (candidate || live.is_empty())
+        .then_some(me)
+        .into_iter()
+        .chain(live.iter().map(|&(id, _)| id))
+        .collect()
 }
 
 /// Doublings of `dht.lookup` at most: 6.4 s between lookups at the default.
@@ -236,6 +286,53 @@ mod tests {
         assert!(per.values().all(|&n| (180..320).contains(&n)), "{per:?}");
         assert!((130..280).contains(&moved), "{moved}");
         assert_eq!(registry_fetcher(&d, 0, []), None);
+    }
+
+    #[test]
+    fn fetcher_candidates_are_the_first_by_rank_with_this_node_if_listed() {
+        let d = BlobDigest::of(b"blob");
+        let rank = |m: &String| fetcher_rank(&d, m.as_bytes());
+        let mut all: Vec<String> = (0..40).map(|i| format!("n{i}")).collect();
+        all.sort_by_cached_key(rank);
+        // For every place this node could rank at, whatever list it heard.
+        for (place, me) in all.iter().enumerate() {
+            let others: Vec<String> = all.iter().filter(|m| *m != me).cloned().collect();
+            let (cands, is) = fetcher_candidates(&rank(me), true, others.clone(), rank);
+            assert_eq!(is, place < FETCHERS, "{me} at {place}");
+            let mut set = cands.clone();
+            if is {
+                set.push(me.clone());
+            }
+            set.sort_by_cached_key(rank);
+            assert_eq!(
+                set,
+                all[..FETCHERS],
+                "the first FETCHERS by rank, at {place}"
+            );
+            // Not listed: never a candidate, and the others fill every place.
+            let (cands, is) = fetcher_candidates(&rank(me), false, others.clone(), rank);
+            assert!(!is);
+            assert_eq!(cands, others[..FETCHERS]);
+        }
+        // Fewer members than places: all of them, and this node.
+        let few: Vec<String> = all[..3].to_vec();
+        let (cands, is) = fetcher_candidates(&rank(&all[39]), true, few.clone(), rank);
+        assert!(is);
+        assert_eq!(cands, few);
+    }
+
+    #[test]
+    fn fetchers_are_counted_once_every_candidate_answered() {
+        // A candidate still to answer: no blocks for anyone yet.
+        assert!(counted_fetchers("me", true, &[("a", true), ("b", false)]).is_empty());
+        assert_eq!(
+            counted_fetchers("me", true, &[("a", true), ("b", true)]),
+            ["me", "a", "b"]
+        );
+        // Not a candidate: the others only.
+        assert_eq!(counted_fetchers("me", false, &[("a", true)]), ["a"]);
+        // Every candidate failed here: this node fetches alone.
+        assert_eq!(counted_fetchers("me", false, &[]), ["me"]);
     }
 
     #[test]

@@ -110,26 +110,28 @@ impl Payload {
     }
 }
 
+/// A flow's state, the fields every settle reads first: they share one
+/// cache line (a settle touches thousands of flows scattered in memory).
 #[derive(Debug)]
+#[repr(C)]
 struct Flow {
-    payload: Payload,
     left: f64,
     rate: f64,
     updated: f64,
     /// When its queued finish event fires; a slower rate leaves that event in
     /// place (it re-queues itself on firing early) rather than queueing another.
     due: u64,
-    version: u32,
     /// Its claim on each link's capacity, relative to the other flows'.
     weight: f64,
+    version: u32,
     links: [LinkId; 4],
-    pos: [u32; 4],
     nlinks: u8,
     live: bool,
     /// Requested, its first byte not yet due: on no link yet.
     waiting: bool,
-    dirty: bool,
     fresh: bool,
+    pos: [u32; 4],
+    payload: Payload,
 }
 
 #[derive(Debug)]
@@ -149,10 +151,16 @@ struct Link {
 pub(crate) struct Net {
     links: Vec<Link>,
     flows: Vec<Flow>,
+    /// Per flow: queued in `dirty_flows`. Apart from the flows, so that
+    /// marking a busy link's members reads one dense array.
+    flow_dirty: Vec<bool>,
     free: Vec<FlowId>,
     queue: Queue<Ev>,
     dirty_flows: Vec<FlowId>,
     dirty_links: Vec<LinkId>,
+    /// The dirty lists being settled, kept so that settling never allocates.
+    settling_flows: Vec<FlowId>,
+    settling_links: Vec<LinkId>,
     registry_bytes: f64,
     registry_link: LinkId,
     pub events: u64,
@@ -179,10 +187,13 @@ impl Net {
                 })
                 .collect(),
             flows: Vec::new(),
+            flow_dirty: Vec::new(),
             free: Vec::new(),
             queue: Queue::new(),
             dirty_flows: Vec::new(),
             dirty_links: Vec::new(),
+            settling_flows: Vec::new(),
+            settling_links: Vec::new(),
             registry_bytes: 0.0,
             registry_link,
             events: 0,
@@ -288,9 +299,9 @@ impl Net {
                     nlinks: 0,
                     live: false,
                     waiting: false,
-                    dirty: false,
                     fresh: false,
                 });
+                self.flow_dirty.push(false);
                 (self.flows.len() - 1) as FlowId
             }
         };
@@ -345,8 +356,14 @@ impl Net {
         f.pos = pos;
         f.waiting = false;
         f.fresh = true;
-        if !f.dirty {
-            f.dirty = true;
+        self.mark(id);
+    }
+
+    /// Queues flow `id` for the next settle.
+    fn mark(&mut self, id: FlowId) {
+        let dirty = &mut self.flow_dirty[id as usize];
+        if !*dirty {
+            *dirty = true;
             self.dirty_flows.push(id);
         }
     }
@@ -407,7 +424,11 @@ impl Net {
     fn settle(&mut self) {
         let now = self.now();
         let now_ns = self.now_ns();
-        for l in std::mem::take(&mut self.dirty_links) {
+        let mut links = std::mem::replace(
+            &mut self.dirty_links,
+            std::mem::take(&mut self.settling_links),
+        );
+        for l in links.drain(..) {
             let link = &mut self.links[l as usize];
             link.dirty = false;
             let n = link.members.len();
@@ -421,16 +442,17 @@ impl Net {
                 };
                 for k in 0..n {
                     let id = self.links[l as usize].members[k];
-                    let f = &mut self.flows[id as usize];
-                    if !f.dirty {
-                        f.dirty = true;
-                        self.dirty_flows.push(id);
-                    }
+                    self.mark(id);
                 }
             }
         }
-        for id in std::mem::take(&mut self.dirty_flows) {
-            self.flows[id as usize].dirty = false;
+        self.settling_links = links;
+        let mut flows = std::mem::replace(
+            &mut self.dirty_flows,
+            std::mem::take(&mut self.settling_flows),
+        );
+        for id in flows.drain(..) {
+            self.flow_dirty[id as usize] = false;
             if !self.flows[id as usize].live {
                 continue;
             }
@@ -454,6 +476,7 @@ impl Net {
                 }
             }
         }
+        self.settling_flows = flows;
     }
 
     /// Bytes that have left the registry up to now, including flows in progress.

@@ -19,6 +19,11 @@ pub(crate) struct Queue<E> {
     due: VecDeque<E>,
     /// `later[b]`: events whose time's highest bit differing from `now` is bit `b`.
     later: [Vec<(u64, E)>; 64],
+    /// Bit `b` set: `later[b]` is not empty.
+    filled: u64,
+    /// The bucket being split, kept between splits so that no split
+    /// allocates once the buckets have grown.
+    spare: Vec<(u64, E)>,
 }
 
 impl<E> Queue<E> {
@@ -27,6 +32,8 @@ impl<E> Queue<E> {
             now: 0,
             due: VecDeque::new(),
             later: std::array::from_fn(|_| Vec::new()),
+            filled: 0,
+            spare: Vec::new(),
         }
     }
 
@@ -40,8 +47,14 @@ impl<E> Queue<E> {
         if at <= self.now {
             self.due.push_back(ev);
         } else {
-            self.later[Self::bucket(self.now, at)].push((at, ev));
+            self.put(at, ev);
         }
+    }
+
+    fn put(&mut self, at: u64, ev: E) {
+        let b = Self::bucket(self.now, at);
+        self.later[b].push((at, ev));
+        self.filled |= 1 << b;
     }
 
     fn bucket(now: u64, at: u64) -> usize {
@@ -59,18 +72,23 @@ impl<E> Queue<E> {
         if !self.due.is_empty() {
             return Some(self.now);
         }
-        let b = self.later.iter().position(|v| !v.is_empty())?;
-        let bucket = std::mem::take(&mut self.later[b]);
+        if self.filled == 0 {
+            return None;
+        }
+        let b = self.filled.trailing_zeros() as usize;
+        self.filled &= !(1 << b);
+        let mut bucket = std::mem::replace(&mut self.later[b], std::mem::take(&mut self.spare));
         self.now = bucket.iter().map(|&(t, _)| t).min()?;
         // Every time in the bucket shares the bits above `b` with the new
         // present, so each lands in a lower bucket (or is due now).
-        for (t, ev) in bucket {
+        for (t, ev) in bucket.drain(..) {
             if t == self.now {
                 self.due.push_back(ev);
             } else {
-                self.later[Self::bucket(self.now, t)].push((t, ev));
+                self.put(t, ev);
             }
         }
+        self.spare = bucket;
         Some(self.now)
     }
 }

@@ -147,6 +147,10 @@ pub struct DhtReport {
     pub hottest_store_bytes_per_s: f64,
     /// The most members any node saw of a blob (the stores' cap).
     pub max_members: usize,
+    /// The most nodes the DHT's rule handed registry runs of one blob
+    /// (`dray_protocol::dht::fetcher_candidates`: at most `FETCHERS`, or
+    /// one more for a node whose every candidate failed).
+    pub max_fetchers: usize,
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {

@@ -24,6 +24,25 @@ fn dray_on_small_pulls_the_image_from_the_registry_about_once() {
 }
 
 #[test]
+fn without_a_tracker_at_most_fetchers_nodes_fetch_a_blob_from_the_registry() {
+    // 64 nodes, every one listed: before the shared rule, every listed
+    // member was a fetcher here, while the agent takes at most FETCHERS.
+    let sc = Scenario::emulated(&Emulated {
+        nodes: 64,
+        image_bytes: 256 << 20,
+        ..Emulated::default()
+    });
+    let r = run(&sc, Strategy::DrayDht, 1).unwrap();
+    assert_eq!(r.completed, 64, "{r:?}");
+    assert!(r.registry_egress_ratio <= 1.1, "{r:?}");
+    let dht = r.dht.as_ref().expect("a dray-dht run reports its DHT");
+    assert!(
+        (2..=dray_protocol::dht::FETCHERS).contains(&dht.max_fetchers),
+        "{dht:?}"
+    );
+}
+
+#[test]
 fn peers_take_a_registry_chunk_only_once_they_have_learned_its_hash() {
     // Hashes travel fetcher -> tracker -> the next announce's answer, so a
     // slower announce period keeps chunks from peers longer.

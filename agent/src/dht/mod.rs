@@ -70,7 +70,9 @@ use crate::error::{Error, Result};
 use crate::identity::Identity;
 use dray_protocol::BlobDigest;
 use dray_protocol::defaults::DEFAULTS;
-use dray_protocol::dht::{FETCHERS, counts_itself, fetcher_rank, overflow_list};
+use dray_protocol::dht::{
+    FETCHERS, counts_itself, fetcher_candidates, fetcher_rank, overflow_list,
+};
 use dray_protocol::settings::duration;
 use futures_util::StreamExt;
 use libp2p::core::ConnectedPoint;
@@ -569,16 +571,12 @@ impl Dht {
             .filter(|id| *id != self.local)
             .collect();
         ranked.sort_by_cached_key(rank);
-        let mut fetchers = self.first_records(&ranked, FETCHERS, &gone).await;
-        let mine = rank(&self.local);
-        let above = fetchers
-            .iter()
-            .filter(|r| rank(&libp2p_id(&r.peer_id)) < mine)
-            .count();
-        let fetcher = listed && above < FETCHERS;
-        if fetcher {
-            fetchers.truncate(FETCHERS - 1);
-        }
+        let (fetchers, fetcher) = fetcher_candidates(
+            &rank(&self.local),
+            listed,
+            self.first_records(&ranked, FETCHERS, &gone).await,
+            |r| rank(&libp2p_id(&r.peer_id)),
+        );
         let chosen: HashSet<&str> = fetchers.iter().map(|r| r.peer_id.as_str()).collect();
         ranked.sort_by_cached_key(|id| watch_rank(&self.local, id));
         let others = self

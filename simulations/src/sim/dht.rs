@@ -3,9 +3,11 @@
 //! every `dht.lookup` asks the DHT for each blob's members and, from
 //! `dht.settle` after its records landed, takes its registry runs and its
 //! peers by the rules of [`dray_protocol::dht`], the agent's own code:
-//! [`counts_itself`], `dht_runs` (as its halves [`dht_blocks`], kept while
-//! the members stay the same, and [`runs_in`]; truncated to
-//! `registry_parallel`, as the agent does) and [`pick_peers`]. Chunk hashes come from peers (the
+//! [`counts_itself`], [`fetcher_candidates`] and [`counted_fetchers`] (at
+//! most `FETCHERS` members fetch from the registry), `dht_runs` (as its
+//! halves [`dht_blocks`], kept while the members stay the same, and
+//! [`runs_in`]; truncated to `registry_parallel`, as the agent does) and
+//! [`pick_peers`] (the candidates watched first, then its own picks). Chunk hashes come from peers (the
 //! blob's digest judges at the end), so a node can fetch any chunk a peer
 //! holds; with no tracker, only the stall rule sends it to the registry.
 //!
@@ -20,7 +22,8 @@ use super::*;
 use crate::kademlia::{ANSWER_BYTES, Join, K, Kademlia, PEER_BYTES, REQUEST_BYTES};
 use crate::report::DhtReport;
 use dray_protocol::dht::{
-    counts_itself, dht_blocks, lookup_after, overflow_list, pick_peers, runs_in,
+    counted_fetchers, counts_itself, dht_blocks, fetcher_candidates, fetcher_rank, lookup_after,
+    overflow_list, pick_peers, runs_in,
 };
 
 /// A node's DHT state.
@@ -80,6 +83,8 @@ pub(super) struct DhtWorld {
     lookups: u64,
     bytes: f64,
     joins: Vec<Join>,
+    /// Per blob: the nodes its runs were handed to.
+    fetchers: Vec<Vec<u32>>,
 }
 
 /// Joins sampled to report a join's cost.
@@ -100,6 +105,7 @@ impl DhtWorld {
             lookups: 0,
             bytes: 0.0,
             joins,
+            fetchers: vec![Vec::new(); blobs],
             kad,
         }
     }
@@ -146,6 +152,7 @@ impl DhtWorld {
                 .max()
                 .unwrap_or(0)
                 .min(DEFAULTS.dht_max_providers),
+            max_fetchers: self.fetchers.iter().map(Vec::len).max().unwrap_or(0),
         }
     }
 }
@@ -290,32 +297,45 @@ impl World<'_> {
         let mine = list.contains(&n);
         // A store leaves the asker out of its answer.
         let listed = counts_itself([list.len() - usize::from(mine)], DEFAULTS.dht_max_providers);
-        let others: Vec<u32> = list
+        let digest = &self.blobs[b].digest;
+        let rank = |&m: &u32| fetcher_rank(digest, self.names[m as usize].as_bytes());
+        let mut others: Vec<u32> = list
             .iter()
             .copied()
             .filter(|&m| m != n && !gone.contains(&m))
             .collect();
+        others.sort_by_cached_key(rank);
+        let (candidates, candidate) = fetcher_candidates(&rank(&n), listed, others.clone(), rank);
         let me = self.names[n as usize].as_str();
-        let fetchers = listed
-            .then_some(me)
-            .into_iter()
-            .chain(others.iter().map(|&m| self.names[m as usize].as_str()));
+        // A simulated member answers a pull's bitfield request at once; one
+        // that is gone is found so before this view is taken.
+        let live: Vec<(&str, bool)> = candidates
+            .iter()
+            .map(|&m| (self.names[m as usize].as_str(), true))
+            .collect();
         let blocks = dht_blocks(
-            &self.blobs[b].digest,
+            digest,
             me,
-            fetchers,
+            counted_fetchers(me, candidate, &live).into_iter(),
             self.blobs[b].chunks,
             DEFAULTS.run_chunks,
         );
-        // Its overflow list's members are peers, not fetchers.
+        // It watches the candidates (as every puller does, so each learns
+        // which answer), then its own picks of the rest; its overflow
+        // list's members are peers, not fetchers.
         let named = |v: &mut dyn Iterator<Item = &u32>| -> Vec<(u32, &str)> {
-            v.filter(|m| !refused.contains(m))
+            v.filter(|m| !refused.contains(m) && !candidates.contains(m))
                 .map(|&m| (m, self.names[m as usize].as_str()))
                 .collect()
         };
         let own = named(&mut others.iter());
         let mates = named(&mut extra.iter().filter(|&&m| m != n && !gone.contains(&m)));
-        let watch = pick_peers(me, own, mates, |m| m.1, self.sc.max_peers_per_blob);
+        let room = self.sc.max_peers_per_blob.saturating_sub(candidates.len());
+        let mut watch = candidates.clone();
+        if room > 0 {
+            let picked = pick_peers(me, own, mates, |m| m.1, room);
+            watch.extend(picked.into_iter().map(|(m, _)| m));
+        }
         View {
             members,
             more,
@@ -323,7 +343,7 @@ impl World<'_> {
             refused: refused.len(),
             listed,
             blocks,
-            watch: watch.into_iter().map(|(m, _)| m).collect(),
+            watch,
         }
     }
 
@@ -383,6 +403,10 @@ impl World<'_> {
                 runs = runs_in(&view.blocks, &held, DEFAULTS.run_chunks);
                 runs.truncate(self.sc.registry_parallel.max(1));
             }
+            let fetchers = &mut self.dht().fetchers[b];
+            if !runs.is_empty() && !fetchers.contains(&n) {
+                fetchers.push(n);
+            }
             // The coordinator's news, as the agent's: the next few runs, a
             // partial list.
             let news = News {
@@ -395,8 +419,10 @@ impl World<'_> {
             for p in dht.nodes[nu].views[b].watch.clone() {
                 if self.nodes[p as usize].alive {
                     self.learn_peer(n, b, p);
-                    if !self.nodes[nu].blobs[b].peers.contains(&p) {
-                        self.dht().nodes[nu].refused[b].push(p);
+                    let kept = self.nodes[nu].blobs[b].peers.contains(&p);
+                    let refused = &mut self.dht().nodes[nu].refused[b];
+                    if !kept && !refused.contains(&p) {
+                        refused.push(p);
                     }
                 }
             }
