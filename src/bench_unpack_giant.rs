@@ -179,8 +179,8 @@ fn instructions(d: Decoder, file: &Path, rapidgzip: &Path) -> Result<u64> {
     }
     err.lines()
         .find_map(|l| {
-            l.split_once("I refs:")
-                .map(|(_, n)| n.trim().replace(',', ""))
+            let (_, rest) = l.split_once("== I")?;
+            Some(rest.trim().strip_prefix("refs:")?.trim().replace(',', ""))
         })
         .context("no `I refs` in cachegrind's output")?
         .parse()
