@@ -9,6 +9,7 @@ use crate::bench_peer::{child_cpu, diff, own_cpu, total};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use dray_agent::unpack::{Compression, unpack_layer};
+use dray_testkit::layer_content::{Mix, write_layer_tar};
 use dray_testkit::oci_image::{Containerd, LayerBlob, write_oci_archive};
 use serde::Serialize;
 use std::io::Write;
@@ -27,6 +28,26 @@ pub struct UnpackBench {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Instead: one giant gzip layer, serial vs the parallel decoder vs
+    /// rapidgzip, in counted work (see `bench_unpack_giant`).
+    #[arg(long)]
+    giant: bool,
+    /// With --giant: uncompressed size of the layer, MiB.
+    #[arg(long, default_value_t = 2048)]
+    giant_mib: u64,
+    /// With --giant: uncompressed size of the slice counted by cachegrind, MiB.
+    #[arg(long, default_value_t = 64)]
+    slice_mib: u64,
+    /// With --giant: the `rapidgzip` command line (`pip install rapidgzip`);
+    /// its figures are left out when it is missing.
+    #[arg(long, default_value = "rapidgzip")]
+    rapidgzip: PathBuf,
+    /// Internal (a child of --giant): decode this gzip file to nothing.
+    #[arg(long, hide = true)]
+    decode: Option<PathBuf>,
+    /// Internal, with --decode: 0 for the serial path, else decoder threads.
+    #[arg(long, hide = true, default_value_t = 0)]
+    threads: usize,
 }
 
 #[derive(Serialize)]
@@ -88,6 +109,17 @@ const RATE_METHOD: &str = "the relay's total rate is set so that downloading the
     about as long as unpacking them (compressed bytes / unpack_s), the case where overlap matters most";
 
 pub async fn run(b: UnpackBench) -> Result<()> {
+    if let Some(file) = &b.decode {
+        return crate::bench_unpack_giant::decode(file, b.threads);
+    }
+    if b.giant {
+        let rapidgzip = which(&b.rapidgzip);
+        let (mib, slice, json) = (b.giant_mib, b.slice_mib, b.json);
+        return tokio::task::spawn_blocking(move || {
+            crate::bench_unpack_giant::run(mib, slice, rapidgzip, json)
+        })
+        .await?;
+    }
     if b.size_mib < LAYERS as u64 {
         bail!("--size-mib must be at least {LAYERS}");
     }
@@ -477,6 +509,18 @@ fn containerd_unpack(
     Ok(secs)
 }
 
+/// `program` as given when it names a path, else found on `PATH`.
+fn which(program: &Path) -> Option<PathBuf> {
+    if program.components().count() > 1 {
+        return Some(program.to_path_buf());
+    }
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|d| Path::new(d).join(program))
+        .find(|p| p.is_file())
+}
+
 /// Compresses each tar (gzip at the default level 6, as Docker and
 /// containerd write it; zstd level 3), in parallel.
 fn compress_layers(tars: &[PathBuf], w: &Path, compression: Compression) -> Result<Vec<PathBuf>> {
@@ -515,167 +559,27 @@ fn compress_layers(tars: &[PathBuf], w: &Path, compression: Compression) -> Resu
     })
 }
 
-/// A deterministic generator of layer content.
-struct Content(u64);
-
-impl Content {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    /// Incompressible bytes (media, already-compressed archives, models).
-    fn random(&mut self, n: usize) -> Vec<u8> {
-        let mut v = Vec::with_capacity(n + 8);
-        while v.len() < n {
-            v.extend_from_slice(&self.next().to_le_bytes());
-        }
-        v.truncate(n);
-        v
-    }
-
-    /// Text that compresses about as source code and configs do (3–4×).
-    fn text(&mut self, n: usize) -> Vec<u8> {
-        const WORDS: &[&str] = &[
-            "the",
-            "layer",
-            "image",
-            "return",
-            "static",
-            "const",
-            "function",
-            "value",
-            "error",
-            "if",
-            "else",
-            "for",
-            "while",
-            "import",
-            "struct",
-            "impl",
-            "self",
-            "config",
-            "path",
-            "string",
-            "bytes",
-            "digest",
-            "container",
-            "runtime",
-            "0x1f",
-            "42",
-            "true",
-            "false",
-            "null",
-            "{",
-            "}",
-            "(",
-            ");",
-            "=",
-            "==",
-            "//",
-            "#include",
-            "<stdio.h>",
-            "printf",
-            "int",
-            "char",
-            "void",
-            "license",
-            "Apache",
-            "GNU",
-            "version",
-            "copyright",
-        ];
-        let mut v = Vec::with_capacity(n + 64);
-        while v.len() < n {
-            let r = self.next();
-            for k in 0..6 {
-                let word = WORDS[((r >> (k * 10)) % WORDS.len() as u64) as usize];
-                v.extend_from_slice(word.as_bytes());
-                v.push(if (r >> (60 - k)) & 7 == 0 {
-                    b'\n'
-                } else {
-                    b' '
-                });
-            }
-            // Identifiers that repeat less often, like real code.
-            v.extend_from_slice(format!("x{} ", r % 5000).as_bytes());
-        }
-        v.truncate(n);
-        v
-    }
-}
-
 /// Four layer tars of `per_layer` bytes each: 30% small text files (0.5–16
 /// KiB, 100 per directory), 40% large text files (4–12 MiB), 30% large
 /// random files, with a few symlinks and hardlinks. Returns the tars and the
 /// number of files.
 fn generate_layers(w: &Path, per_layer: u64) -> Result<(Vec<PathBuf>, u64)> {
+    let mix = Mix {
+        small_text: 30,
+        large_text: 40,
+        binary: 0,
+    };
     let mut files = 0;
     let mut tars = Vec::new();
     for layer in 0..LAYERS {
         let path = w.join(format!("layer{layer}.tar"));
-        let mut b = tar::Builder::new(std::io::BufWriter::with_capacity(
-            1 << 20,
-            std::fs::File::create(&path)?,
-        ));
-        let mut g =
-            Content(0x9E37_79B9_7F4A_7C15 ^ (layer as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407));
-        let add = |b: &mut tar::Builder<_>, name: &str, data: &[u8]| -> Result<()> {
-            let mut h = tar::Header::new_gnu();
-            h.set_size(data.len() as u64);
-            h.set_mode(0o644);
-            h.set_mtime(1_700_000_000);
-            h.set_uid(0);
-            h.set_gid(0);
-            h.set_entry_type(tar::EntryType::Regular);
-            b.append_data(&mut h, name, data)?;
-            Ok(())
-        };
-        let (mut small, mut text, mut random) = (0u64, 0u64, 0u64);
-        let (small_goal, text_goal) = (per_layer * 3 / 10, per_layer * 4 / 10);
-        let random_goal = per_layer - small_goal - text_goal;
-        let mut i = 0u64;
-        while small < small_goal {
-            let n = 512 + (g.next() % (16 << 10)) as usize;
-            add(
-                &mut b,
-                &format!("l{layer}/src/d{}/f{i}.txt", i / 100),
-                &g.text(n),
-            )?;
-            small += n as u64;
-            i += 1;
-        }
-        files += i;
-        while text < text_goal {
-            let n = ((4 << 20) + g.next() % (8 << 20)).min(text_goal - text) as usize;
-            add(&mut b, &format!("l{layer}/share/t{i}.txt"), &g.text(n))?;
-            text += n as u64;
-            i += 1;
-            files += 1;
-        }
-        while random < random_goal {
-            let n = ((4 << 20) + g.next() % (8 << 20)).min(random_goal - random) as usize;
-            add(&mut b, &format!("l{layer}/lib/r{i}.bin"), &g.random(n))?;
-            random += n as u64;
-            i += 1;
-            files += 1;
-        }
-        let mut h = tar::Header::new_gnu();
-        h.set_entry_type(tar::EntryType::Symlink);
-        h.set_size(0);
-        h.set_mode(0o777);
-        h.set_uid(0);
-        h.set_gid(0);
-        b.append_link(&mut h, format!("l{layer}/current"), "src")?;
-        h.set_entry_type(tar::EntryType::Link);
-        b.append_link(
-            &mut h,
-            format!("l{layer}/first.txt"),
-            format!("l{layer}/src/d0/f0.txt"),
+        files += write_layer_tar(
+            &path,
+            &format!("l{layer}"),
+            per_layer,
+            mix,
+            layer as u64 + 1,
         )?;
-        b.into_inner()?.flush()?;
         tars.push(path);
     }
     Ok((tars, files))

@@ -4,6 +4,7 @@ mod bench;
 mod bench_peer;
 mod bench_peer_counted;
 mod bench_unpack;
+mod bench_unpack_giant;
 mod client;
 mod cluster;
 mod demo;

@@ -8,8 +8,10 @@ mod hostile;
 
 use common::oci_image::{self, Containerd, LayerBlob, chain_ids, write_oci_archive};
 use dray_agent::unpack::{
-    Compression, MAX_HEADER_BODY, UnpackError, UnpackLimits, unpack_layer, unpack_layer_within,
+    Compression, MAX_HEADER_BODY, UnpackError, UnpackLimits, memory_cap,
+    unpack_gzip_parallel_within, unpack_layer, unpack_layer_within,
 };
+use dray_testkit::layer_content::{Mix, write_layer_tar};
 use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::io::Write;
@@ -947,4 +949,173 @@ fn a_sparse_map_over_a_mebibyte_or_past_its_stored_bytes_is_refused() {
     let tar = hostile::sparse_file("overlap", 8192, &[(0, vec![1; 1024]), (512, vec![2; 512])]);
     let (err, _) = refused(&tar[..], Compression::None, &UnpackLimits::default());
     assert!(err.to_string().contains("overlapping"), "{err}");
+}
+
+// ---- one gzip layer on several cores ----
+
+/// A gzip layer of real-looking content (`layer_content`, about `mib` MiB of
+/// tar) compressed by `gzip -6` and by `pigz`: the tar and the two blobs.
+fn giant_ish_layer(dir: &Path, mib: u64) -> (PathBuf, [(&'static str, PathBuf); 2]) {
+    let tar = dir.join("giant.tar");
+    let mix = Mix {
+        small_text: 25,
+        large_text: 30,
+        binary: 20,
+    };
+    write_layer_tar(&tar, "giant", mib << 20, mix, 38).unwrap();
+    let blobs = [("gzip -6", "gzip"), ("pigz", "pigz")].map(|(name, tool)| {
+        let out = dir.join(format!("giant.{tool}.gz"));
+        let mut cmd = Command::new(tool);
+        if tool == "gzip" {
+            cmd.arg("-6");
+        }
+        let ok = cmd
+            .arg("-c")
+            .arg(&tar)
+            .stdout(std::fs::File::create(&out).unwrap())
+            .status()
+            .unwrap_or_else(|e| panic!("{tool}: {e}"));
+        assert!(ok.success(), "{tool}");
+        (name, out)
+    });
+    (tar, blobs)
+}
+
+/// Unpacks a gzip blob with the parallel decoder at `threads` threads.
+fn unpack_parallel(
+    blob: &[u8],
+    threads: usize,
+    target: &Path,
+    diff_id: Option<&str>,
+) -> Result<dray_agent::unpack::Unpacked, UnpackError> {
+    unpack_gzip_parallel_within(
+        blob.to_vec(),
+        blob.len() as u64,
+        threads,
+        target,
+        diff_id,
+        &UnpackLimits::default(),
+    )
+}
+
+#[test]
+fn a_giant_gzip_layer_unpacked_in_parallel_equals_the_serial_tree() {
+    let dir = tempfile::tempdir().unwrap();
+    let (tar, blobs) = giant_ish_layer(dir.path(), 96);
+    let diff_id = sha256_file(&tar);
+    for (name, blob) in blobs {
+        let serial = dir.path().join(format!("{name}.serial"));
+        let s = unpack_layer(
+            std::fs::File::open(&blob).unwrap(),
+            Compression::Gzip,
+            &serial,
+            Some(&diff_id),
+        )
+        .unwrap();
+        let bytes = std::fs::read(&blob).unwrap();
+        for threads in [2, 4] {
+            let parallel = dir.path().join(format!("{name}.{threads}"));
+            let before = common::peak_rss("self");
+            let p = unpack_parallel(&bytes, threads, &parallel, Some(&diff_id)).unwrap();
+            let after = common::peak_rss("self");
+            eprintln!(
+                "{name}, {threads} threads: {p:?}; peak RSS {} -> {} MiB, cap {} MiB",
+                before >> 20,
+                after >> 20,
+                memory_cap(threads) >> 20
+            );
+            // The crate screens each stream and may judge it better decoded
+            // on one thread (it caps its workers at the machine's cores, and
+            // on 2 loaded cores it often does): either route must give the
+            // same tree.
+            assert!(
+                matches!(
+                    p.parallel_gzip_route.as_deref(),
+                    Some("MarkerWindow" | "Sequential")
+                ),
+                "{name}: {:?}",
+                p.parallel_gzip_route
+            );
+            assert_eq!((&p.diff_id, p.entries), (&s.diff_id, s.entries), "{name}");
+            assert_eq!(p.uncompressed_bytes, s.uncompressed_bytes, "{name}");
+            // The generated tar has no directory entries: its directories
+            // are implicit, made when the unpack ran (their mtime is now).
+            let diffs: Vec<_> = tree_differences(&serial, &parallel)
+                .into_iter()
+                .filter(|d| !d.contains("trusted.dray.implicit"))
+                .collect();
+            assert!(
+                diffs.is_empty(),
+                "{name}, {threads} threads:\n{}",
+                diffs.join("\n")
+            );
+            std::fs::remove_dir_all(&parallel).unwrap();
+        }
+    }
+}
+
+/// The error `blob` gives on the serial path and on the parallel one, both
+/// leaving no target: the same variant, reported at the same entry.
+fn fails_alike(blob: &[u8], diff_id: Option<&str>) -> (UnpackError, UnpackError) {
+    let serial = unpack_fails(blob, Compression::Gzip, diff_id);
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("t");
+    let parallel = unpack_parallel(blob, 4, &target, diff_id).expect_err("must fail");
+    assert!(!target.exists(), "target left after: {parallel}");
+    let position = |e: &UnpackError| match e {
+        UnpackError::Stream { position, .. } => format!("stream error {position}"),
+        other => format!("{other}"),
+    };
+    assert_eq!(
+        position(&parallel),
+        position(&serial),
+        "serial: {serial}\nparallel: {parallel}"
+    );
+    (serial, parallel)
+}
+
+#[test]
+fn broken_giant_gzip_layers_fail_in_parallel_as_on_the_serial_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let (tar, [(_, blob), _]) = giant_ish_layer(dir.path(), 64);
+    let diff_id = sha256_file(&tar);
+    let good = std::fs::read(&blob).unwrap();
+    let n = good.len();
+    let cases: [(&str, Box<dyn Fn(&mut Vec<u8>)>); 5] = [
+        (
+            "truncated mid-stream",
+            Box::new(|b| b.truncate(b.len() / 2)),
+        ),
+        (
+            "truncated in the trailer",
+            Box::new(|b| b.truncate(b.len() - 4)),
+        ),
+        (
+            "64 bytes flipped two thirds in",
+            Box::new(|b| {
+                let at = b.len() * 2 / 3;
+                b[at..at + 64].iter_mut().for_each(|x| *x ^= 0x5a);
+            }),
+        ),
+        ("a wrong CRC32", Box::new(|b| b[n - 8] ^= 1)),
+        ("a wrong ISIZE", Box::new(|b| b[n - 4] ^= 1)),
+    ];
+    for (what, break_it) in cases {
+        let mut blob = good.clone();
+        break_it(&mut blob);
+        let (serial, parallel) = fails_alike(&blob, Some(&diff_id));
+        eprintln!("{what}:\n  serial:   {serial}\n  parallel: {parallel}");
+        assert!(
+            matches!(parallel, UnpackError::Stream { .. }),
+            "{what}: {parallel}"
+        );
+    }
+    // Not gzip at all; and a whole stream whose tar is not the one named.
+    fails_alike(b"this is not gzip at all", None);
+    let wrong = format!("sha256:{}", "0".repeat(64));
+    let (_, parallel) = fails_alike(&good, Some(&wrong));
+    assert!(
+        matches!(parallel, UnpackError::DiffIdMismatch { .. }),
+        "{parallel}"
+    );
 }

@@ -62,7 +62,10 @@ pub struct AgentConfig {
     /// uncompressed tar), `max_layer_ratio` (2000 uncompressed bytes per
     /// compressed byte, checked past the first 64 MiB), `max_path_bytes`
     /// (4096). GNU long names and links and PAX headers are capped at 1 MiB,
-    /// as in containerd; that cap is not configurable.
+    /// as in containerd; that cap is not configurable. `[unpack.parallel_gzip]`
+    /// says when a gzip layer is decoded on several cores (`threads` 0 =
+    /// automatic: one per core on nodes of `min_cores` 4 or more, for layers
+    /// of `min_layer_bytes` 256 MiB or more).
     pub unpack: UnpackLimits,
     /// On SIGTERM or SIGINT: how long in-flight unpacks, mirror answers and
     /// uploads may run on before the agent exits anyway. Default 20 s, below

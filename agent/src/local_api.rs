@@ -32,7 +32,10 @@ use crate::image::{self, Image, ImageError, ImageRef, Layer};
 use crate::mirror::MirrorConfig;
 use crate::pulls::{OriginError, PullState, Pulls};
 use crate::registry::RegistryClient;
-use crate::unpack::{Compression, UnpackLimits, Unpacked, unpack_layer_within};
+use crate::unpack::{
+    Compression, ReadAt, UnpackLimits, Unpacked, cores, memory_cap, unpack_gzip_parallel_within,
+    unpack_layer_within,
+};
 use axum::Json;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -326,31 +329,59 @@ impl LocalApi {
             .start_pull(&image, &client, (digest, layer.size))
             .await?;
         let _slot = self.unpacks.acquire().await.expect("never closed");
-        let reader = self
-            .pulls
-            .open(digest, layer.size, 0, layer.size, pull.clone())
-            .await
-            .map_err(|e| ApiError(StatusCode::BAD_GATEWAY, e.to_string()))?;
         // Dropped with this future when the caller hangs up (the shim's
         // deadline passed): the unpacker then fails and removes its target
         // instead of writing on into a directory nobody waits for.
         let gone = CancellationToken::new();
         let _hung_up = gone.clone().drop_guard();
-        let stream = tokio_util::io::StreamReader::new(until_cancelled(reader.into_stream(), gone));
-        let bridge = tokio_util::io::SyncIoBridge::new(stream);
         let target = req.target.clone();
         let limits = self.limits.clone();
-        let unpacked: Unpacked = tokio::task::spawn_blocking(move || {
-            unpack_layer_within(bridge, compression, &target, Some(&diff_id), &limits)
-        })
-        .await
-        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
-        .map_err(|e| {
-            ApiError(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                format!("layer {digest}: {e}"),
-            )
-        })?;
+        let gzip_threads = match compression {
+            Compression::Gzip => limits.parallel_gzip.threads_for(layer.size, cores()),
+            _ => 1,
+        };
+        tracing::info!(%digest, target = %req.target.display(), compressed_bytes = layer.size, ?compression, gzip_threads, memory_cap_bytes = (gzip_threads > 1).then(|| memory_cap(gzip_threads)), "unpacking layer");
+        let unpack = if gzip_threads > 1 {
+            let blob = StoreRange {
+                pulls: self.pulls.clone(),
+                digest,
+                size: layer.size,
+                pull: pull.clone(),
+                gone,
+                runtime: tokio::runtime::Handle::current(),
+            };
+            tokio::task::spawn_blocking(move || {
+                unpack_gzip_parallel_within(
+                    blob,
+                    layer.size,
+                    gzip_threads,
+                    &target,
+                    Some(&diff_id),
+                    &limits,
+                )
+            })
+        } else {
+            let reader = self
+                .pulls
+                .open(digest, layer.size, 0, layer.size, pull.clone())
+                .await
+                .map_err(|e| ApiError(StatusCode::BAD_GATEWAY, e.to_string()))?;
+            let stream =
+                tokio_util::io::StreamReader::new(until_cancelled(reader.into_stream(), gone));
+            let bridge = tokio_util::io::SyncIoBridge::new(stream);
+            tokio::task::spawn_blocking(move || {
+                unpack_layer_within(bridge, compression, &target, Some(&diff_id), &limits)
+            })
+        };
+        let unpacked: Unpacked = unpack
+            .await
+            .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+            .map_err(|e| {
+                ApiError(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    format!("layer {digest}: {e}"),
+                )
+            })?;
         // The tar ended; the blob's last chunk and its digest must still hold.
         let verified = match self
             .pulls
@@ -381,6 +412,47 @@ impl LocalApi {
 }
 
 /// `stream`, cut with an error once `gone` is cancelled.
+/// A layer blob as the store has it, read where the parallel gzip decoder
+/// asks: a read waits until its range is verified (today that is when the
+/// in-order prefix reaches it), and fails once the caller hung up.
+struct StoreRange {
+    pulls: Arc<Pulls>,
+    digest: BlobDigest,
+    size: u64,
+    pull: watch::Receiver<PullState>,
+    gone: CancellationToken,
+    runtime: tokio::runtime::Handle,
+}
+
+impl ReadAt for StoreRange {
+    fn len(&self) -> std::io::Result<u64> {
+        Ok(self.size)
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<usize> {
+        let end = self.size.min(offset.saturating_add(buf.len() as u64));
+        if offset >= end {
+            return Ok(0);
+        }
+        // Called on the decoder's own threads (never a runtime worker).
+        self.runtime.block_on(async {
+            let reader = self
+                .pulls
+                .open(self.digest, self.size, offset, end, self.pull.clone())
+                .await
+                .map_err(std::io::Error::other)?;
+            let mut frames = until_cancelled(reader.into_stream(), self.gone.clone());
+            let mut n = 0;
+            while let Some(frame) = frames.next().await {
+                let frame = frame?;
+                buf[n..n + frame.len()].copy_from_slice(&frame);
+                n += frame.len();
+            }
+            Ok(n)
+        })
+    }
+}
+
 fn until_cancelled(
     stream: BoxStream<'static, std::io::Result<Bytes>>,
     gone: CancellationToken,

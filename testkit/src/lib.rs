@@ -3,7 +3,8 @@
 //! bytes it sends ([`testbed`]), and layer blobs packed as OCI archives for
 //! a private containerd 1.6, the reference unpacker ([`oci_image`]). One
 //! library, so the bench and every test binary share it without including
-//! its files as modules.
+//! its files as modules. [`layer_content`] generates the layers they unpack.
 
+pub mod layer_content;
 pub mod oci_image;
 pub mod testbed;

@@ -55,6 +55,8 @@ pub struct UnpackLimits {
     /// Bytes in an entry's path or link target (the kernel's `PATH_MAX`;
     /// containerd's path-based calls fail beyond it).
     pub max_path_bytes: usize,
+    /// When a gzip layer is decoded on several cores (`[unpack.parallel_gzip]`).
+    pub parallel_gzip: super::ParallelGzip,
 }
 
 impl Default for UnpackLimits {
@@ -64,6 +66,7 @@ impl Default for UnpackLimits {
             max_layer_bytes: 256 << 30,
             max_layer_ratio: 2_000,
             max_path_bytes: 4096,
+            parallel_gzip: super::ParallelGzip::default(),
         }
     }
 }

@@ -37,10 +37,16 @@
 //! under load (load average ~8): miniz_oxide 206–237 MB/s of tar, zlib-rs
 //! 253–308, zlib-ng 279–353 (`gzip -d`: 91). zlib-rs is pure Rust and within
 //! the noise of zlib-ng, which needs cmake and a C build, so zlib-rs it is.
+//!
+//! A large gzip layer on a node with enough cores can instead be decoded by
+//! [`parallel_gzip`] ([`unpack_gzip_parallel_within`]), which reads the blob
+//! positionally; everything after the decoder is the same code.
 
 mod guard;
+mod parallel_gzip;
 
 pub use guard::{MAX_HEADER_BODY, RATIO_FLOOR, UnpackLimits};
+pub use parallel_gzip::{ParallelGzip, ParallelGzipReader, ReadAt, cores, memory_cap};
 
 use guard::{Guard, SharedFindings, SparseMap, shown};
 use sha2::Digest;
@@ -95,6 +101,10 @@ pub struct Unpacked {
     pub uncompressed_bytes: u64,
     /// Tar entries applied, whiteouts included.
     pub entries: u64,
+    /// The parallel gzip decoder's route through the stream when it ran
+    /// (`MarkerWindow`: decoded in parallel; `Sequential`: it judged the
+    /// stream better decoded on one thread).
+    pub parallel_gzip_route: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -155,6 +165,55 @@ pub fn unpack_layer_within(
     expected_diff_id: Option<&str>,
     limits: &UnpackLimits,
 ) -> Result<Unpacked, UnpackError> {
+    unpack_input(
+        Input::Stream(src, compression),
+        target,
+        expected_diff_id,
+        limits,
+    )
+}
+
+/// [`unpack_layer_within`] for a gzip layer of `len` compressed bytes,
+/// decoded by `threads` workers reading `src` where they need it (see
+/// [`parallel_gzip`]): the same tree, diffID, limits and errors.
+pub fn unpack_gzip_parallel_within(
+    src: impl ReadAt + 'static,
+    len: u64,
+    threads: usize,
+    target: &Path,
+    expected_diff_id: Option<&str>,
+    limits: &UnpackLimits,
+) -> Result<Unpacked, UnpackError> {
+    unpack_input(
+        Input::<io::Empty>::ParallelGzip(Box::new(src), len, threads),
+        target,
+        expected_diff_id,
+        limits,
+    )
+}
+
+/// A layer's bytes: a stream, or a gzip blob read positionally by the
+/// parallel decoder (its source, length and threads).
+enum Input<R> {
+    Stream(R, Compression),
+    ParallelGzip(Box<dyn ReadAt>, u64, usize),
+}
+
+impl<R> Input<R> {
+    fn compression(&self) -> Compression {
+        match self {
+            Input::Stream(_, c) => *c,
+            Input::ParallelGzip(..) => Compression::Gzip,
+        }
+    }
+}
+
+fn unpack_input(
+    input: Input<impl Read>,
+    target: &Path,
+    expected_diff_id: Option<&str>,
+    limits: &UnpackLimits,
+) -> Result<Unpacked, UnpackError> {
     match std::fs::create_dir(target) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
@@ -173,17 +232,10 @@ pub fn unpack_layer_within(
         }
     }
     let findings = SharedFindings::default();
-    let result = unpack_into(
-        src,
-        compression,
-        target,
-        expected_diff_id,
-        limits,
-        &findings,
-    )
-    // A limit the guard enforced reaches here as whatever read error the tar
-    // crate made of it: report the limit.
-    .map_err(|e| findings.borrow_mut().breach.take().unwrap_or(e));
+    let result = unpack_into(input, target, expected_diff_id, limits, &findings)
+        // A limit the guard enforced reaches here as whatever read error the tar
+        // crate made of it: report the limit.
+        .map_err(|e| findings.borrow_mut().breach.take().unwrap_or(e));
     if result.is_err() {
         let _ = std::fs::remove_dir_all(target);
     }
@@ -191,8 +243,7 @@ pub fn unpack_layer_within(
 }
 
 fn unpack_into(
-    src: impl Read,
-    compression: Compression,
+    input: Input<impl Read>,
     target: &Path,
     expected_diff_id: Option<&str>,
     limits: &UnpackLimits,
@@ -202,22 +253,32 @@ fn unpack_into(
         path: target.to_path_buf(),
         source,
     })?;
-    let compressed = std::cell::Cell::new(0u64);
-    let counted = Counting {
-        inner: src,
-        n: &compressed,
+    let compression = input.compression();
+    let at_start = |source| UnpackError::Stream {
+        compression: compression.name(),
+        position: "at the start".into(),
+        source,
     };
-    let decoded: Box<dyn Read + '_> = match compression {
-        Compression::None => Box::new(counted),
-        Compression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(counted)),
-        Compression::Zstd => {
-            Box::new(zstd::stream::read::Decoder::new(counted).map_err(|source| {
-                UnpackError::Stream {
-                    compression: compression.name(),
-                    position: "at the start".into(),
-                    source,
+    let compressed = std::cell::Cell::new(0u64);
+    let mut route = None;
+    let decoded: Box<dyn Read + '_> = match input {
+        Input::Stream(src, compression) => {
+            let counted = Counting {
+                inner: src,
+                n: &compressed,
+            };
+            match compression {
+                Compression::None => Box::new(counted),
+                Compression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(counted)),
+                Compression::Zstd => {
+                    Box::new(zstd::stream::read::Decoder::new(counted).map_err(at_start)?)
                 }
-            })?)
+            }
+        }
+        Input::ParallelGzip(src, len, threads) => {
+            let reader = ParallelGzipReader::start(src, len, threads, limits).map_err(at_start)?;
+            route = Some(reader.route());
+            Box::new(reader.counting(&compressed))
         }
     };
     let hashing = Hashing {
@@ -298,6 +359,7 @@ fn unpack_into(
         compressed_bytes: compressed.get(),
         uncompressed_bytes: hashing.n,
         entries: writer.entries,
+        parallel_gzip_route: route.map(|r| r()),
     })
 }
 
