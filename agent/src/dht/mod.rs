@@ -80,7 +80,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 pub use tls::libp2p_id;
 
 /// The Kademlia protocol name: dray's own DHT, not the public IPFS one.
-const KAD_PROTOCOL: &str = "/dray/kad/1";
+pub const KAD_PROTOCOL: &str = "/dray/kad/1";
 /// A provider or node record lives this long unless its node republishes it.
 const RECORD_TTL: Duration = Duration::from_secs(30 * 60);
 /// How long a lookup that found no node record for a member keeps it so.
@@ -106,7 +106,7 @@ const MAX_NODE_RECORD: usize = 1024;
 /// entries of an id and a few addresses, about 60-200 bytes each) and 20
 /// closer peers. libp2p's 16 KiB would cut a full list off on a dual-stack
 /// node, failing the answer.
-const MAX_PACKET: usize = 64 << 10;
+pub const MAX_PACKET: usize = 64 << 10;
 
 /// The DHT's metrics, registered with the agent's others.
 #[derive(Clone, Debug, Default)]
@@ -216,11 +216,13 @@ pub struct NodeRecord {
     pub dht: Vec<SocketAddr>,
 }
 
-fn node_key(peer: &PeerId) -> kad::RecordKey {
+/// The key of `peer`'s node record.
+pub fn node_key(peer: &PeerId) -> kad::RecordKey {
     kad::RecordKey::new(&[b"dray/node/".as_slice(), &peer.to_bytes()].concat())
 }
 
-fn blob_key(digest: &BlobDigest) -> kad::RecordKey {
+/// The key of a blob's provider list.
+pub fn blob_key(digest: &BlobDigest) -> kad::RecordKey {
     kad::RecordKey::new(&format!("dray/blob/{digest}"))
 }
 
@@ -643,11 +645,13 @@ fn dht_addresses(bound: SocketAddr, peer_addresses: &str) -> Vec<SocketAddr> {
         .collect()
 }
 
-fn multiaddr_of(addr: SocketAddr) -> Multiaddr {
+/// The libp2p address of a TCP socket address.
+pub fn multiaddr_of(addr: SocketAddr) -> Multiaddr {
     Multiaddr::from(addr.ip()).with(Protocol::Tcp(addr.port()))
 }
 
-fn socket_of(addr: &Multiaddr) -> Option<SocketAddr> {
+/// The TCP socket address of a libp2p address, if it is one.
+pub fn socket_of(addr: &Multiaddr) -> Option<SocketAddr> {
     let mut parts = addr.iter();
     let ip = match parts.next()? {
         Protocol::Ip4(ip) => std::net::IpAddr::V4(ip),
