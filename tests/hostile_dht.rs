@@ -64,6 +64,13 @@ fn eight_honest_nodes_without_a_tracker_beside_two_liars_get_only_the_blobs_byte
             "no honest node logged {liar} identified as a liar"
         );
     }
+    // A forged node record taken sends a puller to the liar's address for
+    // an honest node: the peer plane's TLS then refuses it, and that honest
+    // node is lost to the pull.
+    assert!(
+        !log.contains("certificate not valid for name \"node-"),
+        "a puller dialled a forged address for an honest node"
+    );
     let egress = h["egress_ratio"].as_f64().unwrap();
     assert!(
         egress <= 1.5,

@@ -32,12 +32,12 @@
 //!   [`dray_protocol::dht::fetcher_rank`] (the same order at every node,
 //!   whatever list it got), and the peers this node will watch;
 //! - a node record a lookup finds may come from a third party, which can
-//!   forge its address: it is kept [`RECORD_TTL`] (a record not found,
-//!   [`MISSING_TTL`]), its DHT addresses are taken only from the node
-//!   itself, and a peer-plane address is only ever dialled expecting the
-//!   peer id (the peer plane's mutual TLS checks the certificate names it,
-//!   [`crate::peer::PeerNode::connect`]): a forged address costs a pull one
-//!   failed dial, after which that member is gone for the pull.
+//!   forge its address: a lookup takes only the node's own answer (the
+//!   record's key is the node's id, so the lookup reaches it), kept
+//!   [`RECORD_TTL`] (a record not found, [`MISSING_TTL`]); and a peer-plane
+//!   address is only ever dialled expecting the peer id (the peer plane's
+//!   mutual TLS checks the certificate names it,
+//!   [`crate::peer::PeerNode::connect`]).
 //!
 //! The data path is unchanged: chunks move over the authenticated QUIC peer
 //! plane. What the tracker did besides naming peers, choosing who fetches
@@ -216,9 +216,12 @@ pub struct NodeRecord {
     pub dht: Vec<SocketAddr>,
 }
 
-/// The key of `peer`'s node record.
+/// The key of `peer`'s node record: its own id, so that Kademlia hashes
+/// the key to the node's own place (distance 0) and a lookup of the record
+/// always reaches the node itself, whose answer is the only one taken (see
+/// `on_kad`).
 pub fn node_key(peer: &PeerId) -> kad::RecordKey {
-    kad::RecordKey::new(&[b"dray/node/".as_slice(), &peer.to_bytes()].concat())
+    kad::RecordKey::new(&peer.to_bytes())
 }
 
 /// The key of a blob's provider list.
@@ -914,8 +917,13 @@ impl Runner {
                         _ => (None, None),
                     };
                     // A third party's copy may name any address: only the
-                    // node's own answer routes the DHT to it (its peer-plane
-                    // address is dialled expecting its peer id anyway).
+                    // node's own answer is taken, or this store's copy (kept
+                    // only when the node sent it, `on_inbound`). Taking the
+                    // first answer let a liar's forged record of every node
+                    // win the race, and pullers dialled its address for an
+                    // honest node for as long as the cache kept it
+                    // (tests/hostile_dht.rs). The query goes on to the node.
+                    let record = record.filter(|_| from.is_none() || from == Some(peer));
                     if let Some(node) = record.as_ref().filter(|_| from == Some(peer)) {
                         self.learn_addresses(&peer, node);
                     }
