@@ -125,9 +125,13 @@ pub async fn storm(
         ..SwarmConfig::default()
     };
     let clean = {
-        let cluster =
-            LocalCluster::start(&root.join("clean"), nodes, swarm.clone(), &Default::default())
-                .await?;
+        let cluster = LocalCluster::start(
+            &root.join("clean"),
+            nodes,
+            swarm.clone(),
+            &Default::default(),
+        )
+        .await?;
         mirror_storm(&cluster, nodes, registry, digest, &blob).await?
     };
 
@@ -280,7 +284,8 @@ async fn mirror_storm(
                 run.reports.push(report);
             }
             (Err(e), report) => {
-                run.failures.push(format!("node-{i} through its mirror: {e}"));
+                run.failures
+                    .push(format!("node-{i} through its mirror: {e}"));
                 run.reports.extend(report.ok());
             }
             (Ok(()), Err(e)) => run.failures.push(format!("node-{i}'s pull: {e}")),
@@ -456,7 +461,12 @@ impl LyingNode {
         let mut tally = Tally::default();
         for r in std::mem::take(&mut self.forged) {
             // Refused by honest nodes (not the sender's own record): it tries.
-            if self.swarm.behaviour_mut().put_record(r, Quorum::One).is_ok() {
+            if self
+                .swarm
+                .behaviour_mut()
+                .put_record(r, Quorum::One)
+                .is_ok()
+            {
                 tally.forged += 1;
             }
         }
@@ -523,7 +533,9 @@ pub fn print(h: &DhtHostileResult) {
         h.liars_identified,
         h.liars_identified_metric,
         h.honest_dropped,
-        h.bad_bytes_delivered, h.checks, h.slow_peers_dropped
+        h.bad_bytes_delivered,
+        h.checks,
+        h.slow_peers_dropped
     );
     println!(
         "flood provider records sent: {}   forged node records pushed: {}",
