@@ -71,8 +71,10 @@ pub struct SwarmBench {
     gc_pressure: bool,
     /// Also run the storm with this many liars beside the agents (cluster
     /// members speaking the real protocol, each running one of `--attacks`
-    /// in turn); reports what they cost beside the run without them. Built
-    /// only with the `hostile` cargo feature.
+    /// in turn; with `--no-tracker`, the DHT liars of src/hostile_dht.rs,
+    /// and every node pulls through its mirror); reports what they cost
+    /// beside the run without them. Built only with the `hostile` cargo
+    /// feature.
     #[cfg(feature = "hostile")]
     #[arg(long, default_value_t = 0)]
     hostile: usize,
@@ -378,6 +380,10 @@ struct SwarmResult {
     /// With --hostile: the same storm beside liars, run after the one without.
     #[cfg(feature = "hostile")]
     hostile: Option<crate::hostile::HostileResult>,
+    /// With --no-tracker --hostile: the storm through the mirrors beside
+    /// DHT liars, and without them, run after the one above.
+    #[cfg(feature = "hostile")]
+    hostile_dht: Option<crate::hostile_dht::DhtHostileResult>,
 }
 
 #[derive(Serialize)]
@@ -411,10 +417,6 @@ async fn swarm(b: SwarmBench) -> Result<()> {
     use dray_agent::registry::RegistryClient;
     if b.nodes == 0 || b.size == 0 {
         bail!("--nodes and --size must be positive");
-    }
-    #[cfg(feature = "hostile")]
-    if b.hostile > 0 && b.no_tracker {
-        bail!("--hostile runs its liars against a tracker: it does not go with --no-tracker");
     }
     let dir = tempfile::tempdir().context("creating a temporary directory")?;
     let registry = dray_testkit::testbed::Registry::start(None).await;
@@ -481,8 +483,22 @@ async fn swarm(b: SwarmBench) -> Result<()> {
         false => None,
     };
     #[cfg(feature = "hostile")]
+    let hostile_dht = match (b.hostile, b.no_tracker) {
+        (k, true) if k > 0 => Some(
+            crate::hostile_dht::storm(
+                &dir.path().join("swarm-hostile-dht"),
+                b.nodes,
+                k,
+                &registry,
+                digest,
+            )
+            .await?,
+        ),
+        _ => None,
+    };
+    #[cfg(feature = "hostile")]
     let hostile = match b.hostile {
-        0 => None,
+        k if k == 0 || b.no_tracker => None,
         k => Some(
             crate::hostile::storm(
                 &dir.path().join("swarm-hostile"),
@@ -528,6 +544,8 @@ async fn swarm(b: SwarmBench) -> Result<()> {
         }),
         #[cfg(feature = "hostile")]
         hostile,
+        #[cfg(feature = "hostile")]
+        hostile_dht,
     };
     emit(b.json, &r, |r| {
         println!(
@@ -565,6 +583,10 @@ async fn swarm(b: SwarmBench) -> Result<()> {
         #[cfg(feature = "hostile")]
         if let Some(h) = &r.hostile {
             crate::hostile::print(h);
+        }
+        #[cfg(feature = "hostile")]
+        if let Some(h) = &r.hostile_dht {
+            crate::hostile_dht::print(h);
         }
     })
 }

@@ -220,7 +220,7 @@ pub async fn storm(
 }
 
 /// The blob's real chunk map, read from `blob`.
-fn real_map(blob: &Path, digest: BlobDigest) -> Result<ChunkMap> {
+pub(crate) fn real_map(blob: &Path, digest: BlobDigest) -> Result<ChunkMap> {
     let mut builder = ChunkMapBuilder::new(DEFAULT_CHUNK_SIZE);
     each_chunk(blob, |_, bytes| {
         builder.update(bytes);
@@ -252,7 +252,7 @@ fn each_chunk(path: &Path, mut f: impl FnMut(u32, &[u8]) -> Result<()>) -> Resul
 
 /// Flips one bit of every chunk of `blob`, stores all but the last in
 /// `store` under the forgery's map, and returns that map.
-fn flip_every_chunk(
+pub(crate) fn flip_every_chunk(
     store: &dray_agent::store::ChunkStore,
     blob: &Path,
     real: &ChunkMap,

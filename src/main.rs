@@ -10,6 +10,8 @@ mod cluster;
 mod demo;
 #[cfg(feature = "hostile")]
 mod hostile;
+#[cfg(feature = "hostile")]
+mod hostile_dht;
 mod preheat;
 mod service;
 mod status_text;

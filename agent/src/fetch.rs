@@ -1074,6 +1074,19 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
                 // plain transfer, say).
                 t.end_request(index, &peer, Ended::Held(rate));
             }
+            // A hash ruled a liar's claim while the chunk was on its way
+            // (the arbiter dropped it): the sender is not at fault, and the
+            // chunk is asked for again once an honest claim is taken.
+            // Failing the pull here failed 3 of 8 mirror pulls beside two
+            // liars without a tracker (tests/hostile_dht.rs).
+            Err(Error::Verify(VerifyError::HashUnknown { .. }))
+                if t.peer_hashes.load(Ordering::Acquire) =>
+            {
+                tracing::info!(%peer, index, "peer sent a chunk whose claimed hash was ruled out; asking again");
+                t.forget_offer(&peer, index);
+                t.end_request(index, &peer, Ended::Failed);
+                continue;
+            }
             Err(Error::Superseded { .. }) => {
                 // Stale, not lying: it drops the chunk at its next announce.
                 tracing::info!(%peer, index, "peer sent a chunk whose hash was replaced; asking another");

@@ -32,12 +32,12 @@
 //!   [`dray_protocol::dht::fetcher_rank`] (the same order at every node,
 //!   whatever list it got), and the peers this node will watch;
 //! - a node record a lookup finds may come from a third party, which can
-//!   forge its address: it is kept [`RECORD_TTL`] (a record not found,
-//!   [`MISSING_TTL`]), its DHT addresses are taken only from the node
-//!   itself, and a peer-plane address is only ever dialled expecting the
-//!   peer id (the peer plane's mutual TLS checks the certificate names it,
-//!   [`crate::peer::PeerNode::connect`]): a forged address costs a pull one
-//!   failed dial, after which that member is gone for the pull.
+//!   forge its address: a lookup takes only the node's own answer (the
+//!   record's key is the node's id, so the lookup reaches it), kept
+//!   [`RECORD_TTL`] (a record not found, [`MISSING_TTL`]); and a peer-plane
+//!   address is only ever dialled expecting the peer id (the peer plane's
+//!   mutual TLS checks the certificate names it,
+//!   [`crate::peer::PeerNode::connect`]).
 //!
 //! The data path is unchanged: chunks move over the authenticated QUIC peer
 //! plane. What the tracker did besides naming peers, choosing who fetches
@@ -97,7 +97,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 pub use tls::libp2p_id;
 
 /// The Kademlia protocol name: dray's own DHT, not the public IPFS one.
-const KAD_PROTOCOL: &str = "/dray/kad/1";
+pub const KAD_PROTOCOL: &str = "/dray/kad/1";
 /// A provider or node record lives this long unless its node republishes it.
 const RECORD_TTL: Duration = Duration::from_secs(30 * 60);
 /// How long a lookup that found no node record for a member keeps it so.
@@ -136,7 +136,7 @@ const MAX_NODE_RECORD: usize = 1024;
 /// entries of an id and a few addresses, about 60-200 bytes each) and 20
 /// closer peers. libp2p's 16 KiB would cut a full list off on a dual-stack
 /// node, failing the answer.
-const MAX_PACKET: usize = 64 << 10;
+pub const MAX_PACKET: usize = 64 << 10;
 
 /// The DHT's metrics, registered with the agent's others.
 #[derive(Clone, Debug, Default)]
@@ -252,11 +252,16 @@ pub struct NodeRecord {
     pub dht: Vec<SocketAddr>,
 }
 
-fn node_key(peer: &PeerId) -> kad::RecordKey {
-    kad::RecordKey::new(&[b"dray/node/".as_slice(), &peer.to_bytes()].concat())
+/// The key of `peer`'s node record: its own id, so that Kademlia hashes
+/// the key to the node's own place (distance 0) and a lookup of the record
+/// always reaches the node itself, whose answer is the only one taken (see
+/// `on_kad`).
+pub fn node_key(peer: &PeerId) -> kad::RecordKey {
+    kad::RecordKey::new(&peer.to_bytes())
 }
 
-fn blob_key(digest: &BlobDigest) -> kad::RecordKey {
+/// The key of a blob's provider list.
+pub fn blob_key(digest: &BlobDigest) -> kad::RecordKey {
     kad::RecordKey::new(&format!("dray/blob/{digest}"))
 }
 
@@ -687,11 +692,13 @@ fn dht_addresses(bound: SocketAddr, peer_addresses: &str) -> Vec<SocketAddr> {
         .collect()
 }
 
-fn multiaddr_of(addr: SocketAddr) -> Multiaddr {
+/// The libp2p address of a TCP socket address.
+pub fn multiaddr_of(addr: SocketAddr) -> Multiaddr {
     Multiaddr::from(addr.ip()).with(Protocol::Tcp(addr.port()))
 }
 
-fn socket_of(addr: &Multiaddr) -> Option<SocketAddr> {
+/// The TCP socket address of a libp2p address, if it is one.
+pub fn socket_of(addr: &Multiaddr) -> Option<SocketAddr> {
     let mut parts = addr.iter();
     let ip = match parts.next()? {
         Protocol::Ip4(ip) => std::net::IpAddr::V4(ip),
@@ -1014,8 +1021,13 @@ impl Runner {
                         _ => (None, None),
                     };
                     // A third party's copy may name any address: only the
-                    // node's own answer routes the DHT to it (its peer-plane
-                    // address is dialled expecting its peer id anyway).
+                    // node's own answer is taken, or this store's copy (kept
+                    // only when the node sent it, `on_inbound`). Taking the
+                    // first answer let a liar's forged record of every node
+                    // win the race, and pullers dialled its address for an
+                    // honest node for as long as the cache kept it
+                    // (tests/hostile_dht.rs). The query goes on to the node.
+                    let record = record.filter(|_| from.is_none() || from == Some(peer));
                     if let Some(node) = record.as_ref().filter(|_| from == Some(peer)) {
                         self.learn_addresses(&peer, node);
                     }
