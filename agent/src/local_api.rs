@@ -411,7 +411,6 @@ impl LocalApi {
     }
 }
 
-/// `stream`, cut with an error once `gone` is cancelled.
 /// A layer blob as the store has it, read where the parallel gzip decoder
 /// asks: a read waits until its range is verified (today that is when the
 /// in-order prefix reaches it), and fails once the caller hung up.
@@ -453,6 +452,7 @@ impl ReadAt for StoreRange {
     }
 }
 
+/// `stream`, cut with an error once `gone` is cancelled.
 fn until_cancelled(
     stream: BoxStream<'static, std::io::Result<Bytes>>,
     gone: CancellationToken,

@@ -185,7 +185,7 @@ impl DhtMetrics {
         );
         r.register(
             "dht_refused_records",
-            "Provider records a member sent that were not kept: past its quota, or past the room for all members' records",
+            "Records a member sent that were not kept: provider records past its quota or the room for all members' records, and node records not of the sender itself",
             self.refused_records.clone(),
         );
         r.register(
@@ -459,6 +459,7 @@ impl Dht {
             records: HashMap::new(),
             published: false,
             warned_oversize: false,
+            warned_forged: false,
             metrics,
         };
         tokio::spawn(runner.run(rx));
@@ -757,6 +758,8 @@ struct Runner {
     published: bool,
     /// Whether a provider list longer than a store keeps was logged.
     warned_oversize: bool,
+    /// Whether a node record not of its sender was logged.
+    warned_forged: bool,
     metrics: DhtMetrics,
 }
 
@@ -1072,7 +1075,12 @@ impl Runner {
                 ..
             } => {
                 let Some(node) = node_record(&source, &record) else {
-                    tracing::warn!(%source, "refused a DHT record that is not the sender's own node record");
+                    // A liar pushes one per node it forges: counted, and
+                    // the first logged (naming its sender).
+                    self.metrics.refused_records.inc();
+                    if !std::mem::replace(&mut self.warned_forged, true) {
+                        tracing::warn!(%source, "refused a DHT record that is not the sender's own node record (further ones counted in dht_refused_records, not logged)");
+                    }
                     return;
                 };
                 // The sender may have only dialled us: now it is routable.
