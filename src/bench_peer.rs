@@ -34,7 +34,8 @@
 //!
 //! The JSON report has flat keys `<path>_<figure>`: path `agent`, `quinn` or
 //! `tls_tcp`; figure `instructions_per_gib_sender`,
-//! `instructions_per_gib_receiver`, `syscalls_per_gib`, `datagrams_per_gib`
+//! `instructions_per_gib_receiver` (and `digest_instructions_per_gib_*`, the
+//! blob digest's SHA-256 among them), `syscalls_per_gib`, `datagrams_per_gib`
 //! (UDP paths), `user_cpu_s_per_gib`, `sys_cpu_s_per_gib`, `mb_s_median`,
 //! `mb_s_min`, `mb_s_max`; and `net`.
 
