@@ -24,9 +24,9 @@
 use crate::bench::RandomBytes;
 use crate::cluster::LocalCluster;
 use anyhow::{Context, Result, bail};
-use dray_agent::dht::tls::{ClusterTls, libp2p_id};
+use dray_agent::dht::tls::libp2p_id;
 use dray_agent::dht::{
-    KAD_PROTOCOL, MAX_PACKET, NodeRecord, blob_key, multiaddr_of, node_key, socket_of,
+    KAD_PROTOCOL, MAX_PACKET, NodeRecord, blob_key, member_swarm, multiaddr_of, node_key, socket_of,
 };
 use dray_agent::identity::Identity;
 use dray_agent::mirror::{Mirror, MirrorConfig};
@@ -40,7 +40,7 @@ use libp2p::core::ConnectedPoint;
 use libp2p::kad::store::{MemoryStore, MemoryStoreConfig, RecordStore};
 use libp2p::kad::{self, ProviderRecord, QueryResult, Quorum, Record};
 use libp2p::swarm::SwarmEvent;
-use libp2p::{StreamProtocol, Swarm, Transport};
+use libp2p::{StreamProtocol, Swarm};
 use serde::Serialize;
 use std::collections::BTreeSet;
 use std::io::Read;
@@ -372,13 +372,6 @@ impl LyingNode {
         digest: &BlobDigest,
     ) -> Result<Self> {
         let local = libp2p_id(&identity.peer_id);
-        let transport =
-            libp2p::tcp::tokio::Transport::new(libp2p::tcp::Config::default().nodelay(true))
-                .upgrade(libp2p::core::upgrade::Version::V1Lazy)
-                .authenticate(ClusterTls::new(identity, Default::default())?)
-                .multiplex(libp2p::yamux::Config::default())
-                .timeout(Duration::from_secs(10))
-                .boxed();
         let mut config = kad::Config::new(StreamProtocol::new(KAD_PROTOCOL));
         config.set_max_packet_size(MAX_PACKET);
         let store = MemoryStore::with_config(
@@ -392,13 +385,7 @@ impl LyingNode {
         );
         let mut behaviour = kad::Behaviour::with_config(local, store, config);
         behaviour.set_mode(Some(kad::Mode::Server));
-        let mut swarm = Swarm::new(
-            transport,
-            behaviour,
-            local,
-            libp2p::swarm::Config::with_tokio_executor()
-                .with_idle_connection_timeout(Duration::from_secs(300)),
-        );
+        let mut swarm = member_swarm(identity, Default::default(), behaviour)?;
         swarm.listen_on(multiaddr_of("127.0.0.1:0".parse()?))?;
         let bound = until(&mut swarm, "listening", |e| match e {
             SwarmEvent::NewListenAddr { address, .. } => socket_of(address),

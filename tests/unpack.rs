@@ -1074,6 +1074,9 @@ fn fails_alike(blob: &[u8], diff_id: Option<&str>) -> (UnpackError, UnpackError)
     (serial, parallel)
 }
 
+/// One way to break a compressed layer, in place.
+type Breakage = dyn Fn(&mut Vec<u8>);
+
 #[test]
 fn broken_giant_gzip_layers_fail_in_parallel_as_on_the_serial_path() {
     let dir = tempfile::tempdir().unwrap();
@@ -1081,7 +1084,7 @@ fn broken_giant_gzip_layers_fail_in_parallel_as_on_the_serial_path() {
     let diff_id = sha256_file(&tar);
     let good = std::fs::read(&blob).unwrap();
     let n = good.len();
-    let cases: [(&str, Box<dyn Fn(&mut Vec<u8>)>); 5] = [
+    let cases: [(&str, Box<Breakage>); 5] = [
         (
             "truncated mid-stream",
             Box::new(|b| b.truncate(b.len() / 2)),
@@ -1097,8 +1100,8 @@ fn broken_giant_gzip_layers_fail_in_parallel_as_on_the_serial_path() {
                 b[at..at + 64].iter_mut().for_each(|x| *x ^= 0x5a);
             }),
         ),
-        ("a wrong CRC32", Box::new(|b| b[n - 8] ^= 1)),
-        ("a wrong ISIZE", Box::new(|b| b[n - 4] ^= 1)),
+        ("a wrong CRC32", Box::new(move |b| b[n - 8] ^= 1)),
+        ("a wrong ISIZE", Box::new(move |b| b[n - 4] ^= 1)),
     ];
     for (what, break_it) in cases {
         let mut blob = good.clone();

@@ -11,7 +11,8 @@ use std::path::Path;
 pub struct Content(pub u64);
 
 impl Content {
-    pub fn next(&mut self) -> u64 {
+    /// The next 64 bits of the xorshift stream.
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
@@ -22,7 +23,7 @@ impl Content {
     pub fn random(&mut self, n: usize) -> Vec<u8> {
         let mut v = Vec::with_capacity(n + 8);
         while v.len() < n {
-            v.extend_from_slice(&self.next().to_le_bytes());
+            v.extend_from_slice(&self.next_u64().to_le_bytes());
         }
         v.truncate(n);
         v
@@ -81,7 +82,7 @@ impl Content {
         ];
         let mut v = Vec::with_capacity(n + 64);
         while v.len() < n {
-            let r = self.next();
+            let r = self.next_u64();
             for k in 0..6 {
                 let word = WORDS[((r >> (k * 10)) % WORDS.len() as u64) as usize];
                 v.extend_from_slice(word.as_bytes());
@@ -104,7 +105,7 @@ impl Content {
     pub fn binary(&mut self, n: usize) -> Vec<u8> {
         let mut v = Vec::with_capacity(n + 256);
         while v.len() < n {
-            let r = self.next();
+            let r = self.next_u64();
             match r % 8 {
                 0 => v.extend(std::iter::repeat_n(0u8, (r >> 8) as usize % 64)),
                 1 => v.extend_from_slice(&self.text(16 + (r >> 8) as usize % 48)),
@@ -164,7 +165,7 @@ pub fn write_layer_tar(path: &Path, top: &str, bytes: u64, mix: Mix, seed: u64) 
     let random_goal = bytes - small_goal - large_goals.iter().map(|g| g.2).sum::<u64>();
     let (mut small, mut i) = (0u64, 0u64);
     while small < small_goal {
-        let n = 512 + (g.next() % (16 << 10)) as usize;
+        let n = 512 + (g.next_u64() % (16 << 10)) as usize;
         add(
             &mut b,
             &format!("{top}/src/d{}/f{i}.txt", i / 100),
@@ -177,7 +178,7 @@ pub fn write_layer_tar(path: &Path, top: &str, bytes: u64, mix: Mix, seed: u64) 
     for (k, (dir, ext, goal)) in large.enumerate() {
         let mut done = 0;
         while done < goal {
-            let n = ((4 << 20) + g.next() % (8 << 20)).min(goal - done) as usize;
+            let n = ((4 << 20) + g.next_u64() % (8 << 20)).min(goal - done) as usize;
             let data = match k {
                 0 => g.text(n),
                 1 => g.binary(n),

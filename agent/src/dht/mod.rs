@@ -400,13 +400,6 @@ impl Dht {
             address,
             dht: Vec::new(),
         };
-        let transport =
-            libp2p::tcp::tokio::Transport::new(libp2p::tcp::Config::default().nodelay(true))
-                .upgrade(libp2p::core::upgrade::Version::V1Lazy)
-                .authenticate(tls::ClusterTls::new(identity, metrics.traffic())?)
-                .multiplex(libp2p::yamux::Config::default())
-                .timeout(Duration::from_secs(10))
-                .boxed();
         let mut kad_config = kad::Config::new(StreamProtocol::new(KAD_PROTOCOL));
         kad_config
             // Records are checked before they are stored: see `on_inbound`.
@@ -434,13 +427,7 @@ impl Dht {
             limits: libp2p::connection_limits::Behaviour::new(limits),
             kad,
         };
-        let mut swarm = Swarm::new(
-            transport,
-            behaviour,
-            local,
-            libp2p::swarm::Config::with_tokio_executor()
-                .with_idle_connection_timeout(Duration::from_secs(300)),
-        );
+        let mut swarm = member_swarm(identity, metrics.traffic(), behaviour)?;
         swarm
             .listen_on(multiaddr_of(listen))
             .map_err(|e| Error::Config(format!("the DHT cannot listen on {listen}: {e}")))?;
@@ -691,6 +678,32 @@ fn dht_addresses(bound: SocketAddr, peer_addresses: &str) -> Vec<SocketAddr> {
         .filter_map(|a| a.trim().parse::<SocketAddr>().ok())
         .map(|a| SocketAddr::new(a.ip(), bound.port()))
         .collect()
+}
+
+/// A libp2p swarm of `behaviour` as the member `identity`: TCP, the
+/// cluster's mutual TLS (counting its bytes in `traffic`, read and
+/// written), yamux, a 10 s handshake deadline, and 5 minutes before an idle
+/// connection closes.
+pub fn member_swarm<B: libp2p::swarm::NetworkBehaviour>(
+    identity: &Identity,
+    traffic: (Counter, Counter),
+    behaviour: B,
+) -> Result<Swarm<B>> {
+    let transport =
+        libp2p::tcp::tokio::Transport::new(libp2p::tcp::Config::default().nodelay(true))
+            .upgrade(libp2p::core::upgrade::Version::V1Lazy)
+            .authenticate(tls::ClusterTls::new(identity, traffic)?)
+            .multiplex(libp2p::yamux::Config::default())
+            .timeout(Duration::from_secs(10))
+            .boxed();
+    let local = libp2p_id(&identity.peer_id);
+    Ok(Swarm::new(
+        transport,
+        behaviour,
+        local,
+        libp2p::swarm::Config::with_tokio_executor()
+            .with_idle_connection_timeout(Duration::from_secs(300)),
+    ))
 }
 
 /// The libp2p address of a TCP socket address.
