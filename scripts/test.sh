@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/dray-target}"
 export CARGO_TERM_COLOR=never
 
-packages=(containerd runc docker-registry skopeo umoci busybox-static iproute2 curl apache2-utils prometheus)
+packages=(containerd runc docker-registry skopeo umoci busybox-static iproute2 curl apache2-utils prometheus pigz valgrind linux-perf)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

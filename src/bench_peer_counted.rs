@@ -2,12 +2,9 @@
 //! host's steal or page reporting, per GiB, for each path (the agent, raw
 //! quinn, TCP with rustls).
 //!
-//! - User-space instructions, each side apart: one process runs under
-//!   valgrind's cachegrind, which counts every instruction it executes,
-//!   while the other runs natively. With both under cachegrind (about 50x
-//!   slower each), a side spent most of a run waiting on the other, and its
-//!   timers' work grew with the wall time: the agent's units disagreed by up
-//!   to 97%; counted one side at a time, they agree within 1%.
+//! - User-space instructions, each side apart: both processes run under
+//!   valgrind's cachegrind, which counts every instruction they execute,
+//!   with fair thread scheduling (see [`Counter::wrap`]).
 //!   Of those, the SHA-256 of the blob's digest is reported apart
 //!   (`..._digest_...`): valgrind does not emulate the SHA extensions, so
 //!   under it the `sha2` crate takes its software rounds (about 55
@@ -67,6 +64,14 @@ impl Counter {
             Counter::Instructions => vec![
                 "valgrind".into(),
                 "-q".into(),
+                // Valgrind runs one thread at a time; by default a thread
+                // spinning on a lock (sled's lazy statics spin) may keep
+                // the core from the one holding it for whole timeslices, so
+                // the count grew with wall time: one agent receiver's
+                // count differed by 1.07e9 between two equal runs, all of
+                // it in `sled::lazy::Lazy::deref`. Fair scheduling hands
+                // the core round.
+                "--fair-sched=yes".into(),
                 "--tool=cachegrind".into(),
                 "--cache-sim=no".into(),
                 format!("--cachegrind-out-file={out}"),
@@ -153,9 +158,7 @@ fn datagrams(place: &Placement, sender_pid: u32) -> Result<u64> {
         .sum()
 }
 
-/// One run's counts: each side's (of the side counted), and the datagrams
-/// sent.
-#[derive(Clone, Copy, Default)]
+/// One run's counts: each side's, and the datagrams sent.
 struct Counts {
     sender: u64,
     receiver: u64,
@@ -165,36 +168,26 @@ struct Counts {
     datagrams: u64,
 }
 
-/// Which side a counted run counts.
-#[derive(Clone, Copy, PartialEq)]
-enum Sides {
-    Both,
-    Sender,
-    Receiver,
-}
-
-/// Moves `size` bytes over `mode` with `sides` under `counter` (the other
-/// side, if any, runs natively).
+/// Moves `size` bytes over `mode` with both sides under `counter`.
 async fn counted_run(
     dir: &Path,
     place: &Placement,
     tuning: &TuningArgs,
-    (mode, size, counter, sides): (Mode, u64, Counter, Sides),
+    (mode, size, counter): (Mode, u64, Counter),
 ) -> Result<Counts> {
     let (send_out, recv_out) = (dir.join("count-send"), dir.join("count-recv"));
-    let (count_send, count_recv) = (sides != Sides::Receiver, sides != Sides::Sender);
     let mut wrap = place.sender_wrap();
-    if count_send {
-        wrap.extend(counter.wrap(&send_out));
-    }
+    wrap.extend(counter.wrap(&send_out));
     let sender = Sender::start(mode, dir, size, tuning, &wrap, place.sender_ip)?;
     let d0 = datagrams(place, sender.pid())?;
-    let recv_wrap = if count_recv {
-        counter.wrap(&recv_out)
-    } else {
-        Vec::new()
-    };
-    let mut receiver = side_command(&recv_wrap, "peer-recv", mode, dir, size, tuning)?;
+    let mut receiver = side_command(
+        &counter.wrap(&recv_out),
+        "peer-recv",
+        mode,
+        dir,
+        size,
+        tuning,
+    )?;
     receiver
         .arg("--addr")
         .arg(sender.addr.to_string())
@@ -228,19 +221,13 @@ async fn counted_run(
             Counter::Syscalls => 0,
         })
     };
-    let mut counts = Counts {
+    Ok(Counts {
+        sender: counter.read(&send_out)?,
+        receiver: counter.read(&recv_out)?,
+        sender_digest: digest(&send_out)?,
+        receiver_digest: digest(&recv_out)?,
         datagrams: d1.saturating_sub(d0),
-        ..Counts::default()
-    };
-    if count_send {
-        counts.sender = counter.read(&send_out)?;
-        counts.sender_digest = digest(&send_out)?;
-    }
-    if count_recv {
-        counts.receiver = counter.read(&recv_out)?;
-        counts.receiver_digest = digest(&recv_out)?;
-    }
-    Ok(counts)
+    })
 }
 
 /// Counts every path; `unit` is the size of the smallest run.
@@ -259,19 +246,13 @@ pub(crate) async fn run(
     for (key, mode) in PATHS {
         let mut sys = vec![];
         for k in [1, 3] {
-            let run = (mode, k * unit, Counter::Syscalls, Sides::Both);
+            let run = (mode, k * unit, Counter::Syscalls);
             sys.push(counted_run(dir, place, tuning, run).await?);
         }
         let mut instr = vec![];
         for k in 1..=3 {
-            let counted = |sides| (mode, k * unit, Counter::Instructions, sides);
-            let sent = counted_run(dir, place, tuning, counted(Sides::Sender)).await?;
-            let received = counted_run(dir, place, tuning, counted(Sides::Receiver)).await?;
-            instr.push(Counts {
-                receiver: received.receiver,
-                receiver_digest: received.receiver_digest,
-                ..sent
-            });
+            let run = (mode, k * unit, Counter::Instructions);
+            instr.push(counted_run(dir, place, tuning, run).await?);
         }
         for side in ["sender", "receiver"] {
             let of = |c: &Counts| match side {

@@ -48,9 +48,14 @@ fn bench_peer_reports_each_sides_cpu_and_every_baseline_in_one_json_object() {
 
 /// Issue 40: the agent's user-space instructions per GiB, both sides summed,
 /// stay within 1.2x of raw quinn's, counted under cachegrind (a count, not a
-/// time, so stable enough for a test).
+/// time, so stable enough for a test). The blob digest's SHA-256 is left
+/// out of the comparison: valgrind does not emulate the SHA extensions, so
+/// it counts `sha2`'s software rounds (about 55 instructions a byte) where
+/// the agent natively runs SHA-NI's; it is reported apart and checked to be
+/// the receiver's alone. The two units' counts must agree (they disagreed
+/// by up to 569% before valgrind's fair scheduling, see
+/// `src/bench_peer_counted.rs`).
 #[test]
-#[ignore = "the agent is at 4.0x raw quinn (issue 40); its receiver's count also moves with wall time"]
 fn agent_instructions_per_gib_stay_within_1_2x_of_raw_quinn() {
     let out = dray_ok(&[
         "bench",
@@ -73,11 +78,20 @@ fn agent_instructions_per_gib_stay_within_1_2x_of_raw_quinn() {
             })
             .sum()
     };
-    let (agent, quinn) = (both("agent"), both("quinn"));
+    let digest = r["agent_digest_instructions_per_gib_receiver"]
+        .as_f64()
+        .unwrap();
+    assert!(digest > 0.0, "the receiver checks the blob digest: {out}");
+    assert_eq!(r["agent_digest_instructions_per_gib_sender"], 0.0, "{out}");
+    let (agent, quinn) = (both("agent") - digest, both("quinn"));
     assert!(quinn > 0.0, "{out}");
     assert!(
         agent <= 1.2 * quinn,
-        "agent {agent:.3e} against quinn {quinn:.3e}: {out}"
+        "agent {agent:.3e} (without the digest) against quinn {quinn:.3e}: {out}"
+    );
+    assert!(
+        r["instructions_disagreement_pct"].as_f64().unwrap() <= 25.0,
+        "the units' counts disagree: {out}"
     );
     assert!(r["agent_syscalls_per_gib"].as_f64().unwrap() > 0.0, "{out}");
     assert!(
