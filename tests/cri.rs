@@ -12,9 +12,7 @@ mod cri;
 mod hostile;
 
 use common::*;
-use dray_agent::identity::ClusterCa;
 use dray_agent::local_api::UnpackRequest;
-use dray_agent::peer::PeerConfig;
 use dray_agent::unpack::UnpackLimits;
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;
@@ -63,13 +61,7 @@ struct Node {
 
 async fn node(work: &Path) -> Node {
     let registry = Registry::start(None).await;
-    let agent = Agent::start(
-        &ClusterCa::generate().unwrap(),
-        "node-a",
-        work,
-        quick_swarm(Vec::new()),
-        PeerConfig::default(),
-    );
+    let agent = Agent::alone("node-a", work);
     let upstreams = [(registry.host(), registry.url())];
     let mirror = MirrorProc::start(&agent, &upstreams).await;
     let api = LocalApiProc::start(&agent, &work.join("agent.sock"), &upstreams);

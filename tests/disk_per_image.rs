@@ -12,8 +12,6 @@ mod common;
 mod cri;
 
 use common::*;
-use dray_agent::identity::ClusterCa;
-use dray_agent::peer::PeerConfig;
 use std::path::Path;
 
 /// Random bytes in each image's second layer: four sizes, MiB.
@@ -93,13 +91,7 @@ async fn mirror_mode_stores_each_layer_twice_and_snapshotter_mode_once() {
     // Mirror mode: containerd pulls and unpacks into overlayfs as usual.
     let mirror_disk = {
         let dir = work.path().join("mirror");
-        let agent = Agent::start(
-            &ClusterCa::generate().unwrap(),
-            "node-m",
-            &dir,
-            quick_swarm(Vec::new()),
-            PeerConfig::default(),
-        );
+        let agent = Agent::alone("node-m", &dir);
         let mirror = MirrorProc::start(&agent, &upstreams).await;
         let side_door = registry.side_door().await;
         let hosts = hosts_dir(&dir, &registry.host(), &side_door.url(), &mirror.url);
@@ -118,13 +110,7 @@ async fn mirror_mode_stores_each_layer_twice_and_snapshotter_mode_once() {
     // Snapshotter mode: a CRI pull has the agent fetch and unpack each layer.
     let shim_disk = {
         let dir = work.path().join("shim");
-        let agent = Agent::start(
-            &ClusterCa::generate().unwrap(),
-            "node-s",
-            &dir,
-            quick_swarm(Vec::new()),
-            PeerConfig::default(),
-        );
+        let agent = Agent::alone("node-s", &dir);
         let mirror = MirrorProc::start(&agent, &upstreams).await;
         let api = LocalApiProc::start(&agent, &dir.join("agent.sock"), &upstreams);
         let shim = SnapshotterProc::start(&dir, &api.socket);

@@ -19,9 +19,7 @@ mod common;
 mod cri;
 
 use common::*;
-use dray_agent::identity::ClusterCa;
 use dray_agent::local_api::UnpackRequest;
-use dray_agent::peer::PeerConfig;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -149,13 +147,7 @@ async fn an_agent_unpack_past_the_shims_deadline_falls_back_to_containerds_own_p
     build_image(&registry, &work.join("img"), "slow/app", 8 << 20, None);
     // The agent reads the registry at 1 MB/s: the 8 MiB layer needs 8 s.
     registry.throttle(1_000_000);
-    let agent = Agent::start(
-        &ClusterCa::generate().unwrap(),
-        "node-a",
-        work,
-        quick_swarm(Vec::new()),
-        PeerConfig::default(),
-    );
+    let agent = Agent::alone("node-a", work);
     let upstreams = [(registry.host(), registry.url())];
     let api = LocalApiProc::start(&agent, &work.join("agent.sock"), &upstreams);
     // A deadline of 1 s per layer whatever its size (1 GB/s on top of 1 s).

@@ -27,9 +27,7 @@ mod common;
 use common::cluster::*;
 use common::model::*;
 use common::*;
-use dray_agent::identity::ClusterCa;
 use dray_agent::local_api::UnpackRequest;
-use dray_agent::peer::PeerConfig;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -122,11 +120,7 @@ async fn a_modelpack_artifact_goes_through_four_mirrors_about_once_and_survives_
     let hung = push_model(&registry, dir.path(), REPO, "v2", WEIGHTS);
 
     let ids: Vec<String> = (0..NODES).map(|i| format!("node-{i}")).collect();
-    issue_certificates(
-        dir.path(),
-        &ids.iter().map(String::as_str).collect::<Vec<_>>(),
-    );
-    let (tracker, tracker_url) = start_tracker(dir.path(), "");
+    let (tracker, tracker_url) = tracker_for(dir.path(), &ids);
     let agents = start_agents_tuned(
         dir.path(),
         &ids,
@@ -204,13 +198,7 @@ async fn the_local_api_refuses_to_unpack_an_artifacts_blob_and_fetches_none_of_i
     let work = dir.path();
     let registry = Registry::start(None).await;
     let model = push_model(&registry, work, "models/small", "v1", 1 << 20);
-    let agent = Agent::start(
-        &ClusterCa::generate().unwrap(),
-        "node-a",
-        work,
-        quick_swarm(Vec::new()),
-        PeerConfig::default(),
-    );
+    let agent = Agent::alone("node-a", work);
     let api = LocalApiProc::start(
         &agent,
         &work.join("agent.sock"),

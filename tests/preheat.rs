@@ -40,6 +40,14 @@ fn as_caller(dir: &Path, id: &str, tracker: &str) -> Vec<String> {
     ]
 }
 
+/// `dray preheat TARGET FLAGS` as the preheater `ci`.
+fn preheat_as_ci(dir: &Path, tracker: &str, target: &str, flags: &[&str]) -> std::process::Output {
+    let mut args = vec!["preheat".to_string(), target.to_string()];
+    args.extend(flags.iter().map(|f| f.to_string()));
+    args.extend(as_caller(dir, "ci", tracker));
+    dray(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
 /// The registry's blob bytes all agents received so far.
 fn registry_bytes(dir: &Path, admins: &[String]) -> f64 {
     admins
@@ -139,17 +147,12 @@ async fn a_preheated_image_rolls_out_with_no_registry_blob_bytes() {
     // 25% of the 8 nodes: 2, one in each zone.
     let egress_before = registry.egress();
     let took = Instant::now();
-    let mut args = vec![
-        "preheat".to_string(),
-        image.clone(),
-        "--percent".into(),
-        "25".into(),
-        "--timeout".into(),
-        "120s".into(),
-        "--json".into(),
-    ];
-    args.extend(as_caller(dir.path(), "ci", &tracker_url));
-    let out = dray(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let out = preheat_as_ci(
+        dir.path(),
+        &tracker_url,
+        &image,
+        &["--percent", "25", "--timeout", "120s", "--json"],
+    );
     let text = ok(&out, "dray preheat --percent 25 --json");
     let job: dray_protocol::preheat::PreheatJob = serde_json::from_str(&text).unwrap();
     let preheat_s = took.elapsed().as_secs_f64();
@@ -248,18 +251,12 @@ async fn a_preheated_image_rolls_out_with_no_registry_blob_bytes() {
     );
 
     // The text form: a job on one more node, which finds the image in the swarm.
-    let mut args = vec![
-        "preheat".to_string(),
-        image.clone(),
-        "--count".into(),
-        "1".into(),
-        "--label".into(),
-        "zone=b".into(),
-        "--timeout".into(),
-        "60s".into(),
-    ];
-    args.extend(as_caller(dir.path(), "ci", &tracker_url));
-    let out = dray(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let out = preheat_as_ci(
+        dir.path(),
+        &tracker_url,
+        &image,
+        &["--count", "1", "--label", "zone=b", "--timeout", "60s"],
+    );
     let text = ok(&out, "dray preheat --count 1 --label zone=b");
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(lines.len(), 2, "{text}");
@@ -278,17 +275,12 @@ async fn a_preheated_image_rolls_out_with_no_registry_blob_bytes() {
     // through the swarm, nothing unpacked.
     let model = common::model::push_model(&registry, dir.path(), "test/model", "v1", 8 << 20);
     let artifact = format!("{}/test/model:v1", registry.host());
-    let mut args = vec![
-        "preheat".to_string(),
-        artifact.clone(),
-        "--count".into(),
-        "2".into(),
-        "--timeout".into(),
-        "60s".into(),
-        "--json".into(),
-    ];
-    args.extend(as_caller(dir.path(), "ci", &tracker_url));
-    let out = dray(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let out = preheat_as_ci(
+        dir.path(),
+        &tracker_url,
+        &artifact,
+        &["--count", "2", "--timeout", "60s", "--json"],
+    );
     let text = ok(&out, &format!("dray preheat {artifact}"));
     let job: dray_protocol::preheat::PreheatJob = serde_json::from_str(&text).unwrap();
     assert!(
@@ -299,14 +291,7 @@ async fn a_preheated_image_rolls_out_with_no_registry_blob_bytes() {
         assert_eq!((n.have, n.size), (model.bytes, model.bytes), "{n:?}");
     }
     // And a label no node has: refused, saying so.
-    let mut args = vec![
-        "preheat".to_string(),
-        image.clone(),
-        "--label".into(),
-        "zone=c".into(),
-    ];
-    args.extend(as_caller(dir.path(), "ci", &tracker_url));
-    let out = dray(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let out = preheat_as_ci(dir.path(), &tracker_url, &image, &["--label", "zone=c"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && err.contains("none of the 8 agents known here is labelled zone=c"),
@@ -315,17 +300,12 @@ async fn a_preheated_image_rolls_out_with_no_registry_blob_bytes() {
     // An image of a registry the nodes' mirrors do not serve: every chosen
     // node refuses it without connecting anywhere, and the job fails saying why.
     let elsewhere = "127.0.0.2:5000/elsewhere/app:1";
-    let mut args = vec![
-        "preheat".to_string(),
-        elsewhere.into(),
-        "--count".into(),
-        "2".into(),
-        "--timeout".into(),
-        "60s".into(),
-        "--json".into(),
-    ];
-    args.extend(as_caller(dir.path(), "ci", &tracker_url));
-    let out = dray(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let out = preheat_as_ci(
+        dir.path(),
+        &tracker_url,
+        elsewhere,
+        &["--count", "2", "--timeout", "60s", "--json"],
+    );
     assert!(!out.status.success());
     let job: dray_protocol::preheat::PreheatJob =
         serde_json::from_slice(&out.stdout).expect("the job's last state");

@@ -38,12 +38,6 @@ async fn registry_with_blob(dir: &Path) -> (Registry, String) {
     (registry, digest)
 }
 
-/// Certificates for `ids` and the tracker under `dir`; the tracker started.
-fn tracker_for(dir: &Path, ids: &[String]) -> (DrayProc, String) {
-    issue_certificates(dir, &ids.iter().map(String::as_str).collect::<Vec<_>>());
-    start_tracker(dir, "")
-}
-
 /// Fallbacks the agents took for `reason`.
 fn fallbacks(dir: &Path, agents: &[DrayProc], reason: &str) -> f64 {
     let series = format!("dray_agent_registry_fallbacks_total{{reason=\"{reason}\"}}");

@@ -164,6 +164,12 @@ pub fn join_dht(
     agent
 }
 
+/// Certificates for `ids` and the tracker under `dir`; the tracker started.
+pub fn tracker_for(dir: &Path, ids: &[String]) -> (DrayProc, String) {
+    issue_certificates(dir, &ids.iter().map(String::as_str).collect::<Vec<_>>());
+    start_tracker(dir, "")
+}
+
 /// The bytes all `agents` sent on DHT connections so far.
 pub fn dht_bytes(dir: &Path, agents: &[DrayProc]) -> f64 {
     agents

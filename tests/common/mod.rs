@@ -125,6 +125,19 @@ pub struct Agent {
 }
 
 impl Agent {
+    /// An agent `id` of a CA of its own, with no tracker and the default
+    /// peer settings: a node alone.
+    pub fn alone(id: &str, work: &Path) -> Agent {
+        let ca = ClusterCa::generate().unwrap();
+        Agent::start(
+            &ca,
+            id,
+            work,
+            quick_swarm(Vec::new()),
+            PeerConfig::default(),
+        )
+    }
+
     pub fn start(
         ca: &ClusterCa,
         id: &str,
