@@ -16,6 +16,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tokio::task::JoinHandle;
 
+/// How long the agents of a DHT cluster may take to find each other (a
+/// fraction of a second on an idle machine).
+const JOIN_WITHIN: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// A tracker and its agents; dropping it stops them all.
 pub struct LocalCluster {
     /// The agents, `node-0` to `node-{N-1}`, each announcing to the tracker.
@@ -90,13 +94,21 @@ impl LocalCluster {
             cluster.agents.push(swarm);
         }
         let started = std::time::Instant::now();
+        let want = (nodes - 1).min(8);
         for a in &cluster.agents {
             let Some(dht) = a.dht() else { continue };
-            while dht.routing_peers().await < (nodes - 1).min(8) {
-                anyhow::ensure!(
-                    started.elapsed() < std::time::Duration::from_secs(30),
-                    "the agents did not all join the DHT within 30 s"
-                );
+            while dht.routing_peers().await < want {
+                if started.elapsed() > JOIN_WITHIN {
+                    let mut held = Vec::new();
+                    for a in &cluster.agents {
+                        if let Some(d) = a.dht() {
+                            held.push(d.routing_peers().await);
+                        }
+                    }
+                    anyhow::bail!(
+                        "the agents did not all join the DHT within {JOIN_WITHIN:?}: peers in each agent's routing table {held:?}, {want} wanted"
+                    );
+                }
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             }
         }

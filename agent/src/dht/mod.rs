@@ -46,7 +46,9 @@
 //!
 //! A node joins through `dht.bootstrap`: addresses or DNS names (a headless
 //! Service over the DaemonSet resolves to every node), dialled until the
-//! routing table holds peers, then Kademlia's own bootstrap fills it. Names
+//! routing table holds peers, then Kademlia's own bootstrap fills it (run
+//! again at each round while the table is short, so a member whose record
+//! was lost is found within seconds, not at the next refresh). Names
 //! are resolved off the event loop, one lookup per entry at a time, so a
 //! DNS server that never answers delays only that entry's dials, never a
 //! query; rounds back off from [`DIAL_EVERY`] to [`DIAL_EVERY_MAX`] while
@@ -797,6 +799,7 @@ impl Runner {
                     let now = Instant::now();
                     if now >= self.next_round {
                         self.resolve_bootstrap(peers, &found);
+                        self.refill(peers);
                         self.pause = next_pause(self.pause, peers);
                         self.next_round = now + self.pause;
                     }
@@ -873,6 +876,19 @@ impl Runner {
                 };
                 let _ = found.send((entry, addrs));
             });
+        }
+    }
+
+    /// While the routing table holds some peers but fewer than
+    /// [`ENOUGH_PEERS`], looks this node up again (Kademlia's bootstrap,
+    /// which republishes its record at its end): members it does not know
+    /// are dialled and enter its table, and its record reaches members
+    /// that missed it. Kademlia adds a member that only dialled this node
+    /// when its record arrives, so one lost put left that member unknown
+    /// here until the next periodic bootstrap, a minute later.
+    fn refill(&mut self, peers: usize) {
+        if peers > 0 && peers < ENOUGH_PEERS && self.published {
+            let _ = self.kad().bootstrap();
         }
     }
 
