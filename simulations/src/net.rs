@@ -140,9 +140,7 @@ struct Link {
     members: Vec<FlowId>,
     /// The members' weights, summed.
     weight: f64,
-    /// Capacity per unit of weight.
-    share: f64,
-    /// Member count the share was computed for (>= members.len()): flows
+    /// Member count the share (in `Net::shares`) was computed for (>= members.len()): flows
     /// only left since, so the members' weight is at most what it was.
     sized_for: usize,
     dirty: bool,
@@ -150,6 +148,9 @@ struct Link {
 
 pub(crate) struct Net {
     links: Vec<Link>,
+    /// Per link: capacity per unit of weight. Apart from the links, so that
+    /// a settle's rates read one dense array (a link is a cache line).
+    shares: Vec<f64>,
     flows: Vec<Flow>,
     /// Per flow: queued in `dirty_flows`. Apart from the flows, so that
     /// marking a busy link's members reads one dense array.
@@ -175,13 +176,13 @@ impl Net {
     /// A network of links with these capacities; `registry_link` is the registry's egress.
     pub fn new(caps: Vec<f64>, registry_link: LinkId) -> Self {
         Self {
+            shares: caps.clone(),
             links: caps
                 .into_iter()
                 .map(|cap| Link {
                     cap,
                     members: Vec::new(),
                     weight: 0.0,
-                    share: cap,
                     sized_for: 0,
                     dirty: false,
                 })
@@ -435,7 +436,7 @@ impl Net {
             let shrunk_enough = n + (link.sized_for / 33).max(1) <= link.sized_for;
             if n > link.sized_for || shrunk_enough {
                 link.sized_for = n;
-                link.share = if n > 0 {
+                self.shares[l as usize] = if n > 0 {
                     link.cap / link.weight
                 } else {
                     link.cap
@@ -461,7 +462,7 @@ impl Net {
             let rate = f.weight
                 * f.links[..f.nlinks as usize]
                     .iter()
-                    .map(|&l| self.links[l as usize].share)
+                    .map(|&l| self.shares[l as usize])
                     .fold(f64::INFINITY, f64::min);
             if f.fresh || rate != f.rate {
                 let f = &mut self.flows[id as usize];

@@ -47,8 +47,10 @@ impl World<'_> {
                 // swarm are busy, and this is the hot check.
                 if self.uploads[pu] >= max_up {
                     // The agent's request would be refused BUSY (a frozen
-                    // peer's lanes are all waiting on it).
-                    busy |= !self.nodes[pu].frozen;
+                    // peer's lanes are all waiting on it). Once one peer
+                    // refused, the others' nodes need not be read (a cache
+                    // miss each).
+                    busy = busy || !self.nodes[pu].frozen;
                     continue;
                 }
                 if !self.nodes[pu].alive {
