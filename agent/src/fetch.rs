@@ -328,8 +328,20 @@ impl Transfer {
     /// Whether `peer` failed in this transfer: it could not be reached,
     /// its bitfield polls failed, or it does not have the blob. (A peer
     /// retired past the cap of peers is not gone.)
+    /// A member this pull ruled a liar is gone too: left in, it stays a
+    /// fetcher candidate without a tracker, and the registry runs it is
+    /// counted for wait `swarm.stall` for it (`tests/hostile_dht.rs`).
     pub fn is_gone(&self, peer: &str) -> bool {
-        self.lock().gone.contains(peer)
+        self.lock().gone.contains(peer) || self.is_liar(peer)
+    }
+
+    /// Whether this pull's arbiter ruled `peer` a liar.
+    fn is_liar(&self, peer: &str) -> bool {
+        self.arbiter.get().is_some_and(|a| {
+            a.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_liar(&peer.to_string())
+        })
     }
 
     /// Whether `peer` refused to be watched in this transfer, serving as
@@ -509,11 +521,7 @@ impl Transfer {
             if sh.stopped || sh.picker.is_banned(&peer.peer_id) {
                 return;
             }
-            let liar = self
-                .arbiter
-                .get()
-                .is_some_and(|a| a.lock().is_ok_and(|a| a.is_liar(&peer.peer_id)));
-            if liar {
+            if self.is_liar(&peer.peer_id) {
                 return;
             }
             match sh.roster.admit(peer.peer_id.clone(), retired.clone()) {

@@ -17,6 +17,9 @@
 //!   checks one chunk of the claimant with the most unchecked claims, then
 //!   of the next ([`Arbiter::digest_failed`]), one chunk per claimant at
 //!   most; a claimant whose checked chunk holds is cleared for this blob.
+//! - **Agreeing claims.** Every member that claimed the hash taken is kept
+//!   beside the first: liars that agree with each other (the same forged
+//!   bytes) are ruled by one check, not one check each.
 //! - **Rulings.** A liar's claims are all dropped (the chunks held under
 //!   them are fetched again, from others), it is banned from the pull, and
 //!   later claims of its are ignored. A claim that contradicts a hash the
@@ -71,9 +74,9 @@ impl<P> Default for Ruling<P> {
 /// One pull's claims, disputes and checks (see the module's doc).
 #[derive(Debug)]
 pub struct Arbiter<P> {
-    /// Per chunk: the hash taken and its claimant; `None` for the
-    /// registry's (or a tracker's) word.
-    taken: Vec<Option<(ChunkHash, Option<P>)>>,
+    /// Per chunk: the hash taken and every member that claimed it; none
+    /// for the registry's (or a tracker's) word.
+    taken: Vec<Option<(ChunkHash, Vec<P>)>>,
     /// Disputed chunks, with the claims against the one taken.
     disputes: BTreeMap<u32, Vec<(ChunkHash, P)>>,
     /// Chunks handed out for a check and not ruled on yet.
@@ -116,12 +119,19 @@ impl<P: Clone + Eq + Hash + Ord> Arbiter<P> {
         };
         match slot {
             None => {
-                *slot = Some((hash, Some(member.clone())));
+                *slot = Some((hash, vec![member.clone()]));
                 (Claim::Taken, Ruling::default())
             }
-            Some((h, _)) if *h == hash => (Claim::Agrees, Ruling::default()),
-            Some((_, None)) => (Claim::Lied, self.rule_liars(vec![member.clone()])),
-            Some((_, Some(_))) => {
+            Some((h, by)) if *h == hash => {
+                // Kept beside the first: a check against the hash rules
+                // every member that claimed it.
+                if !by.is_empty() && !by.contains(member) {
+                    by.push(member.clone());
+                }
+                (Claim::Agrees, Ruling::default())
+            }
+            Some((_, by)) if by.is_empty() => (Claim::Lied, self.rule_liars(vec![member.clone()])),
+            Some(_) => {
                 // A member's first claim against the taken one stands: a
                 // liar naming fresh hashes for one chunk at every answer
                 // adds nothing, so a dispute holds one claim per member.
@@ -150,23 +160,24 @@ impl<P: Clone + Eq + Hash + Ord> Arbiter<P> {
 
     /// The blob failed its digest with every chunk matching a claim: the
     /// chunk to check next, one of the claimant's with the most claims not
-    /// yet checked (ties to the smallest id), or `None` when every
-    /// claimant's check held (a lie only the whole blob shows: the pull
-    /// cannot tell whose, and goes to the registry alone).
+    /// yet checked (ties to the smallest id), its first, or `None` when
+    /// every claimant's check held (a lie only the whole blob shows: the
+    /// pull cannot tell whose, and goes to the registry alone).
     pub fn digest_failed(&mut self) -> Option<u32> {
-        let mut counts: HashMap<&P, (u32, u32)> = HashMap::new();
+        let mut claims: HashMap<&P, Vec<u32>> = HashMap::new();
         for (i, t) in self.taken.iter().enumerate() {
-            if let Some((_, Some(m))) = t
-                && !self.cleared.contains(m)
-                && !self.checking.contains(&(i as u32))
-            {
-                let e = counts.entry(m).or_insert((0, i as u32));
-                e.0 += 1;
+            let Some((_, by)) = t else { continue };
+            if self.checking.contains(&(i as u32)) {
+                continue;
+            }
+            for m in by.iter().filter(|m| !self.cleared.contains(*m)) {
+                claims.entry(m).or_default().push(i as u32);
             }
         }
-        let (_, (_, index)) = counts
+        let (_, chunks) = claims
             .into_iter()
-            .max_by(|a, b| a.1.0.cmp(&b.1.0).then_with(|| b.0.cmp(a.0)))?;
+            .max_by(|a, b| a.1.len().cmp(&b.1.len()).then_with(|| b.0.cmp(a.0)))?;
+        let index = chunks[0];
         self.checking.insert(index);
         Some(index)
     }
@@ -185,21 +196,22 @@ impl<P: Clone + Eq + Hash + Ord> Arbiter<P> {
         let mut right = Vec::new();
         let disputed = self.disputes.remove(&index).unwrap_or_default();
         let taken = self.taken.get_mut(index as usize).and_then(Option::take);
-        for (h, m) in disputed
+        let taken = taken
             .into_iter()
-            .chain(taken.and_then(|(h, m)| Some((h, m?))))
-        {
+            .flat_map(|(h, by)| by.into_iter().map(move |m| (h, m)));
+        for (h, m) in disputed.into_iter().chain(taken) {
             if h == hash { &mut right } else { &mut wrong }.push(m);
         }
         if let Some(slot) = self.taken.get_mut(index as usize) {
-            *slot = Some((hash, None));
+            *slot = Some((hash, Vec::new()));
         }
         self.cleared.extend(right);
         self.rule_liars(wrong)
     }
 
-    /// Rules `members` liars: drops every claim of theirs still taken (and
-    /// their side of every dispute).
+    /// Rules `members` liars: drops every claim of theirs still taken (a
+    /// chunk goes when no member but liars claimed its hash) and their side
+    /// of every dispute.
     fn rule_liars(&mut self, members: Vec<P>) -> Ruling<P> {
         let mut ruling = Ruling::default();
         for m in members {
@@ -212,9 +224,12 @@ impl<P: Clone + Eq + Hash + Ord> Arbiter<P> {
             return ruling;
         }
         for (i, slot) in self.taken.iter_mut().enumerate() {
-            if let Some((_, Some(m))) = slot
-                && self.liars.contains(m)
-            {
+            let Some((_, by)) = slot else { continue };
+            if by.is_empty() || !by.iter().any(|m| self.liars.contains(m)) {
+                continue;
+            }
+            by.retain(|m| !self.liars.contains(m));
+            if by.is_empty() {
                 *slot = None;
                 ruling.dropped.push(i as u32);
             }
@@ -328,6 +343,39 @@ mod tests {
         assert_eq!(ruling.liars, vec![liar]);
         assert_eq!(ruling.dropped, vec![1]);
         assert_eq!(a.digest_failed(), None);
+    }
+
+    #[test]
+    fn liars_that_agree_are_ruled_by_one_check_and_an_honest_agreement_keeps_the_chunk() {
+        let mut a = Arbiter::new(4);
+        let (l0, l1, honest) = (who("liar-0"), who("liar-1"), who("honest"));
+        for i in 0..4 {
+            assert_eq!(a.claim(i, h(100 + i as u8), &l0).0, Claim::Taken);
+            assert_eq!(a.claim(i, h(100 + i as u8), &l1).0, Claim::Agrees);
+        }
+        assert_eq!(a.claim(3, h(3), &honest).0, Claim::Disputed);
+        assert_eq!(a.digest_failed(), Some(0));
+        let ruling = a.registry_says(0, h(0));
+        assert_eq!(
+            ruling.liars,
+            vec![l0.clone(), l1.clone()],
+            "one check, both"
+        );
+        assert_eq!(ruling.dropped, vec![1, 2, 3]);
+        assert_eq!(a.claim(1, h(101), &l1).0, Claim::Ignored);
+        // A chunk a liar and an honest member both claimed stays.
+        let mut a = Arbiter::new(2);
+        a.claim(0, h(0), &honest);
+        a.claim(0, h(0), &l0);
+        a.claim(1, h(101), &l0);
+        assert_eq!(a.vouched(1, h(1)).dropped, Vec::<u32>::new());
+        assert!(a.is_liar(&l0));
+        assert_eq!(a.claim(0, h(0), &honest).0, Claim::Agrees);
+        assert_eq!(
+            a.digest_failed(),
+            Some(0),
+            "the honest claim is still taken"
+        );
     }
 
     #[test]
