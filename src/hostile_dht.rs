@@ -89,6 +89,9 @@ pub struct DhtHostileResult {
     pub checks: u32,
     /// Peers honest nodes dropped as slow, summed.
     pub slow_peers_dropped: usize,
+    /// Honest pulls beside the liars that fell back to the registry on
+    /// their own (no chunk for `swarm.stall`, or starved): a liar held them.
+    pub fell_back: usize,
     /// Flood provider records the liars sent, and forged node records they
     /// tried to publish into honest nodes.
     pub flood_keys: usize,
@@ -205,6 +208,7 @@ pub async fn storm(
         failures: clean.failures.into_iter().chain(run.failures).collect(),
         checks: run.reports.iter().map(|r| r.checks).sum(),
         slow_peers_dropped: run.reports.iter().map(|r| r.slow_peers.len()).sum(),
+        fell_back: run.reports.iter().filter(|r| r.fell_back).count(),
         flood_keys: tally.flood,
         forged_records: tally.forged,
     })
@@ -516,13 +520,14 @@ pub fn print(h: &DhtHostileResult) {
         h.egress_ratio, h.clean_egress_ratio, h.last_s, h.clean_last_s, h.p50_s
     );
     println!(
-        "liars identified: {} ({} by the metric)   honest nodes dropped: {}   bad bytes delivered: {}   registry checks: {}   slow peers dropped: {}",
+        "liars identified: {} ({} by the metric)   honest nodes dropped: {}   bad bytes delivered: {}   registry checks: {}   slow peers dropped: {}   fell back: {}",
         h.liars_identified,
         h.liars_identified_metric,
         h.honest_dropped,
         h.bad_bytes_delivered,
         h.checks,
-        h.slow_peers_dropped
+        h.slow_peers_dropped,
+        h.fell_back
     );
     println!(
         "flood provider records sent: {}   forged node records pushed: {}",

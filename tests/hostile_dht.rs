@@ -32,7 +32,8 @@ fn hostile_dht_bench() -> (serde_json::Value, String) {
 
 /// What the liars must never get, whatever they cost: bytes that are not
 /// the blob's reaching a mirror client, an honest node ruled a liar or
-/// dropped, a liar unnamed, a pull failed, a forged address dialled.
+/// dropped, a liar unnamed, a pull failed or held until it fell back, a
+/// forged address dialled.
 #[cfg(feature = "hostile")]
 #[test]
 fn eight_honest_nodes_without_a_tracker_beside_two_liars_get_only_the_blobs_bytes() {
@@ -72,6 +73,12 @@ fn eight_honest_nodes_without_a_tracker_beside_two_liars_get_only_the_blobs_byte
             "no honest node logged {liar} identified as a liar"
         );
     }
+    // A liar ruled out but still counted a fetcher without a tracker held
+    // its share of the registry runs: every pull waited `swarm.stall`.
+    assert_eq!(
+        h["fell_back"], 0,
+        "an honest pull fell back to the registry on its own: {h}"
+    );
     // A forged node record taken sends a puller to the liar's address for
     // an honest node: the peer plane's TLS then refuses it, and that honest
     // node is lost to the pull.
