@@ -52,9 +52,12 @@ fn bench_peer_reports_each_sides_cpu_and_every_baseline_in_one_json_object() {
 /// out of the comparison: valgrind does not emulate the SHA extensions, so
 /// it counts `sha2`'s software rounds (about 55 instructions a byte) where
 /// the agent natively runs SHA-NI's; it is reported apart and checked to be
-/// the receiver's alone. The two units' counts must agree (they disagreed
-/// by up to 569% before valgrind's fair scheduling, see
-/// `src/bench_peer_counted.rs`).
+/// the receiver's alone. Each path's second and third unit disagree by a
+/// few percent on an idle machine and by up to 25.6% on a CI machine (a
+/// path's timers fire more or less often under cachegrind's slowdown), so
+/// the bound is checked at the unfavourable end of both spreads; a spread
+/// past 50% means the method is broken (before valgrind's fair scheduling a
+/// spin counted wall time, see `src/bench_peer_counted.rs`).
 #[test]
 fn agent_instructions_per_gib_stay_within_1_2x_of_raw_quinn() {
     let out = dray_ok(&[
@@ -85,13 +88,27 @@ fn agent_instructions_per_gib_stay_within_1_2x_of_raw_quinn() {
     assert_eq!(r["agent_digest_instructions_per_gib_sender"], 0.0, "{out}");
     let (agent, quinn) = (both("agent") - digest, both("quinn"));
     assert!(quinn > 0.0, "{out}");
+    let spread = |path: &str| {
+        r[format!("{path}_instructions_disagreement_pct")]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no {path} disagreement in {out}"))
+    };
+    let (agent_spread, quinn_spread) = (spread("agent"), spread("quinn"));
+    // A method whose units disagree this much counts something other than
+    // bytes moved (the spin that grew with wall time did).
     assert!(
-        agent <= 1.2 * quinn,
-        "agent {agent:.3e} (without the digest) against quinn {quinn:.3e}: {out}"
+        agent_spread <= 50.0 && quinn_spread <= 50.0,
+        "the units' counts disagree: {out}"
+    );
+    // The claim holds at the unfavourable end of each path's spread: the
+    // agent's larger unit against quinn's smaller.
+    let (agent_high, quinn_low) = (
+        agent * (1.0 + agent_spread / 200.0),
+        quinn * (1.0 - quinn_spread / 200.0),
     );
     assert!(
-        r["instructions_disagreement_pct"].as_f64().unwrap() <= 25.0,
-        "the units' counts disagree: {out}"
+        agent_high <= 1.2 * quinn_low,
+        "agent up to {agent_high:.3e} (without the digest) against quinn from {quinn_low:.3e}: {out}"
     );
     assert!(r["agent_syscalls_per_gib"].as_f64().unwrap() > 0.0, "{out}");
     assert!(
