@@ -97,8 +97,8 @@ pub struct SwarmBench {
 }
 
 /// The settings of a store under `--gc-pressure` for a blob of `size`.
-fn pressure_gc(size: u64) -> dray_agent::gc::GcConfig {
-    dray_agent::gc::GcConfig {
+fn pressure_gc(size: u64) -> dray_agent::store::gc::GcConfig {
+    dray_agent::store::gc::GcConfig {
         budget: Some(2 * size),
         high_watermark: 0.8,
         low_watermark: 0.6,
@@ -112,7 +112,11 @@ fn pressure_gc(size: u64) -> dray_agent::gc::GcConfig {
 
 /// Fills the stores of `nodes` agents under `root` with 8 filler blobs
 /// each, up to `gc`'s high watermark of its budget.
-fn fill_stores(root: &std::path::Path, nodes: usize, gc: &dray_agent::gc::GcConfig) -> Result<()> {
+fn fill_stores(
+    root: &std::path::Path,
+    nodes: usize,
+    gc: &dray_agent::store::gc::GcConfig,
+) -> Result<()> {
     let budget = gc.budget.context("a pressure run has a budget")?;
     let each = (budget as f64 * gc.high_watermark) as u64 / 8;
     let src = root.join("filler");
@@ -132,7 +136,7 @@ pub(crate) struct SwarmRun {
     /// Each completed agent's completion time, sorted.
     pub times: Vec<f64>,
     /// The completed pulls' reports.
-    pub reports: Vec<dray_agent::swarm::PullReport>,
+    pub reports: Vec<dray_agent::pull::swarm::PullReport>,
     /// The pulls that failed, with their errors.
     pub failures: Vec<String>,
     pub egress: u64,
@@ -148,12 +152,12 @@ async fn run_swarm(
     root: &std::path::Path,
     nodes: usize,
     registry: &dray_testkit::testbed::Registry,
-    client: &Arc<dray_agent::registry::RegistryClient>,
+    client: &Arc<dray_agent::pull::registry::RegistryClient>,
     digest: dray_protocol::BlobDigest,
-    gc: &dray_agent::gc::GcConfig,
+    gc: &dray_agent::store::gc::GcConfig,
     no_tracker: bool,
 ) -> Result<SwarmRun> {
-    let mut swarm = dray_agent::swarm::SwarmConfig::default();
+    let mut swarm = dray_agent::pull::swarm::SwarmConfig::default();
     if no_tracker {
         swarm.dht.listen = Some("127.0.0.1:0".parse()?);
     }
@@ -169,7 +173,7 @@ async fn run_swarm(
 pub(crate) async fn pull_all(
     cluster: &crate::cluster::LocalCluster,
     registry: &dray_testkit::testbed::Registry,
-    client: &Arc<dray_agent::registry::RegistryClient>,
+    client: &Arc<dray_agent::pull::registry::RegistryClient>,
     digest: dray_protocol::BlobDigest,
 ) -> Result<SwarmRun> {
     let held = || -> usize {
@@ -244,7 +248,7 @@ pub async fn run(cmd: BenchCommand) -> Result<()> {
 
 /// Downloads every blob in turn, as one image pull; returns the seconds taken.
 async fn pull_blobs(
-    client: &dray_agent::registry::RegistryClient,
+    client: &dray_agent::pull::registry::RegistryClient,
     digests: &[dray_protocol::BlobDigest],
     out: &std::path::Path,
 ) -> Result<f64> {
@@ -270,8 +274,8 @@ struct MirrorResult {
 
 async fn mirror(b: MirrorBench) -> Result<()> {
     use dray_agent::config::AgentConfig;
-    use dray_agent::mirror::{Mirror, MirrorConfig};
-    use dray_agent::registry::RegistryClient;
+    use dray_agent::pull::registry::RegistryClient;
+    use dray_agent::serving::mirror::{Mirror, MirrorConfig};
     if b.size < 4 || b.rounds == 0 {
         bail!("--size must be at least 4 bytes and --rounds positive");
     }
@@ -414,7 +418,7 @@ async fn finish_times<T>(
 }
 
 async fn swarm(b: SwarmBench) -> Result<()> {
-    use dray_agent::registry::RegistryClient;
+    use dray_agent::pull::registry::RegistryClient;
     if b.nodes == 0 || b.size == 0 {
         bail!("--nodes and --size must be positive");
     }
@@ -457,7 +461,7 @@ async fn swarm(b: SwarmBench) -> Result<()> {
         &registry,
         &client,
         digest,
-        &dray_agent::gc::GcConfig::default(),
+        &dray_agent::store::gc::GcConfig::default(),
         b.no_tracker,
     )
     .await?;

@@ -281,7 +281,7 @@ async fn measure(
     let dray_s = dray_first_s.max(unpack_s);
     let rate = ((compressed_bytes as f64 / unpack_s) as u64).max(1);
     registry.throttle(rate);
-    let client = std::sync::Arc::new(dray_agent::registry::RegistryClient::new(
+    let client = std::sync::Arc::new(dray_agent::pull::registry::RegistryClient::new(
         &registry.url(),
         None,
     )?);
@@ -420,8 +420,8 @@ struct Layer {
 /// from the store, handed to the unpacker's blocking thread); then waits for
 /// the blob's digest to hold.
 async fn unpack_from_store(
-    pulls: &std::sync::Arc<dray_agent::pulls::Pulls>,
-    pull: tokio::sync::watch::Receiver<dray_agent::pulls::PullState>,
+    pulls: &std::sync::Arc<dray_agent::pull::Pulls>,
+    pull: tokio::sync::watch::Receiver<dray_agent::pull::PullState>,
     layer: &Layer,
     compression: Compression,
     target: &Path,

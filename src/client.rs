@@ -1,16 +1,16 @@
 //! `dray pull`, `status`, `gc`, `pin` and `unpin`: clients of a running
-//! agent's local API on its unix socket (see `dray_agent::local_api`).
+//! agent's local API on its unix socket (see `dray_agent::serving::local_api`).
 
 use anyhow::{Context, Result, bail};
-use dray_agent::local_api::{PinRequest, PullProgress, PullRequest};
-use dray_agent::status::Status;
+use dray_agent::serving::local_api::{PinRequest, PullProgress, PullRequest};
+use dray_agent::serving::status::Status;
 use futures_util::StreamExt;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use std::collections::HashMap;
 use std::path::Path;
 
 fn client(socket: &Path) -> Result<reqwest::Client> {
-    dray_agent::registry::install_crypto_provider();
+    dray_agent::pull::registry::install_crypto_provider();
     reqwest::Client::builder()
         .unix_socket(socket)
         .build()
@@ -125,7 +125,7 @@ pub async fn gc(socket: &Path, dry_run: bool, json: bool) -> Result<()> {
         .json(&serde_json::json!({ "dry_run": dry_run }))
         .send()
         .await;
-    let done: dray_agent::gc::Collection = checked(socket, resp)
+    let done: dray_agent::store::gc::Collection = checked(socket, resp)
         .await?
         .json()
         .await
@@ -163,7 +163,7 @@ pub async fn gc(socket: &Path, dry_run: bool, json: bool) -> Result<()> {
     Ok(())
 }
 
-fn print_pinned(p: &dray_agent::gc::PinnedImage) {
+fn print_pinned(p: &dray_agent::store::gc::PinnedImage) {
     println!("{}  {} blobs", p.image, p.blobs.len());
     for b in &p.blobs {
         println!("  {b}");
@@ -187,7 +187,7 @@ pub async fn pin(socket: &Path, image: Option<&str>, json: bool) -> Result<()> {
     .send()
     .await;
     let body = checked(socket, resp).await?;
-    let pinned: Vec<dray_agent::gc::PinnedImage> = match image {
+    let pinned: Vec<dray_agent::store::gc::PinnedImage> = match image {
         Some(_) => vec![body.json().await.context("parsing the agent's answer")?],
         None => body.json().await.context("parsing the agent's answer")?,
     };
@@ -211,7 +211,7 @@ pub async fn unpin(socket: &Path, image: &str) -> Result<()> {
         })
         .send()
         .await;
-    let was: dray_agent::gc::PinnedImage = checked(socket, resp)
+    let was: dray_agent::store::gc::PinnedImage = checked(socket, resp)
         .await?
         .json()
         .await

@@ -11,7 +11,7 @@ use dray_agent::Agent;
 use dray_agent::config::AgentConfig;
 use dray_agent::identity::ClusterCa;
 use dray_agent::peer::PeerConfig;
-use dray_agent::swarm::{Swarm, SwarmConfig};
+use dray_agent::pull::swarm::{Swarm, SwarmConfig};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tokio::task::JoinHandle;
@@ -50,7 +50,7 @@ impl LocalCluster {
         root: &Path,
         nodes: usize,
         swarm: SwarmConfig,
-        gc: &dray_agent::gc::GcConfig,
+        gc: &dray_agent::store::gc::GcConfig,
     ) -> Result<LocalCluster> {
         let ca = ClusterCa::generate()?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -124,7 +124,7 @@ impl LocalCluster {
         dir: &Path,
         swarm: SwarmConfig,
         peer: PeerConfig,
-        gc: Option<&dray_agent::gc::GcConfig>,
+        gc: Option<&dray_agent::store::gc::GcConfig>,
     ) -> Result<Arc<Swarm>> {
         let config = AgentConfig {
             state_dir: dir.to_path_buf(),
@@ -137,7 +137,7 @@ impl LocalCluster {
                 },
                 Some(_) => SwarmConfig {
                     trackers: Vec::new(),
-                    dht: dray_agent::dht::DhtConfig {
+                    dht: dray_agent::discovery::dht::DhtConfig {
                         bootstrap: self.seed.iter().cloned().collect(),
                         ..swarm.dht.clone()
                     },
@@ -156,7 +156,7 @@ impl LocalCluster {
     }
 
     /// Member `i`'s pulls, which its mirror and local API read through.
-    pub fn pulls(&self, i: usize) -> &Arc<dray_agent::pulls::Pulls> {
+    pub fn pulls(&self, i: usize) -> &Arc<dray_agent::pull::Pulls> {
         self.members[i].pulls()
     }
 

@@ -18,10 +18,10 @@
 use crate::bench::{SwarmRun, pull_all};
 use crate::cluster::LocalCluster;
 use anyhow::{Context, Result, bail};
+use dray_agent::discovery::tracker_client::TrackerClient;
 use dray_agent::peer::PeerConfig;
-use dray_agent::registry::RegistryClient;
-use dray_agent::swarm::SwarmConfig;
-use dray_agent::tracker_client::TrackerClient;
+use dray_agent::pull::registry::RegistryClient;
+use dray_agent::pull::swarm::SwarmConfig;
 use dray_protocol::chunkmap::{ChunkMapBuilder, chunk_hash};
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::{BlobDigest, ChunkMap, DEFAULT_CHUNK_SIZE};

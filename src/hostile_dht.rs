@@ -24,16 +24,16 @@
 use crate::bench::RandomBytes;
 use crate::cluster::LocalCluster;
 use anyhow::{Context, Result, bail};
-use dray_agent::dht::tls::libp2p_id;
-use dray_agent::dht::{
+use dray_agent::discovery::dht::tls::libp2p_id;
+use dray_agent::discovery::dht::{
     KAD_PROTOCOL, MAX_PACKET, NodeRecord, blob_key, member_swarm, multiaddr_of, node_key, socket_of,
 };
 use dray_agent::identity::Identity;
-use dray_agent::mirror::{Mirror, MirrorConfig};
 use dray_agent::peer::PeerConfig;
-use dray_agent::pulls::PullState;
-use dray_agent::registry::RegistryClient;
-use dray_agent::swarm::{PullReport, SwarmConfig};
+use dray_agent::pull::PullState;
+use dray_agent::pull::registry::RegistryClient;
+use dray_agent::pull::swarm::{PullReport, SwarmConfig};
+use dray_agent::serving::mirror::{Mirror, MirrorConfig};
 use dray_protocol::{BlobDigest, DEFAULT_CHUNK_SIZE};
 use futures_util::StreamExt;
 use libp2p::core::ConnectedPoint;
@@ -121,7 +121,7 @@ pub async fn storm(
     let blob = registry.blob_file(&digest.to_string());
     let real = crate::hostile::real_map(&blob, digest)?;
     let swarm = SwarmConfig {
-        dht: dray_agent::dht::DhtConfig {
+        dht: dray_agent::discovery::dht::DhtConfig {
             listen: Some("127.0.0.1:0".parse()?),
             ..Default::default()
         },

@@ -20,13 +20,13 @@ mod storm;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use dray_agent::config::AgentConfig;
-use dray_agent::containerd;
-use dray_agent::fetch::{PeerAddr, fetch_from_peers};
 use dray_agent::identity::{ClusterCa, Identity};
-use dray_agent::metrics::AgentMetrics;
+use dray_agent::pull::fetch::{PeerAddr, fetch_from_peers};
+use dray_agent::serving::containerd;
+use dray_agent::serving::metrics::AgentMetrics;
 use dray_protocol::identity::Role;
 
-use dray_agent::registry::{Credentials, RegistryClient};
+use dray_agent::pull::registry::{Credentials, RegistryClient};
 use dray_agent::store::ChunkStore;
 
 use dray_protocol::{ChunkMap, DEFAULT_CHUNK_SIZE, pb};
@@ -52,7 +52,7 @@ struct Cli {
     #[arg(long, global = true, env = "DRAY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
     /// Which logs to keep, as RUST_LOG filter directives, e.g. `info` or
-    /// `warn,dray_agent::swarm=debug` (default: warn; error for the demo).
+    /// `warn,dray_agent::pull::swarm=debug` (default: warn; error for the demo).
     #[arg(long = "log", value_name = "FILTER", global = true, env = "DRAY_LOG", value_parser = log_filter)]
     log_filter: Option<String>,
     #[command(subcommand)]
@@ -308,7 +308,7 @@ struct ConfigArgs {
     /// comma-separated (one of each family on a dual-stack node); a bare IP
     /// address takes the peer endpoint's port.
     #[arg(long, env = "DRAY_ADVERTISE", value_delimiter = ',')]
-    advertise: Vec<dray_agent::advertise::Advertised>,
+    advertise: Vec<dray_agent::discovery::advertise::Advertised>,
     /// Overrides `swarm.dht.listen`: the DHT's TCP address (setting it joins
     /// the DHT).
     #[arg(long, env = "DRAY_DHT_LISTEN", value_parser = dray_agent::config::parse_socket_addr)]

@@ -12,8 +12,8 @@
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use dray_agent::config::AgentConfig;
+use dray_agent::discovery::tracker_client::TrackerClient;
 use dray_agent::identity::Identity;
-use dray_agent::tracker_client::TrackerClient;
 use dray_protocol::preheat::{NodeState, PreheatJob, PreheatRequest};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use std::collections::{BTreeMap, HashMap};

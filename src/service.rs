@@ -17,9 +17,9 @@
 
 use anyhow::{Context, Result, bail};
 use dray_agent::config::AgentConfig;
-use dray_agent::local_api::{self, LocalApi};
-use dray_agent::metrics::{AdminEndpoint, AgentMetrics};
-use dray_agent::mirror::Mirror;
+use dray_agent::serving::local_api::{self, LocalApi};
+use dray_agent::serving::metrics::{AdminEndpoint, AgentMetrics};
+use dray_agent::serving::mirror::Mirror;
 use std::future::{Future, IntoFuture};
 use std::sync::Arc;
 use std::time::Duration;
@@ -55,7 +55,7 @@ pub async fn run_agent(cfg: AgentConfig) -> Result<()> {
         .with_context(|| format!("binding the admin endpoint to {}", cfg.admin_listen))?;
     let admin_addr = admin_listener.local_addr()?;
     let admin_task = tokio::spawn(admin.clone().serve(admin_listener));
-    let mut agent = dray_agent::enroll::open_agent(&cfg, metrics).await?;
+    let mut agent = dray_agent::identity::enroll::open_agent(&cfg, metrics).await?;
     let (swarm, node) = (agent.swarm().clone(), agent.node().clone());
     admin.set_ready(node.clone());
     // Preheat jobs the tracker hands this node run through the local API's

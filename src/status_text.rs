@@ -2,7 +2,7 @@
 //! and store, then aligned tables (pulls, recent events, blobs) with human
 //! sizes, rates and durations, as `kubectl get` and `docker ps` print.
 
-use dray_agent::status::Status;
+use dray_agent::serving::status::Status;
 use indicatif::HumanBytes;
 use std::fmt::Write;
 
@@ -204,8 +204,8 @@ fn duration(seconds: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dray_agent::events::{Event, EventKind};
-    use dray_agent::status::{BlobStatus, PullStatus};
+    use dray_agent::pull::events::{Event, EventKind};
+    use dray_agent::serving::status::{BlobStatus, PullStatus};
 
     #[test]
     fn prints_pulls_events_and_blobs_in_aligned_columns() {

@@ -15,7 +15,7 @@ fn dray_json(args: &[&str]) -> serde_json::Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dray_pull_fetches_every_layer_and_dray_status_shows_them() {
-    dray_agent::registry::install_crypto_provider();
+    dray_agent::pull::registry::install_crypto_provider();
     let dir = tempfile::tempdir().unwrap();
     let registry = Registry::start(None).await;
     build_image(&registry, &dir.path().join("img"), "cli/app", 6 << 20, None);

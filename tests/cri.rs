@@ -12,7 +12,7 @@ mod cri;
 mod hostile;
 
 use common::*;
-use dray_agent::local_api::UnpackRequest;
+use dray_agent::serving::local_api::UnpackRequest;
 use dray_agent::unpack::UnpackLimits;
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;

@@ -10,10 +10,10 @@ mod common;
 use common::*;
 use dray_agent::Agent;
 use dray_agent::config::AgentConfig;
-use dray_agent::gc::GcConfig;
-use dray_agent::metrics::AgentMetrics;
+use dray_agent::pull::swarm::{Swarm, SwarmConfig};
+use dray_agent::serving::metrics::AgentMetrics;
 use dray_agent::store::ChunkStore;
-use dray_agent::swarm::{Swarm, SwarmConfig};
+use dray_agent::store::gc::GcConfig;
 use dray_protocol::BlobDigest;
 use dray_protocol::chunkmap::MIN_CHUNK_SIZE;
 use std::path::{Path, PathBuf};
@@ -265,7 +265,7 @@ async fn under_pressure_four_nodes_keep_two_copies_of_every_blob_until_the_disk_
     // All four collect at once, each from its own word of the cluster.
     let passes = nodes.iter().map(|n| {
         let store = n.store().clone();
-        tokio::task::spawn_blocking(move || dray_agent::gc::collect(&store, false).unwrap())
+        tokio::task::spawn_blocking(move || dray_agent::store::gc::collect(&store, false).unwrap())
     });
     for p in passes.collect::<Vec<_>>() {
         let done = p.await.unwrap();
@@ -291,9 +291,10 @@ async fn under_pressure_four_nodes_keep_two_copies_of_every_blob_until_the_disk_
         .expect("a keeper");
     keeper.store().gc().configure(critical, true);
     let store = keeper.store().clone();
-    let done = tokio::task::spawn_blocking(move || dray_agent::gc::collect(&store, false).unwrap())
-        .await
-        .unwrap();
+    let done =
+        tokio::task::spawn_blocking(move || dray_agent::store::gc::collect(&store, false).unwrap())
+            .await
+            .unwrap();
     assert!(done.critical, "{done:?}");
     assert!(keeper.metric("dray_agent_evictions_total{reason=\"critical\"}") >= 1.0);
 }

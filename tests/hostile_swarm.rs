@@ -11,7 +11,7 @@ mod common;
 
 use common::*;
 use dray_agent::peer::PeerConfig;
-use dray_agent::swarm::{PullReport, SwarmConfig};
+use dray_agent::pull::swarm::{PullReport, SwarmConfig};
 use dray_protocol::BlobDigest;
 use std::time::Duration;
 

@@ -19,7 +19,7 @@ mod common;
 mod cri;
 
 use common::*;
-use dray_agent::local_api::UnpackRequest;
+use dray_agent::serving::local_api::UnpackRequest;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,7 +34,7 @@ async fn unpack(socket: &Path, target: &Path) -> (u16, String) {
         target: target.to_path_buf(),
     };
     // This process's first client may be this one (the test run alone).
-    dray_agent::registry::install_crypto_provider();
+    dray_agent::pull::registry::install_crypto_provider();
     let resp = reqwest::Client::builder()
         .unix_socket(socket.to_path_buf())
         .build()
@@ -450,7 +450,7 @@ fn start_agent(dir: &Path, upstreams: &[(String, String)], extra: &str) -> (Dray
 /// or for at most `patience`: the status, and the error (the refusal, or
 /// the last progress line's) or whether every layer is done.
 async fn pull_image(dir: &Path, image: &str, patience: Duration) -> (u16, Result<bool, String>) {
-    dray_agent::registry::install_crypto_provider();
+    dray_agent::pull::registry::install_crypto_provider();
     let resp = reqwest::Client::builder()
         .unix_socket(dir.join("agent.sock"))
         .build()

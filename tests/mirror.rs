@@ -11,7 +11,7 @@ use dray_agent::peer::PeerConfig;
 use std::path::Path;
 use std::process::Command;
 
-fn no_tracker() -> dray_agent::swarm::SwarmConfig {
+fn no_tracker() -> dray_agent::pull::swarm::SwarmConfig {
     quick_swarm(Vec::new())
 }
 

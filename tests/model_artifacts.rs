@@ -27,7 +27,7 @@ mod common;
 use common::cluster::*;
 use common::model::*;
 use common::*;
-use dray_agent::local_api::UnpackRequest;
+use dray_agent::serving::local_api::UnpackRequest;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -204,7 +204,7 @@ async fn the_local_api_refuses_to_unpack_an_artifacts_blob_and_fetches_none_of_i
         &work.join("agent.sock"),
         &[(registry.host(), registry.url())],
     );
-    dray_agent::registry::install_crypto_provider();
+    dray_agent::pull::registry::install_crypto_provider();
     let image = format!("{}/models/small:v1", registry.host());
     let target = work.join("unpacked");
     let before = registry.egress();

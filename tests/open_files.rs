@@ -9,10 +9,10 @@
 mod common;
 
 use common::*;
+use dray_agent::discovery::tracker_client::TrackerClient;
 use dray_agent::identity::Identity;
 use dray_agent::peer::{PeerConfig, PeerNode};
 use dray_agent::store::ChunkStore;
-use dray_agent::tracker_client::TrackerClient;
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::{ChunkMap, DEFAULT_CHUNK_SIZE};
 use std::time::{Duration, Instant};
@@ -81,7 +81,7 @@ async fn an_agent_holding_600_blobs_keeps_its_files_and_its_announce_within_boun
         // it, from the space available to users) had every import evict
         // the blob before it, and 600 imports left one file.
         store.gc().configure(
-            dray_agent::gc::GcConfig {
+            dray_agent::store::gc::GcConfig {
                 high_watermark: 1.0,
                 low_watermark: 1.0,
                 critical_watermark: 1.0,

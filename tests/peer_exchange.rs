@@ -4,9 +4,9 @@
 mod common;
 
 use common::{file_digest, random_file};
-use dray_agent::fetch::{PeerAddr, Transfer, fetch_from_peers};
 use dray_agent::identity::{ClusterCa, Identity};
 use dray_agent::peer::{PeerConfig, PeerNode};
+use dray_agent::pull::fetch::{PeerAddr, Transfer, fetch_from_peers};
 use dray_agent::store::ChunkStore;
 use dray_protocol::chunkmap::MIN_CHUNK_SIZE;
 use dray_protocol::{ChunkMap, DEFAULT_CHUNK_SIZE};
@@ -339,7 +339,8 @@ async fn a_peer_whose_certificate_the_cluster_does_not_trust_is_refused() {
 /// The `dray` binary with logs of stored chunks on stderr.
 fn dray(args: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_dray"));
-    c.args(args).env("DRAY_LOG", "dray_agent::fetch=debug");
+    c.args(args)
+        .env("DRAY_LOG", "dray_agent::pull::fetch=debug");
     c
 }
 

@@ -156,7 +156,7 @@ fn dashboard_exprs() -> Vec<(String, String)> {
 async fn prometheus_scrapes_a_swarm_every_dashboard_expression_has_data_and_a_hung_tracker_fires_its_alert()
  {
     const SIZE: u64 = 64 << 20;
-    dray_agent::registry::install_crypto_provider();
+    dray_agent::pull::registry::install_crypto_provider();
     let dir = tempfile::tempdir().unwrap();
     let registry = Registry::start(None).await;
     let blob = dir.path().join("blob");

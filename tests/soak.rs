@@ -205,7 +205,7 @@ fn start_agent(
     let config = dir.join(format!("{id}.toml"));
     std::fs::write(&config, toml).unwrap();
     let log = dir.join(format!("{id}.log"));
-    // SOAK_LOG (e.g. `info,dray_agent::swarm=debug`) to see more.
+    // SOAK_LOG (e.g. `info,dray_agent::pull::swarm=debug`) to see more.
     let filter = std::env::var("SOAK_LOG").unwrap_or_else(|_| "info".into());
     let proc = DrayProc::start_until(
         &["agent", "-c", config.to_str().unwrap()],
@@ -305,7 +305,7 @@ fn sample(
                         out[i].last().map_or(0, |s: &Sample| s.store)
                     });
                 let used = if mounted {
-                    let (total, free) = dray_agent::gc::filesystem(state).unwrap();
+                    let (total, free) = dray_agent::store::gc::filesystem(state).unwrap();
                     total - free
                 } else {
                     store
@@ -564,7 +564,7 @@ async fn three_agents_pull_100_images_through_their_mirrors_on_small_disks_withi
     let limit = |a: &AgentProc, share: f64| match budget {
         Some(b) => (b as f64 * share) as u64,
         None => {
-            let (total, _) = dray_agent::gc::filesystem(&a.state).unwrap();
+            let (total, _) = dray_agent::store::gc::filesystem(&a.state).unwrap();
             (total as f64 * share) as u64
         }
     };
@@ -581,7 +581,7 @@ async fn three_agents_pull_100_images_through_their_mirrors_on_small_disks_withi
     );
 
     let ns = registry.host();
-    dray_agent::registry::install_crypto_provider();
+    dray_agent::pull::registry::install_crypto_provider();
     let http = reqwest::Client::new();
     // node-0 pulls the largest base first; a client then reads it slowly
     // while every agent pulls on, node-0's collector evicting around it.

@@ -7,7 +7,7 @@ mod common;
 use common::*;
 use dray_agent::identity::ClusterCa;
 use dray_agent::peer::PeerConfig;
-use dray_agent::swarm::PullReport;
+use dray_agent::pull::swarm::PullReport;
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::{BlobDigest, ChunkMap, DEFAULT_CHUNK_SIZE};
 use std::sync::Arc;
@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 async fn pull_all(
     agents: &[Agent],
-    registry: &Arc<dray_agent::registry::RegistryClient>,
+    registry: &Arc<dray_agent::pull::registry::RegistryClient>,
     repo: &str,
     digest: &str,
 ) -> Vec<PullReport> {
@@ -36,7 +36,7 @@ fn start_agents(
     root: &std::path::Path,
     prefix: &str,
     n: usize,
-    cfg: dray_agent::swarm::SwarmConfig,
+    cfg: dray_agent::pull::swarm::SwarmConfig,
 ) -> Vec<Agent> {
     (0..n)
         .map(|i| {
@@ -323,7 +323,7 @@ async fn two_tracker_replicas_split_the_blobs_and_a_dead_one_hands_its_blobs_to_
     let replicas = vec![a.url(), b.url()];
     // Ownership hashes digests with the replicas' (random) addresses: push
     // blobs until each replica owns at least two.
-    let owners = dray_agent::tracker_client::TrackerClient::new(
+    let owners = dray_agent::discovery::tracker_client::TrackerClient::new(
         replicas.clone(),
         &cluster_ca().issue("owners").unwrap(),
     );
@@ -513,7 +513,7 @@ async fn a_dual_stack_node_is_reached_over_each_family_by_the_nodes_on_it() {
     let ca = cluster_ca();
     let client = registry_client(&registry.url(), None);
     let mut cfg = quick_swarm(vec![tracker.url()]);
-    cfg.advertise = dray_agent::advertise::parse_list("::1,127.0.0.1").unwrap();
+    cfg.advertise = dray_agent::discovery::advertise::parse_list("::1,127.0.0.1").unwrap();
     let seed = Agent::start_on(
         &ca,
         "dual",

@@ -6,8 +6,8 @@
 mod common;
 
 use common::*;
+use dray_agent::discovery::tracker_client::TrackerClient;
 use dray_agent::identity::{ClusterCa, Identity};
-use dray_agent::tracker_client::TrackerClient;
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::{BlobDigest, ChunkMap};
 use prost::Message;

@@ -7,8 +7,8 @@
 mod common;
 
 use common::*;
+use dray_agent::discovery::tracker_client::TrackerClient;
 use dray_agent::identity::ClusterCa;
-use dray_agent::tracker_client::TrackerClient;
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::{Bitfield, BlobDigest, ChunkMap};
 use std::process::{Child, Command, Stdio};
@@ -123,7 +123,7 @@ async fn a_flood_of_the_costliest_requests_leaves_the_tracker_bounded_and_answer
     wait_for_port(port);
 
     // Probes: /healthz every 100 ms, anonymous (as the kubelet's).
-    dray_agent::registry::install_crypto_provider();
+    dray_agent::pull::registry::install_crypto_provider();
     let probe = reqwest::Client::builder()
         .danger_accept_invalid_certs(true)
         .build()

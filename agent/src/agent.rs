@@ -6,14 +6,14 @@
 //! tests all start agents here, so what they run is what ships.
 
 use crate::config::AgentConfig;
-use crate::dht::Dht;
+use crate::discovery::dht::Dht;
 use crate::error::Result;
 use crate::identity::Identity;
-use crate::metrics::AgentMetrics;
 use crate::peer::PeerNode;
-use crate::pulls::Pulls;
+use crate::pull::Pulls;
+use crate::pull::swarm::Swarm;
+use crate::serving::metrics::AgentMetrics;
 use crate::store::ChunkStore;
-use crate::swarm::Swarm;
 use std::sync::Arc;
 use tokio::task::JoinHandle;
 
@@ -46,10 +46,13 @@ impl Agent {
             cfg.peer.clone(),
             metrics.clone(),
         )?;
-        crate::advertise::check(&cfg.swarm.advertise, node.local_addr()?)?;
+        crate::discovery::advertise::check(&cfg.swarm.advertise, node.local_addr()?)?;
         let dht = match cfg.swarm.dht.listen {
             Some(_) => {
-                let address = crate::advertise::announced(&cfg.swarm.advertise, node.local_addr()?);
+                let address = crate::discovery::advertise::announced(
+                    &cfg.swarm.advertise,
+                    node.local_addr()?,
+                );
                 Some(Dht::join(
                     node.identity(),
                     &cfg.swarm.dht,
@@ -74,7 +77,7 @@ impl Agent {
         self.loops.push(self.swarm.spawn_announcer());
         if collect {
             self.loops
-                .push(crate::gc::spawn(self.swarm.node().store().clone()));
+                .push(crate::store::gc::spawn(self.swarm.node().store().clone()));
         }
     }
 

@@ -2,11 +2,11 @@
 //! defaulted to what a large cluster should run with.
 
 use crate::error::{Error, Result};
-use crate::local_api::LocalApiConfig;
-use crate::mirror::MirrorConfig;
 use crate::peer::PeerConfig;
-use crate::registry::RegistryConfig;
-use crate::swarm::SwarmConfig;
+use crate::pull::registry::RegistryConfig;
+use crate::pull::swarm::SwarmConfig;
+use crate::serving::local_api::LocalApiConfig;
+use crate::serving::mirror::MirrorConfig;
 use crate::unpack::UnpackLimits;
 use serde::{Deserialize, Serialize};
 use std::net::{IpAddr, SocketAddr};
@@ -36,9 +36,9 @@ pub struct AgentConfig {
     pub cert: PathBuf,
     pub key: PathBuf,
     pub ca: PathBuf,
-    /// Signer mode (`[enroll]`, see [`crate::enroll`]): the certificate
+    /// Signer mode (`[enroll]`, see [`crate::identity::enroll`]): the certificate
     /// comes from the tracker's signer and is renewed in place.
-    pub enroll: crate::enroll::EnrollConfig,
+    pub enroll: crate::identity::enroll::EnrollConfig,
     pub peer: PeerConfig,
     pub swarm: SwarmConfig,
     pub mirror: MirrorConfig,
@@ -47,7 +47,7 @@ pub struct AgentConfig {
     /// `range_min_bytes_per_s` (64 KiB/s) for every range read.
     pub registry: RegistryConfig,
     pub local_api: LocalApiConfig,
-    /// Garbage collection of the store (`[gc]`, see [`crate::gc`]):
+    /// Garbage collection of the store (`[gc]`, see [`crate::store::gc`]):
     /// `budget` (bytes; default none, the filesystem's watermarks alone),
     /// `high_watermark` 0.80 and `low_watermark` 0.60 (shares of the budget
     /// and of the store's filesystem: past high, evict down to low),
@@ -55,7 +55,7 @@ pub struct AgentConfig {
     /// and new blobs are refused), `ttl` 6 h (complete blobs unused that
     /// long go first), `partial_ttl` 1 h, `period` 60 s,
     /// `keep_cluster_copies` 3, `pinned` (blob digests never evicted).
-    pub gc: crate::gc::GcConfig,
+    pub gc: crate::store::gc::GcConfig,
     /// What one layer may ask of the unpacker (`[unpack]`): `max_entries`
     /// (default 4,000,000 tar entries, not counting GNU long names and links
     /// and PAX extended headers), `max_layer_bytes` (256 GiB of
@@ -86,13 +86,13 @@ impl Default for AgentConfig {
             cert: PathBuf::from("/etc/dray/tls/agent.crt"),
             key: PathBuf::from("/etc/dray/tls/agent.key"),
             ca: PathBuf::from("/etc/dray/tls/ca.crt"),
-            enroll: crate::enroll::EnrollConfig::default(),
+            enroll: crate::identity::enroll::EnrollConfig::default(),
             peer: PeerConfig::default(),
             swarm: SwarmConfig::default(),
             mirror: MirrorConfig::default(),
             registry: RegistryConfig::default(),
             local_api: LocalApiConfig::default(),
-            gc: crate::gc::GcConfig::default(),
+            gc: crate::store::gc::GcConfig::default(),
             unpack: UnpackLimits::default(),
             shutdown_grace: std::time::Duration::from_secs(20),
         }

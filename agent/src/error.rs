@@ -47,7 +47,7 @@ pub enum Error {
     #[error("blob {0} is not in the chunk store")]
     UnknownBlob(BlobDigest),
     #[error(transparent)]
-    Registry(#[from] crate::registry::RegistryError),
+    Registry(#[from] crate::pull::registry::RegistryError),
     #[error(
         "chunk {index} of {digest} hashes to what its map said before a recheck replaced that hash: its sender has not heard of the replacement yet"
     )]

@@ -14,8 +14,8 @@ mod registry;
 use crate::cluster::LocalCluster;
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use dray_agent::registry::RegistryClient;
-use dray_agent::swarm::{Swarm, SwarmConfig};
+use dray_agent::pull::registry::RegistryClient;
+use dray_agent::pull::swarm::{Swarm, SwarmConfig};
 use dray_protocol::BlobDigest;
 use image::{Image, Manifest};
 use registry::{DemoRegistry, REPO, TAG};
@@ -156,7 +156,7 @@ async fn demo(args: &DemoArgs, root: &Path) -> Result<()> {
         root,
         args.nodes,
         SwarmConfig::default(),
-        &dray_agent::gc::GcConfig::default(),
+        &dray_agent::store::gc::GcConfig::default(),
     )
     .await?;
     let display = progress::Display::new(!args.json, &image, &cluster, &registry, rate);

@@ -15,7 +15,7 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use dray_agent::rate::ByteRate;
+use dray_agent::peer::rate::ByteRate;
 use dray_protocol::BlobDigest;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -280,7 +280,7 @@ async fn serve_blob(
 
 /// `[start, end)` of a `Range` header, parsed as the agent's mirror does.
 fn parse_range(h: &HeaderValue, size: u64) -> Option<(u64, u64)> {
-    dray_agent::mirror::byte_range(h.to_str().ok()?, size)
+    dray_agent::serving::mirror::byte_range(h.to_str().ok()?, size)
 }
 
 /// A body that reads `reader` piece by piece, waiting for the shared token

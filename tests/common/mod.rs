@@ -11,9 +11,9 @@ pub use dray_testkit::testbed::{Registry, file_digest, free_port};
 
 use dray_agent::identity::ClusterCa;
 use dray_agent::peer::{PeerConfig, PeerNode};
-use dray_agent::registry::{Credentials, RegistryClient};
+use dray_agent::pull::registry::{Credentials, RegistryClient};
+use dray_agent::pull::swarm::{Swarm, SwarmConfig};
 use dray_agent::store::ChunkStore;
-use dray_agent::swarm::{Swarm, SwarmConfig};
 use dray_tracker::{Tracker, TrackerConfig};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -176,7 +176,7 @@ impl Agent {
     }
 
     /// The pulls its mirror and local API share, as in `dray agent`.
-    pub fn pulls(&self) -> &Arc<dray_agent::pulls::Pulls> {
+    pub fn pulls(&self) -> &Arc<dray_agent::pull::Pulls> {
         self.agent.pulls()
     }
 
@@ -449,18 +449,18 @@ impl MirrorProc {
 
     /// A mirror serving through `pulls` (an agent's).
     pub async fn start_for(
-        pulls: &Arc<dray_agent::pulls::Pulls>,
+        pulls: &Arc<dray_agent::pull::Pulls>,
         upstreams: &[(String, String)],
     ) -> MirrorProc {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
-        let config = dray_agent::mirror::MirrorConfig {
+        let config = dray_agent::serving::mirror::MirrorConfig {
             listen: listener.local_addr().unwrap(),
             upstreams: upstreams.iter().cloned().collect(),
             default_registry: upstreams.first().map(|(n, _)| n.clone()),
             ..Default::default()
         };
-        let mirror = dray_agent::mirror::Mirror::new(pulls.clone(), config);
+        let mirror = dray_agent::serving::mirror::Mirror::new(pulls.clone(), config);
         let task = tokio::spawn(mirror.serve(listener));
         MirrorProc { url, task }
     }
@@ -480,7 +480,7 @@ impl Drop for MirrorProc {
 /// Writes `<dir>/<registry>/hosts.toml`: the mirror first, `server` second.
 pub fn hosts_dir(dir: &Path, registry: &str, server: &str, mirror: &str) -> PathBuf {
     let hosts = dir.join("certs.d");
-    dray_agent::containerd::write_hosts(&hosts, registry, server, mirror).unwrap();
+    dray_agent::serving::containerd::write_hosts(&hosts, registry, server, mirror).unwrap();
     hosts
 }
 
@@ -754,18 +754,18 @@ pub struct LocalApiProc {
 
 impl LocalApiProc {
     pub fn start(agent: &Agent, socket: &Path, upstreams: &[(String, String)]) -> LocalApiProc {
-        let mirror = dray_agent::mirror::MirrorConfig {
+        let mirror = dray_agent::serving::mirror::MirrorConfig {
             upstreams: upstreams.iter().cloned().collect(),
             ..Default::default()
         };
-        let config = dray_agent::local_api::LocalApiConfig {
+        let config = dray_agent::serving::local_api::LocalApiConfig {
             socket: socket.to_path_buf(),
             unpack_concurrency: 0,
             // Tests unpack beside the socket (the snapshotter's root among them).
             unpack_roots: socket.parent().into_iter().map(Path::to_path_buf).collect(),
         };
-        let listener = dray_agent::local_api::bind(socket).unwrap();
-        let api = dray_agent::local_api::LocalApi::new(
+        let listener = dray_agent::serving::local_api::bind(socket).unwrap();
+        let api = dray_agent::serving::local_api::LocalApi::new(
             agent.pulls().clone(),
             mirror,
             &config,
@@ -780,7 +780,7 @@ impl LocalApiProc {
     /// `POST /v1/layers/unpack`: the status and the JSON answer.
     pub async fn unpack(
         &self,
-        request: &dray_agent::local_api::UnpackRequest,
+        request: &dray_agent::serving::local_api::UnpackRequest,
     ) -> (u16, serde_json::Value) {
         let resp = reqwest::Client::builder()
             .unix_socket(self.socket.clone())

@@ -14,7 +14,7 @@
 //! only the public key is used (its self-signature checked). A preheater's
 //! names its service account, `<name>.<namespace>`. Certificates are short-lived
 //! (`lifetime`, 24 h by default) and carry their role (see
-//! `dray_protocol::identity`); agents renew them (`dray_agent::enroll`).
+//! `dray_protocol::identity`); agents renew them (`dray_agent::identity::enroll`).
 //!
 //! Bounded: request bodies and tokens are capped before they are read, at most
 //! [`MAX_IN_FLIGHT`] requests are checked at once (the rest are told to retry),

@@ -19,12 +19,14 @@
 //! receiver reads them straight into the buffer it hashes and writes.
 
 mod client;
+pub mod rate;
 mod server;
+pub mod udp;
 
 use crate::error::{Error, Result};
 use crate::identity::{Identity, connection_peer_id};
-use crate::metrics::AgentMetrics;
-use crate::rate::ByteRate;
+use crate::peer::rate::ByteRate;
+use crate::serving::metrics::AgentMetrics;
 use crate::store::ChunkStore;
 use bytes::Bytes;
 use dray_protocol::defaults::DEFAULTS;
@@ -325,7 +327,7 @@ impl PeerNode {
         let runtime =
             quinn::default_runtime().ok_or_else(|| Error::Config("no async runtime".into()))?;
         let starting = |e| Error::io(format!("starting QUIC endpoint on {addr}"), e);
-        let socket = crate::udp::KernelSizedUdp::wrap(
+        let socket = crate::peer::udp::KernelSizedUdp::wrap(
             runtime.wrap_udp_socket(socket).map_err(starting)?,
             config.transport.max_udp_payload,
         );

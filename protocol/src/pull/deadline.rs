@@ -1,5 +1,5 @@
 //! How long a chunk request to a peer is waited for: the deadline rule the
-//! agent's lanes (`agent/src/fetch.rs`) and the simulated nodes share.
+//! agent's lanes (`agent/src/pull/fetch.rs`) and the simulated nodes share.
 //!
 //! A request's deadline is its length at the median rate of the transfer's
 //! last chunks from peers ([`ChunkRates`]), times [`SLOW_FACTOR`], at least

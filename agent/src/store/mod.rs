@@ -23,6 +23,8 @@
 //! for; what the store holds ([`ChunkStore::holdings`], its usage, the
 //! collector's candidates) is read from the records, not from open files.
 
+pub mod gc;
+
 use crate::bounded::BoundedMap;
 use crate::error::{Error, Result};
 use dray_protocol::chunkmap::{ChunkHash, ChunkMapBuilder, PrefixHasher, chunk_hash};
@@ -716,7 +718,7 @@ pub struct ChunkStore {
     /// eviction) goes on. Taken before `blobs`; the map's own lock is held
     /// only to look up or drop an entry.
     opening: Mutex<HashMap<BlobDigest, Arc<Mutex<()>>>>,
-    gc: crate::gc::GcState,
+    gc: crate::store::gc::GcState,
 }
 
 /// What the store accounts for one blob: its file is preallocated to `size`.
@@ -839,7 +841,7 @@ impl ChunkStore {
             entries: Mutex::new(HashMap::new()),
             room: Mutex::new(()),
             opening: Mutex::new(HashMap::new()),
-            gc: crate::gc::GcState::default(),
+            gc: crate::store::gc::GcState::default(),
         };
         // Nothing is opened here: every blob is announced from its record,
         // and opened (a partial one re-verified) when it is asked for.
@@ -894,8 +896,8 @@ impl ChunkStore {
         self.entries.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The garbage collector's settings and state (see [`crate::gc`]).
-    pub fn gc(&self) -> &crate::gc::GcState {
+    /// The garbage collector's settings and state (see [`crate::store::gc`]).
+    pub fn gc(&self) -> &crate::store::gc::GcState {
         &self.gc
     }
 
@@ -906,11 +908,11 @@ impl ChunkStore {
     }
 
     /// What the store holds and what its filesystem has free.
-    pub fn usage(&self) -> Result<crate::gc::Usage> {
-        let (fs_bytes, fs_free) = crate::gc::filesystem(&self.dir)?;
+    pub fn usage(&self) -> Result<crate::store::gc::Usage> {
+        let (fs_bytes, fs_free) = crate::store::gc::filesystem(&self.dir)?;
         let open_blobs = self.blobs().len();
         let entries = self.entries();
-        Ok(crate::gc::Usage {
+        Ok(crate::store::gc::Usage {
             store_bytes: entries.values().map(|e| e.size).sum(),
             store_blobs: entries.len(),
             open_blobs,
@@ -1022,7 +1024,7 @@ impl ChunkStore {
     pub fn candidates(
         &self,
         pinned: &std::collections::HashSet<BlobDigest>,
-    ) -> Vec<crate::gc::Candidate> {
+    ) -> Vec<crate::store::gc::Candidate> {
         let now = SystemTime::now();
         let blobs = self.blobs();
         let entries = self.entries();
@@ -1030,7 +1032,7 @@ impl ChunkStore {
             .iter()
             .map(|(d, e)| {
                 let open = blobs.get(d);
-                crate::gc::Candidate {
+                crate::store::gc::Candidate {
                     digest: *d,
                     bytes: e.size,
                     complete: open.map_or(e.complete, |b| b.is_complete()),
@@ -1113,7 +1115,7 @@ impl ChunkStore {
     /// Refuses what a pull or preheat of a whole image may not reserve: more
     /// than [`MAX_IMAGE_BLOBS`] blobs, or blobs not held yet that together
     /// could not fit even with everything else evicted
-    /// ([`crate::gc::capacity`]). Such an image can never be held,
+    /// ([`crate::store::gc::capacity`]). Such an image can never be held,
     /// and pulling it would only evict the node's other blobs, the
     /// cluster's last copies among them, for nothing.
     pub fn check_image(&self, blobs: &[(BlobDigest, u64)]) -> Result<()> {
@@ -1132,7 +1134,7 @@ impl ChunkStore {
                 .filter(|(d, _)| !entries.contains_key(d))
                 .fold(0u64, |sum, (_, size)| sum.saturating_add(*size))
         };
-        let capacity = crate::gc::capacity(&self.gc.config(), &self.usage()?);
+        let capacity = crate::store::gc::capacity(&self.gc.config(), &self.usage()?);
         if new > capacity {
             self.gc.count_refusal();
             return Err(Error::ImageTooLarge {
@@ -1280,7 +1282,7 @@ impl ChunkStore {
             let room = self.room.lock().unwrap_or_else(|p| p.into_inner());
             if is_new() {
                 self.check_size(&digest, map.size())?;
-                crate::gc::make_room(self, &digest, map.size())?;
+                crate::store::gc::make_room(self, &digest, map.size())?;
             }
             Some(room)
         } else {
@@ -1632,7 +1634,7 @@ mod tests {
         );
         // A held blob counts nothing against the room; a new one does.
         store.gc().configure(
-            crate::gc::GcConfig {
+            crate::store::gc::GcConfig {
                 budget: Some(1000),
                 ..Default::default()
             },
@@ -1924,7 +1926,7 @@ mod tests {
             .collect();
         assert!(store.open_blobs().len() >= 10);
         drop(burst);
-        crate::gc::collect(&store, false).unwrap();
+        crate::store::gc::collect(&store, false).unwrap();
         assert_eq!(store.open_blobs().len(), 4);
     }
 
@@ -2023,7 +2025,7 @@ mod tests {
         let store = Arc::new(ChunkStore::with_log(&dir.path().join("s"), log.clone()).unwrap());
         // Never evicting on its own, whatever this disk holds.
         store.gc().configure(
-            crate::gc::GcConfig {
+            crate::store::gc::GcConfig {
                 low_watermark: 1.0,
                 high_watermark: 1.0,
                 critical_watermark: 1.0,
@@ -2228,7 +2230,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = ChunkStore::open(dir.path()).unwrap();
         store.gc().configure(
-            crate::gc::GcConfig {
+            crate::store::gc::GcConfig {
                 budget: Some(100_000),
                 ..Default::default()
             },
@@ -2254,7 +2256,7 @@ mod tests {
         let budget = 10 * 2 * 65536;
         let old = import_many(&store, dir.path(), 10);
         store.gc().configure(
-            crate::gc::GcConfig {
+            crate::store::gc::GcConfig {
                 budget: Some(budget),
                 high_watermark: 1.0,
                 low_watermark: 1.0,

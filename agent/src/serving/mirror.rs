@@ -40,10 +40,10 @@
 //! it answers 502 before sending any byte, so containerd moves on to the next
 //! host in `hosts.toml`, the real registry.
 
-use crate::image::MAX_MANIFEST;
-use crate::metrics::MirrorRequest;
-use crate::pulls::{OpenError, OriginError, Pulls};
-use crate::registry::{RegistryClient, RegistryError};
+use crate::pull::registry::{RegistryClient, RegistryError};
+use crate::pull::{OpenError, OriginError, Pulls};
+use crate::serving::image::MAX_MANIFEST;
+use crate::serving::metrics::MirrorRequest;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
@@ -115,7 +115,7 @@ impl MirrorConfig {
         self.upstreams
             .get(registry)
             .cloned()
-            .unwrap_or_else(|| crate::containerd::default_server(registry))
+            .unwrap_or_else(|| crate::serving::containerd::default_server(registry))
     }
 }
 
@@ -376,7 +376,7 @@ struct NsQuery {
 async fn refused_upstream(resp: reqwest::Response, registry: &str, what: &str) -> Response {
     let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_REQUEST);
     let content_type = resp.headers().get(reqwest::header::CONTENT_TYPE).cloned();
-    match crate::registry::read_limited(resp, MAX_ERROR_BODY, registry, what).await {
+    match crate::pull::registry::read_limited(resp, MAX_ERROR_BODY, registry, what).await {
         Ok(body) => {
             let mut out = (status, body).into_response();
             if let Some(ct) = content_type {
@@ -491,7 +491,7 @@ impl Mirror {
             Bytes::new()
         } else {
             let what = format!("manifest {name}:{reference}");
-            crate::registry::read_limited(resp, MAX_MANIFEST, client.base(), &what)
+            crate::pull::registry::read_limited(resp, MAX_MANIFEST, client.base(), &what)
                 .await
                 .map_err(|e| {
                     tracing::warn!(error = %e, "upstream manifest refused");
@@ -631,7 +631,7 @@ impl Mirror {
             .and_then(|v| mirror_link(v, q.ns.as_deref()));
         let body = match method {
             Method::HEAD => Bytes::new(),
-            _ => crate::registry::read_limited(resp, MAX_TAG_LIST, client.base(), &what)
+            _ => crate::pull::registry::read_limited(resp, MAX_TAG_LIST, client.base(), &what)
                 .await
                 .map_err(|e| {
                     ApiError::new(StatusCode::BAD_GATEWAY, "UNAVAILABLE", e.to_string())

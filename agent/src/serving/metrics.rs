@@ -139,9 +139,9 @@ pub struct AgentMetrics {
     pulls: Family<OutcomeLabel, Counter>,
     mirror_requests: Family<MirrorLabels, Counter>,
     /// The chunk store's size and its garbage collector's work.
-    gc: crate::gc::GcMetrics,
+    gc: crate::store::gc::GcMetrics,
     /// The DHT's routing table, traffic and refusals.
-    dht: crate::dht::DhtMetrics,
+    dht: crate::discovery::dht::DhtMetrics,
     certificate_expiry: Gauge,
     /// One unlabelled sample, absent while no tracker is configured (a
     /// DHT-only node is not one that lost its tracker).
@@ -175,8 +175,8 @@ impl AgentMetrics {
             pulls_in_flight: Gauge::default(),
             pulls: Family::default(),
             mirror_requests: Family::default(),
-            gc: crate::gc::GcMetrics::default(),
-            dht: crate::dht::DhtMetrics::default(),
+            gc: crate::store::gc::GcMetrics::default(),
+            dht: crate::discovery::dht::DhtMetrics::default(),
             certificate_expiry: Gauge::default(),
             tracker_reachable: Family::default(),
             unpacked_bytes: Counter::default(),
@@ -279,12 +279,12 @@ impl AgentMetrics {
     }
 
     /// What the store's collector counts into (hand it to `GcState::use_metrics`).
-    pub fn gc(&self) -> &crate::gc::GcMetrics {
+    pub fn gc(&self) -> &crate::store::gc::GcMetrics {
         &self.gc
     }
 
     /// What the DHT counts into (hand it to `Dht::join`).
-    pub fn dht(&self) -> &crate::dht::DhtMetrics {
+    pub fn dht(&self) -> &crate::discovery::dht::DhtMetrics {
         &self.dht
     }
 

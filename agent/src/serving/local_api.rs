@@ -12,7 +12,7 @@
 //! - `POST /v1/images/pull`: pulls every layer of an image into the store,
 //!   answering with one JSON progress line per tick (`dray pull`).
 //! - `GET /v1/status`: what the node is doing now (`dray status`; see
-//!   [`crate::status`]).
+//!   [`crate::serving::status`]).
 //! - `POST /v1/gc`: one garbage collection now, or a dry run (`dray gc`).
 //! - `GET`, `POST`, `DELETE /v1/pins`: the images pinned at run time, whose
 //!   config and layers are never evicted (`dray pin`, `dray unpin`).
@@ -28,10 +28,10 @@
 //! told as root: only local, privileged clients may make it, and only into
 //! a new directory under `local_api.unpack_roots` (the snapshotter's root).
 
-use crate::image::{self, Image, ImageError, ImageRef, Layer};
-use crate::mirror::MirrorConfig;
-use crate::pulls::{OriginError, PullState, Pulls};
-use crate::registry::RegistryClient;
+use crate::pull::registry::RegistryClient;
+use crate::pull::{OriginError, PullState, Pulls};
+use crate::serving::image::{self, Image, ImageError, ImageRef, Layer};
+use crate::serving::mirror::MirrorConfig;
 use crate::unpack::{
     Compression, ReadAt, UnpackLimits, Unpacked, cores, memory_cap, unpack_gzip_parallel_within,
     unpack_layer_within,
@@ -562,8 +562,8 @@ async fn unpack(
     }
 }
 
-async fn status(State(api): State<Arc<LocalApi>>) -> Json<crate::status::Status> {
-    Json(crate::status::of(api.pulls.swarm(), api.started).await)
+async fn status(State(api): State<Arc<LocalApi>>) -> Json<crate::serving::status::Status> {
+    Json(crate::serving::status::of(api.pulls.swarm(), api.started).await)
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -577,9 +577,9 @@ pub struct GcRequest {
 async fn collect(
     State(api): State<Arc<LocalApi>>,
     Json(req): Json<GcRequest>,
-) -> Result<Json<crate::gc::Collection>, ApiError> {
+) -> Result<Json<crate::store::gc::Collection>, ApiError> {
     let store = api.pulls.swarm().node().store().clone();
-    tokio::task::spawn_blocking(move || crate::gc::collect(&store, req.dry_run))
+    tokio::task::spawn_blocking(move || crate::store::gc::collect(&store, req.dry_run))
         .await
         .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
         .map(Json)
@@ -593,7 +593,7 @@ pub struct PinRequest {
 }
 
 /// `GET /v1/pins`: the images pinned at run time.
-async fn pins(State(api): State<Arc<LocalApi>>) -> Json<Vec<crate::gc::PinnedImage>> {
+async fn pins(State(api): State<Arc<LocalApi>>) -> Json<Vec<crate::store::gc::PinnedImage>> {
     Json(api.pulls.swarm().node().store().gc().pinned_images())
 }
 
@@ -602,7 +602,7 @@ async fn pins(State(api): State<Arc<LocalApi>>) -> Json<Vec<crate::gc::PinnedIma
 async fn pin(
     State(api): State<Arc<LocalApi>>,
     Json(req): Json<PinRequest>,
-) -> Result<Json<crate::gc::PinnedImage>, ApiError> {
+) -> Result<Json<crate::store::gc::PinnedImage>, ApiError> {
     let (image, _, resolved) = api.resolve(&req.image, None).await?;
     let mut blobs = vec![resolved.config];
     blobs.extend(resolved.layers.iter().map(|l| l.digest));
@@ -613,7 +613,7 @@ async fn pin(
         .pin(&name, blobs.clone())
         .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
     tracing::info!(image = %name, blobs = blobs.len(), "image pinned");
-    Ok(Json(crate::gc::PinnedImage {
+    Ok(Json(crate::store::gc::PinnedImage {
         image: name,
         blobs: blobs.iter().map(ToString::to_string).collect(),
     }))
@@ -623,7 +623,7 @@ async fn pin(
 async fn unpin(
     State(api): State<Arc<LocalApi>>,
     Json(req): Json<PinRequest>,
-) -> Result<Json<crate::gc::PinnedImage>, ApiError> {
+) -> Result<Json<crate::store::gc::PinnedImage>, ApiError> {
     let name = req.image.parse::<ImageRef>()?.to_string();
     let gc = api.pulls.swarm().node().store().gc();
     let was = gc.pinned_images().into_iter().find(|p| p.image == name);
@@ -686,7 +686,7 @@ impl LocalApi {
     /// swarm, without unpacking them.
     pub async fn run_preheats(
         self: Arc<Self>,
-        mut tasks: tokio::sync::mpsc::UnboundedReceiver<crate::preheat::Task>,
+        mut tasks: tokio::sync::mpsc::UnboundedReceiver<crate::discovery::preheat::Task>,
     ) {
         while let Some(task) = tasks.recv().await {
             let api = self.clone();
@@ -707,7 +707,7 @@ impl LocalApi {
         }
     }
 
-    async fn preheat(&self, task: &crate::preheat::Task) -> Result<(), String> {
+    async fn preheat(&self, task: &crate::discovery::preheat::Task) -> Result<(), String> {
         let (image, client, resolved) = self.resolve(&task.image, None).await.map_err(|e| e.1)?;
         let blobs = std::iter::once((resolved.config, resolved.config_size))
             .chain(resolved.layers.iter().map(|l| (l.digest, l.size)))

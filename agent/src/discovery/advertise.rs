@@ -167,7 +167,7 @@ mod tests {
 
     #[test]
     fn the_setting_takes_one_address_or_a_list_and_names_a_bad_one() {
-        use crate::swarm::SwarmConfig;
+        use crate::pull::swarm::SwarmConfig;
         use dray_protocol::settings::from_toml;
         let one: SwarmConfig = from_toml("advertise = \"10.0.0.1:7881\"").unwrap();
         assert_eq!(one.advertise, vec![Advertised::Addr(addr("10.0.0.1:7881"))]);
@@ -192,7 +192,7 @@ mod tests {
         let cfg = crate::config::AgentConfig {
             state_dir: dir.path().to_path_buf(),
             peer_listen: addr("127.0.0.1:0"),
-            swarm: crate::swarm::SwarmConfig {
+            swarm: crate::pull::swarm::SwarmConfig {
                 advertise: parse_list(&many.join(",")).unwrap(),
                 ..Default::default()
             },

@@ -38,17 +38,17 @@
 //! swap at every answer (three full announces at start instead of one, 600
 //! blobs over a limit of 512).
 
-use crate::advertise::{self, Advertised};
-use crate::dht::{Dht, DhtConfig, NodeRecord};
+use crate::discovery::advertise::{self, Advertised};
+use crate::discovery::dht::{Dht, DhtConfig, NodeRecord};
+use crate::discovery::preheat::Preheats;
+use crate::discovery::tracker_client::TrackerClient;
 use crate::error::{Error, Result};
-use crate::events::{EventKind, Events};
-use crate::fetch::{PeerAddr, Transfer};
-use crate::metrics::{FallbackReason, Source};
 use crate::peer::PeerNode;
-use crate::preheat::Preheats;
-use crate::registry::RegistryClient;
+use crate::pull::events::{EventKind, Events};
+use crate::pull::fetch::{PeerAddr, Transfer};
+use crate::pull::registry::RegistryClient;
+use crate::serving::metrics::{FallbackReason, Source};
 use crate::store::{Blob, Holding, PutOutcome};
-use crate::tracker_client::TrackerClient;
 use dray_protocol::defaults::{DEFAULTS, announce_spread};
 use dray_protocol::dht::{
     FETCHERS, counted_fetchers, dht_runs, lookup_after, overflow_list, pick_peers,
@@ -76,8 +76,8 @@ pub struct SwarmConfig {
     pub trackers: Vec<String>,
     /// Addresses peers should dial (one of each family on a dual-stack
     /// node; a bare IP takes the endpoint's port); defaults to the peer
-    /// endpoint's address. See [`crate::advertise`].
-    #[serde(with = "crate::advertise::serde_list")]
+    /// endpoint's address. See [`crate::discovery::advertise`].
+    #[serde(with = "crate::discovery::advertise::serde_list")]
     pub advertise: Vec<Advertised>,
     /// Topology labels (zone, rack) sent with announces.
     pub labels: BTreeMap<String, String>,
@@ -106,7 +106,7 @@ pub struct SwarmConfig {
     /// left out.
     pub max_announce_blobs: usize,
     /// The Kademlia DHT, used when no tracker is configured and while every
-    /// replica is down (see [`crate::dht`]); off unless `dht.listen` is set.
+    /// replica is down (see [`crate::discovery::dht`]); off unless `dht.listen` is set.
     pub dht: DhtConfig,
 }
 
@@ -591,7 +591,7 @@ impl Swarm {
                         .store()
                         .gc()
                         .note_holders(resp.holders.iter().filter_map(|h| {
-                            let holders = crate::gc::Holders {
+                            let holders = crate::store::gc::Holders {
                                 complete: h.complete,
                                 rank: h.rank,
                             };
@@ -1325,7 +1325,7 @@ impl Swarm {
 const MAP_FAILURES_BEFORE_ALONE: u32 = 2;
 
 /// The members a pull without a tracker last found through the DHT (see
-/// [`crate::dht::Members`]), with the addresses it can reach them at.
+/// [`crate::discovery::dht::Members`]), with the addresses it can reach them at.
 #[derive(Clone, Debug, PartialEq)]
 struct Found {
     fetchers: Vec<PeerAddr>,

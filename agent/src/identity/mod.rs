@@ -10,6 +10,8 @@
 //! a compromised node cannot pose as the tracker. The tracker asks agents for
 //! their certificate and reads the caller's peer id from it.
 
+pub mod enroll;
+
 use crate::error::{Error, Result};
 use dray_protocol::identity::{Authority, Role};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
@@ -25,7 +27,7 @@ pub const ALPN: &[u8] = b"dray/1";
 /// ALPN protocol id of the tracker's HTTP/1.1 over TLS.
 pub const TRACKER_ALPN: &[u8] = b"http/1.1";
 
-/// ALPN protocol id of the DHT's TLS ([`crate::dht`]).
+/// ALPN protocol id of the DHT's TLS ([`crate::discovery::dht`]).
 pub const DHT_ALPN: &[u8] = b"dray-dht/1";
 
 /// Lifetime of a certificate `dray ca issue` makes unless told otherwise: a year.

@@ -16,7 +16,7 @@ use crate::agent::Agent;
 use crate::config::AgentConfig;
 use crate::error::{Error, Result};
 use crate::identity::{Identity, enrollment_tls, unix_now};
-use crate::metrics::AgentMetrics;
+use crate::serving::metrics::AgentMetrics;
 use dray_protocol::identity::CERTIFICATE_PATH;
 use dray_protocol::settings::duration;
 use serde::{Deserialize, Serialize};

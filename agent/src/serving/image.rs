@@ -11,7 +11,7 @@
 //! is, chunked and verified by digest alone, and never unpacked (nothing here
 //! assumes its blobs are tars).
 
-use crate::registry::{RegistryClient, RegistryError};
+use crate::pull::registry::{RegistryClient, RegistryError};
 use dray_protocol::BlobDigest;
 use oci_spec::distribution::Reference;
 use oci_spec::image::{ImageConfiguration, ImageIndex, ImageManifest};
@@ -156,7 +156,7 @@ async fn fetch(
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
         .to_string();
-    let body = crate::registry::read_limited(resp, MAX_MANIFEST, client.base(), path)
+    let body = crate::pull::registry::read_limited(resp, MAX_MANIFEST, client.base(), path)
         .await
         .map_err(|e| match e {
             RegistryError::TooLarge { .. } => invalid(format!("larger than {MAX_MANIFEST} bytes")),

@@ -42,7 +42,7 @@
 //! The data path is unchanged: chunks move over the authenticated QUIC peer
 //! plane. What the tracker did besides naming peers, choosing who fetches
 //! which chunk from the registry and vouching for chunk hashes, the swarm
-//! engine does itself in this mode (see `crate::swarm`).
+//! engine does itself in this mode (see `crate::pull::swarm`).
 //!
 //! A node joins through `dht.bootstrap`: addresses or DNS names (a headless
 //! Service over the DaemonSet resolves to every node), dialled until the

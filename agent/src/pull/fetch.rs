@@ -54,8 +54,8 @@
 //! is the plain case of a known map and a fixed list of peers.
 
 use crate::error::{Error, Result};
-use crate::metrics::Source;
 use crate::peer::{PeerLink, PeerNode};
+use crate::serving::metrics::Source;
 use crate::store::{Blob, PutOutcome};
 use dray_protocol::chunkmap::ChunkHash;
 use dray_protocol::defaults::DEFAULTS;

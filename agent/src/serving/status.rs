@@ -3,16 +3,16 @@
 //! pulls in progress with their bytes from peers and from the registry,
 //! rate, ETA and peers; the store against its watermarks; the tracker's and
 //! the DHT's state; recent fallbacks and bans with their reasons
-//! ([`crate::events`]); and the blobs held.
+//! ([`crate::pull::events`]); and the blobs held.
 //!
 //! The answer is bounded whatever the node holds: at most [`MAX_PULLS`]
-//! pulls, [`MAX_PEERS`] peers each, [`crate::events::KEPT`] events and
+//! pulls, [`MAX_PEERS`] peers each, [`crate::pull::events::KEPT`] events and
 //! [`MAX_BLOBS`] blobs (pulls and partial blobs first, then the most
 //! recently used), with the totals beside the lists.
 
-use crate::events::Event;
-use crate::gc::{GcConfig, Usage};
-use crate::swarm::Swarm;
+use crate::pull::events::Event;
+use crate::pull::swarm::Swarm;
+use crate::store::gc::{GcConfig, Usage};
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
 
@@ -91,7 +91,7 @@ pub struct GcStatus {
     pub config: GcConfig,
     pub usage: Usage,
     /// Share of its limits the store uses, which the watermarks are shares of
-    /// ([`crate::gc::use_share`]).
+    /// ([`crate::store::gc::use_share`]).
     #[serde(default)]
     pub use_share: f64,
 }
@@ -178,7 +178,7 @@ pub async fn of(swarm: &Swarm, started: Instant) -> Status {
         gc: store.usage().ok().map(|usage| {
             let config = store.gc().config();
             GcStatus {
-                use_share: crate::gc::use_share(&config, &usage),
+                use_share: crate::store::gc::use_share(&config, &usage),
                 config,
                 usage,
             }

@@ -89,7 +89,7 @@ impl TrackerClient {
     /// `replicas` are base URLs such as `https://tracker-0.dray:7880`;
     /// `identity` is the node's certificate, presented to them.
     pub fn new(replicas: Vec<String>, identity: &Identity) -> Self {
-        crate::registry::install_crypto_provider();
+        crate::pull::registry::install_crypto_provider();
         let tls = identity
             .tracker_client_tls()
             .expect("an identity whose key loaded builds a client TLS config");

@@ -15,11 +15,23 @@
 //! ([`Pulls::admit`], their one way in): the access check is a HEAD there,
 //! and a HEAD at another registry (one a client, or a pod's image, may
 //! name) proves nothing about this blob.
+//!
+//! The folder is the pull: [`swarm`] joins a blob's swarm and drives the
+//! pull (announces, the pull engine, DHT coordination and the registry runs
+//! it is assigned), [`fetch`] moves chunks from peers and ranges from the
+//! registry ([`registry`]), and [`events`] keeps the recent fallbacks and
+//! bans for `dray status`. Every decision they act on is the sans-IO pull
+//! core's ([`dray_protocol::pull`]).
+
+pub mod events;
+pub mod fetch;
+pub mod registry;
+pub mod swarm;
 
 use crate::bounded::BoundedMap;
-use crate::registry::{ReaderGuard, Readers, RegistryClient, RegistryConfig, RegistryError};
+use crate::pull::registry::{ReaderGuard, Readers, RegistryClient, RegistryConfig, RegistryError};
+use crate::pull::swarm::{PullReport, Swarm};
 use crate::store::{Blob, ChunkStore, Progress};
-use crate::swarm::{PullReport, Swarm};
 use bytes::Bytes;
 use dray_protocol::{BlobDigest, ChunkMap};
 use futures_util::StreamExt;
