@@ -3,7 +3,7 @@
 //! when it gives up. [`PullMachine`] takes events with the time passed in
 //! (the tracker's or the DHT coordinator's news, a run that ended, a poll
 //! with what the transfer holds) and answers with [`Action`]s that its
-//! driver carries out. The agent's pull engine (`agent/src/pull/swarm.rs`) and
+//! driver carries out. The agent's pull engine (`agent/src/pull/swarm/drive.rs`) and
 //! every simulated node (`simulations/src/sim/dray.rs`) drive the same
 //! machine, so a simulated storm decides as the agents would; nothing in
 //! either decides on its own when to go to the registry.
