@@ -72,10 +72,21 @@ async fn status_shows_a_pull_in_progress_its_peers_and_the_fallbacks_of_a_hung_t
             pull_through(a, &registry, "test/status", &digest, out)
         })
         .collect();
+    // A chunk is held a moment before the attempt counts it (the store's
+    // write, then the count under the transfer's lock, on a blocking
+    // thread a busy host may deschedule between the two): CI once read
+    // `have` 4 MiB with both counters at 0. The pull is under way once both
+    // show it.
     let running = status_until(socket, Duration::from_secs(30), "a pull half way", |s| {
         s["pulls"].as_array().unwrap().iter().any(|p| {
             let have = p["have"].as_u64().unwrap();
-            p["digest"] == digest.as_str() && have > 0 && have < SIZE && p["peer_count"] == 1
+            let counted = p["bytes_from_peers"].as_u64().unwrap()
+                + p["bytes_from_registry"].as_u64().unwrap();
+            p["digest"] == digest.as_str()
+                && have > 0
+                && have < SIZE
+                && counted > 0
+                && p["peer_count"] == 1
         })
     });
     eprintln!("dray status --json during the pull: {running}");
