@@ -1,21 +1,11 @@
 //! `dray`: the one binary. Each subcommand is a thin layer over the crates.
 
 mod bench;
-mod bench_peer;
-mod bench_peer_counted;
-mod bench_unpack;
-mod bench_unpack_giant;
 mod client;
-mod cluster;
 mod demo;
-#[cfg(feature = "hostile")]
-mod hostile;
-#[cfg(feature = "hostile")]
-mod hostile_dht;
 mod preheat;
 mod service;
 mod status_text;
-mod storm;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};

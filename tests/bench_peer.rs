@@ -57,7 +57,7 @@ fn bench_peer_reports_each_sides_cpu_and_every_baseline_in_one_json_object() {
 /// path's timers fire more or less often under cachegrind's slowdown), so
 /// the bound is checked at the unfavourable end of both spreads; a spread
 /// past 50% means the method is broken (before valgrind's fair scheduling a
-/// spin counted wall time, see `src/bench_peer_counted.rs`).
+/// spin counted wall time, see `src/bench/peer_counted.rs`).
 #[test]
 fn agent_instructions_per_gib_stay_within_1_2x_of_raw_quinn() {
     let out = dray_ok(&[

@@ -2,7 +2,7 @@
 //! a swarm without a tracker. 8 honest agents pull one blob from the real
 //! registry through their mirrors, finding each other through the DHT
 //! alone, beside 2 liars with valid certificates that speak the real
-//! protocol (src/hostile_dht.rs): they answer first with hashes of their
+//! protocol (src/bench/hostile_dht.rs): they answer first with hashes of their
 //! own forged bytes, answer GET_PROVIDERS with forged lists, hold forged
 //! node records of every honest node and flood provider records. The
 //! liars exist only with the `hostile` cargo feature (scripts/test.sh

@@ -23,7 +23,7 @@ use std::time::Duration;
 /// 4 s, so every node gave up at once and pulled the blob alone (9.00x the
 /// blob from the registry). The agent's default is 30 s.
 async fn storm(
-    tracker: &TrackerProc,
+    tracker: &InProcessTracker,
     registry: &Registry,
     dir: &std::path::Path,
     prefix: &str,
@@ -80,7 +80,7 @@ fn hostile_bench(liars: usize, attacks: &str) -> serde_json::Value {
 
 /// Acceptance 1: the bench runs the storm with and without the liars, in
 /// the same process, on the real registry and a real tracker over TLS; the
-/// liars are cluster members speaking the real protocol (src/hostile.rs).
+/// liars are cluster members speaking the real protocol (src/bench/hostile.rs).
 #[cfg(feature = "hostile")]
 #[test]
 fn twelve_honest_nodes_beside_four_liars_complete_intact_and_the_registry_sends_each_chunk_about_once()
@@ -126,7 +126,7 @@ async fn a_chunk_corrupted_on_its_way_from_the_registry_costs_the_storm_at_most_
     random_file(&src, size);
     let digest = registry.push("test/corrupt", &src);
     let d: BlobDigest = digest.parse().unwrap();
-    let tracker = TrackerProc::start(&quick_tracker(), "127.0.0.1:0").await;
+    let tracker = start_tracker(&quick_tracker(), "127.0.0.1:0").await;
     // One bit of the first chunk body to pass 1 MiB: its fetcher hashes the
     // wrong bytes, publishes that hash as the chunk's registry fetcher, and
     // every node assembles a blob that fails its digest.

@@ -11,7 +11,7 @@ mod image;
 mod progress;
 mod registry;
 
-use crate::cluster::LocalCluster;
+use dray_testkit::cluster::LocalCluster;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use dray_agent::pull::registry::RegistryClient;

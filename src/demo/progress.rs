@@ -5,7 +5,7 @@
 
 use super::image::Image;
 use super::registry::DemoRegistry;
-use crate::cluster::LocalCluster;
+use dray_testkit::cluster::LocalCluster;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal;
 use std::sync::{Arc, Mutex};

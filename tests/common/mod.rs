@@ -6,6 +6,7 @@
 pub mod cluster;
 pub mod model;
 
+pub use dray_testkit::cluster::{InProcessTracker, start_agent};
 pub use dray_testkit::oci_image;
 pub use dray_testkit::testbed::{Registry, file_digest, free_port};
 
@@ -41,7 +42,7 @@ pub fn random_file(path: &Path, size: u64) {
     assert!(status.success());
 }
 
-/// This test process's cluster CA: the trackers of [`TrackerProc`] trust it
+/// This test process's cluster CA: the trackers of [`start_tracker`] trust it
 /// and present a certificate from it, so agents that talk to them must hold
 /// certificates from it too (`Agent::start(&cluster_ca(), ...)`).
 pub fn cluster_ca() -> ClusterCa {
@@ -49,51 +50,14 @@ pub fn cluster_ca() -> ClusterCa {
     CA.get_or_init(|| ClusterCa::generate().unwrap()).clone()
 }
 
-/// A tracker served from this process over TLS, with a certificate from
-/// [`cluster_ca`] for `localhost` and the loopback addresses.
-pub struct TrackerProc {
-    pub tracker: Arc<Tracker>,
-    pub addr: SocketAddr,
-    task: tokio::task::JoinHandle<std::io::Result<()>>,
-}
-
-impl TrackerProc {
-    pub async fn start(config: &TrackerConfig, addr: &str) -> TrackerProc {
-        init_logs();
-        let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let tracker = Tracker::new(config);
-        let tls = cluster_ca()
-            .issue_tracker(&["localhost".into(), "127.0.0.1".into(), "::1".into()], 1)
-            .unwrap()
-            .tracker_server_tls()
-            .unwrap();
-        let transport = dray_tracker::Transport::Tls {
-            config: Arc::new(tls),
-            max_connections: config.max_connections,
-        };
-        let task = tokio::spawn(dray_tracker::serve(listener, tracker.clone(), transport));
-        TrackerProc {
-            tracker,
-            addr,
-            task,
-        }
-    }
-
-    pub fn url(&self) -> String {
-        format!("https://{}", self.addr)
-    }
-
-    /// Stops serving, as a crash would: every connection is dropped.
-    pub fn kill(&self) {
-        self.task.abort();
-    }
-}
-
-impl Drop for TrackerProc {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+/// A tracker served from this process over TLS (the benches' and `dray
+/// demo`'s), with a certificate from [`cluster_ca`] for `localhost` and the
+/// loopback addresses, on `addr`.
+pub async fn start_tracker(config: &TrackerConfig, addr: &str) -> InProcessTracker {
+    init_logs();
+    InProcessTracker::start(&cluster_ca(), config, addr)
+        .await
+        .unwrap()
 }
 
 /// Tracker settings that react within a test's patience.
@@ -158,16 +122,7 @@ impl Agent {
         peer: PeerConfig,
     ) -> Agent {
         let dir = root.join(id);
-        let config = dray_agent::config::AgentConfig {
-            state_dir: dir.clone(),
-            peer_listen: listen,
-            peer,
-            swarm: config,
-            ..Default::default()
-        };
-        let mut agent =
-            dray_agent::Agent::open(&config, ca.issue(id).unwrap(), Arc::default()).unwrap();
-        agent.spawn_loops(false);
+        let agent = start_agent(ca, id, &dir, listen, config, peer, None).unwrap();
         Agent {
             swarm: agent.swarm().clone(),
             dir,

@@ -1,6 +1,23 @@
 //! `dray bench`: measurements that always run their baseline in the same
 //! process and the same run, and report ratios, because absolute times on a
 //! shared machine drift.
+//!
+//! Each bench is a module of this folder: [`peer`] (one blob between two
+//! processes, timed and counted by [`peer_counted`]), [`unpack`] and
+//! [`unpack_giant`] (the unpacker against containerd, `tar` and rapidgzip),
+//! [`storm`] (an emulated cluster of `dray agent` processes), and with the
+//! `hostile` feature the liars of `bench swarm --hostile`: [`hostile`] (with
+//! a tracker) and [`hostile_dht`] (without one). `bench swarm` is here.
+
+#[cfg(feature = "hostile")]
+mod hostile;
+#[cfg(feature = "hostile")]
+mod hostile_dht;
+pub(crate) mod peer;
+mod peer_counted;
+mod storm;
+mod unpack;
+mod unpack_giant;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
@@ -16,13 +33,13 @@ pub enum BenchCommand {
     /// One blob from a sending agent process to a receiving one over QUIC vs
     /// plain TCP, TCP with rustls and a bare quinn stream, each side's CPU
     /// seconds per GiB, and the cost of writing the same bytes to a file.
-    Peer(crate::bench_peer::PeerBench),
+    Peer(crate::bench::peer::PeerBench),
     /// The sending process of `dray bench peer` (started by it).
     #[command(hide = true)]
-    PeerSend(crate::bench_peer::PeerSend),
+    PeerSend(crate::bench::peer::PeerSend),
     /// The receiving process of `dray bench peer`'s counted runs (started by it).
     #[command(hide = true)]
-    PeerRecv(crate::bench_peer::PeerRecv),
+    PeerRecv(crate::bench::peer::PeerRecv),
     /// N agents pulling one blob through the swarm vs N direct pulls, from the
     /// real registry (`docker-registry`) on loopback.
     Swarm(SwarmBench),
@@ -30,11 +47,11 @@ pub enum BenchCommand {
     Mirror(MirrorBench),
     /// N agents in network namespaces with capped links pulling one blob through
     /// the swarm vs straight from the real registry (needs root).
-    Storm(crate::storm::StormBench),
+    Storm(crate::bench::storm::StormBench),
     /// A 4-layer image unpacked by dray (layers in parallel) vs containerd 1.6
     /// and serial `tar -x`, and streamed from the registry into the unpacker
     /// vs download and unpack alone (needs root and containerd).
-    Unpack(crate::bench_unpack::UnpackBench),
+    Unpack(crate::bench::unpack::UnpackBench),
 }
 
 #[derive(Args)]
@@ -71,7 +88,7 @@ pub struct SwarmBench {
     gc_pressure: bool,
     /// Also run the storm with this many liars beside the agents (cluster
     /// members speaking the real protocol, each running one of `--attacks`
-    /// in turn; with `--no-tracker`, the DHT liars of src/hostile_dht.rs,
+    /// in turn; with `--no-tracker`, the DHT liars of src/bench/hostile_dht.rs,
     /// and every node pulls through its mirror); reports what they cost
     /// beside the run without them. Built only with the `hostile` cargo
     /// feature.
@@ -86,7 +103,7 @@ pub struct SwarmBench {
         value_delimiter = ',',
         default_value = "flip,trickle,forge,accuse"
     )]
-    attacks: Vec<crate::hostile::Attack>,
+    attacks: Vec<crate::bench::hostile::Attack>,
     /// No tracker: the agents find each other through the DHT alone (and
     /// choose who fetches what from the registry among themselves).
     #[arg(long)]
@@ -121,7 +138,7 @@ fn fill_stores(
     let each = (budget as f64 * gc.high_watermark) as u64 / 8;
     let src = root.join("filler");
     for i in 0..nodes {
-        let store = ChunkStore::open(&crate::cluster::LocalCluster::node_dir(root, i))?;
+        let store = ChunkStore::open(&dray_testkit::cluster::LocalCluster::node_dir(root, i))?;
         for k in 0..8 {
             write_random_seeded(&src, each, 1000 + (i * 8 + k) as u64)?;
             store.import(&src, dray_protocol::DEFAULT_CHUNK_SIZE)?;
@@ -161,7 +178,7 @@ async fn run_swarm(
     if no_tracker {
         swarm.dht.listen = Some("127.0.0.1:0".parse()?);
     }
-    let cluster = crate::cluster::LocalCluster::start(root, nodes, swarm, gc).await?;
+    let cluster = dray_testkit::cluster::LocalCluster::start(root, nodes, swarm, gc).await?;
     let run = pull_all(&cluster, registry, client, digest).await?;
     if let Some(e) = run.failures.first() {
         bail!("a swarm pull failed: {e}");
@@ -171,7 +188,7 @@ async fn run_swarm(
 
 /// Every agent of `cluster` pulls the blob at once.
 pub(crate) async fn pull_all(
-    cluster: &crate::cluster::LocalCluster,
+    cluster: &dray_testkit::cluster::LocalCluster,
     registry: &dray_testkit::testbed::Registry,
     client: &Arc<dray_agent::pull::registry::RegistryClient>,
     digest: dray_protocol::BlobDigest,
@@ -185,15 +202,6 @@ pub(crate) async fn pull_all(
     };
     let held_before = held();
     let before = registry.egress();
-    let start = Instant::now();
-    let pulls: Vec<_> = cluster
-        .agents
-        .iter()
-        .map(|swarm| {
-            let (swarm, client) = (swarm.clone(), client.clone());
-            tokio::spawn(async move { Ok(swarm.pull(&client, "bench/blob", digest).await?) })
-        })
-        .collect();
     let mut run = SwarmRun {
         times: Vec::new(),
         reports: Vec::new(),
@@ -201,7 +209,8 @@ pub(crate) async fn pull_all(
         egress: 0,
         evicted: 0,
     };
-    for (time, outcome) in finish_times(pulls, start).await? {
+    let pulls = dray_testkit::cluster::pull_each(&cluster.agents, client, "bench/blob", digest);
+    for (time, outcome) in pulls.await? {
         match outcome {
             Ok(report) => {
                 run.times.push(time);
@@ -236,13 +245,13 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 
 pub async fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
-        BenchCommand::Peer(b) => crate::bench_peer::run(b).await,
-        BenchCommand::PeerSend(s) => crate::bench_peer::send(s).await,
-        BenchCommand::PeerRecv(r) => crate::bench_peer::recv(r).await,
+        BenchCommand::Peer(b) => crate::bench::peer::run(b).await,
+        BenchCommand::PeerSend(s) => crate::bench::peer::send(s).await,
+        BenchCommand::PeerRecv(r) => crate::bench::peer::recv(r).await,
         BenchCommand::Swarm(b) => swarm(b).await,
         BenchCommand::Mirror(b) => mirror(b).await,
-        BenchCommand::Storm(b) => crate::storm::run(b).await,
-        BenchCommand::Unpack(b) => crate::bench_unpack::run(b).await,
+        BenchCommand::Storm(b) => crate::bench::storm::run(b).await,
+        BenchCommand::Unpack(b) => crate::bench::unpack::run(b).await,
     }
 }
 
@@ -383,11 +392,11 @@ struct SwarmResult {
     gc_pressure: Option<GcPressureResult>,
     /// With --hostile: the same storm beside liars, run after the one without.
     #[cfg(feature = "hostile")]
-    hostile: Option<crate::hostile::HostileResult>,
+    hostile: Option<crate::bench::hostile::HostileResult>,
     /// With --no-tracker --hostile: the storm through the mirrors beside
     /// DHT liars, and without them, run after the one above.
     #[cfg(feature = "hostile")]
-    hostile_dht: Option<crate::hostile_dht::DhtHostileResult>,
+    hostile_dht: Option<crate::bench::hostile_dht::DhtHostileResult>,
 }
 
 #[derive(Serialize)]
@@ -489,7 +498,7 @@ async fn swarm(b: SwarmBench) -> Result<()> {
     #[cfg(feature = "hostile")]
     let hostile_dht = match (b.hostile, b.no_tracker) {
         (k, true) if k > 0 => Some(
-            crate::hostile_dht::storm(
+            crate::bench::hostile_dht::storm(
                 &dir.path().join("swarm-hostile-dht"),
                 b.nodes,
                 k,
@@ -504,7 +513,7 @@ async fn swarm(b: SwarmBench) -> Result<()> {
     let hostile = match b.hostile {
         k if k == 0 || b.no_tracker => None,
         k => Some(
-            crate::hostile::storm(
+            crate::bench::hostile::storm(
                 &dir.path().join("swarm-hostile"),
                 b.nodes,
                 k,
@@ -586,11 +595,11 @@ async fn swarm(b: SwarmBench) -> Result<()> {
         }
         #[cfg(feature = "hostile")]
         if let Some(h) = &r.hostile {
-            crate::hostile::print(h);
+            crate::bench::hostile::print(h);
         }
         #[cfg(feature = "hostile")]
         if let Some(h) = &r.hostile_dht {
-            crate::hostile_dht::print(h);
+            crate::bench::hostile_dht::print(h);
         }
     })
 }

@@ -22,7 +22,7 @@
 //! Seconds move with the host (steal, page reporting), so the bench also
 //! counts work that does not: user-space instructions per GiB of each side
 //! under cachegrind, syscalls and UDP datagrams per GiB, for the agent, raw
-//! quinn and TCP with rustls (`crate::bench_peer_counted`). The timed rounds
+//! quinn and TCP with rustls (`crate::bench::peer_counted`). The timed rounds
 //! then give, per path, user and system CPU seconds per GiB (both sides) and
 //! the median, least and most MB/s. `--only` runs one of the two parts.
 //!
@@ -40,7 +40,7 @@
 //! `mb_s_min`, `mb_s_max`; and `net`.
 
 use crate::bench::{emit, parse_size, write_random_seeded};
-use crate::storm::{remove_namespaces, run_ip};
+use crate::bench::storm::{remove_namespaces, run_ip};
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use dray_agent::identity::{ClusterCa, Identity};
@@ -309,7 +309,7 @@ struct PeerResult {
     #[serde(flatten)]
     timed: Option<Timed>,
     #[serde(flatten)]
-    counted: Option<crate::bench_peer_counted::Counted>,
+    counted: Option<crate::bench::peer_counted::Counted>,
 }
 
 /// The figures of the timed rounds.
@@ -594,7 +594,7 @@ pub async fn run(b: PeerBench) -> Result<()> {
     }
     let counted = match counted {
         true => Some(
-            crate::bench_peer_counted::run(dir.path(), &place, &b.tuning, b.counted_size).await?,
+            crate::bench::peer_counted::run(dir.path(), &place, &b.tuning, b.counted_size).await?,
         ),
         false => None,
     };
@@ -834,7 +834,7 @@ fn print_table(r: &PeerResult) {
         r.size_bytes, r.chunk_size, r.net
     );
     if let Some(c) = &r.counted {
-        crate::bench_peer_counted::print_table(c);
+        crate::bench::peer_counted::print_table(c);
     }
     if let Some(t) = &r.timed {
         print_timed(t, r.rounds);

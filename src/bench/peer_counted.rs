@@ -26,7 +26,7 @@
 //! all (`instructions_disagreement_pct`): a claim about two paths holds only
 //! if it holds at the unfavourable end of each one's spread.
 
-use crate::bench_peer::{Mode, PATHS, Placement, Sender, TuningArgs, side_command};
+use crate::bench::peer::{Mode, PATHS, Placement, Sender, TuningArgs, side_command};
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -151,7 +151,7 @@ fn udp_out_datagrams(snmp: &str) -> Option<u64> {
 /// pair, in the sender's.
 fn datagrams(place: &Placement, sender_pid: u32) -> Result<u64> {
     let mut pids = vec!["self".to_string()];
-    if place.net == crate::bench_peer::Net::Veth {
+    if place.net == crate::bench::peer::Net::Veth {
         pids.push(sender_pid.to_string());
     }
     pids.iter()

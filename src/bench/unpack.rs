@@ -5,7 +5,7 @@
 //! chunks arrive, as its local API does for the snapshotter.
 
 use crate::bench::emit;
-use crate::bench_peer::{child_cpu, diff, own_cpu, total};
+use crate::bench::peer::{child_cpu, diff, own_cpu, total};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use dray_agent::unpack::{Compression, unpack_layer};
@@ -110,13 +110,13 @@ const RATE_METHOD: &str = "the relay's total rate is set so that downloading the
 
 pub async fn run(b: UnpackBench) -> Result<()> {
     if let Some(file) = &b.decode {
-        return crate::bench_unpack_giant::decode(file, b.threads);
+        return crate::bench::unpack_giant::decode(file, b.threads);
     }
     if b.giant {
         let rapidgzip = which(&b.rapidgzip);
         let (mib, slice, json) = (b.giant_mib, b.slice_mib, b.json);
         return tokio::task::spawn_blocking(move || {
-            crate::bench_unpack_giant::run(mib, slice, rapidgzip, json)
+            crate::bench::unpack_giant::run(mib, slice, rapidgzip, json)
         })
         .await?;
     }
@@ -302,7 +302,7 @@ async fn measure(
     let (download_s, download_cpu_s) = (start.elapsed().as_secs_f64(), cpu()? - cpu0);
     let out = w.join("pulled");
     std::fs::create_dir_all(&out)?;
-    let cluster = crate::cluster::LocalCluster::start(
+    let cluster = dray_testkit::cluster::LocalCluster::start(
         &w.join(format!("agent-{name}")),
         1,
         Default::default(),

@@ -16,7 +16,7 @@
 //! parts (a store filled by hand, a tracker client, an upload cap).
 
 use crate::bench::{SwarmRun, pull_all};
-use crate::cluster::LocalCluster;
+use dray_testkit::cluster::LocalCluster;
 use anyhow::{Context, Result, bail};
 use dray_agent::discovery::tracker_client::TrackerClient;
 use dray_agent::peer::PeerConfig;
@@ -135,7 +135,7 @@ pub async fn storm(
                 } else {
                     let lie = flip_every_chunk(store, &blob, &real)?;
                     let tracker = TrackerClient::new(
-                        vec![cluster.tracker_url.clone()],
+                        vec![cluster.tracker.url()],
                         swarm.node().identity(),
                     );
                     let publish = Body::Publish(pb::PublishChunkMap {
@@ -143,17 +143,17 @@ pub async fn storm(
                         map: Some(lie.to_pb()),
                     });
                     // Refused or held as unconfirmed: either way, it tried.
-                    _ = tracker.send(&cluster.tracker_url, publish).await;
+                    _ = tracker.send(&cluster.tracker.url(), publish).await;
                 }
                 holders += 1;
             }
             Attack::Forge | Attack::Accuse => {
                 let speaker = Speaker {
                     tracker: TrackerClient::new(
-                        vec![cluster.tracker_url.clone()],
+                        vec![cluster.tracker.url()],
                         &cluster.ca.issue(id)?,
                     ),
-                    url: cluster.tracker_url.clone(),
+                    url: cluster.tracker.url(),
                     id: id.clone(),
                     map: real.clone(),
                 };
@@ -165,7 +165,7 @@ pub async fn storm(
     // holders of a chunk each holds (the flippers' last is missing).
     let probe = real.chunk_count().saturating_sub(2);
     let started = Instant::now();
-    while cluster.tracker.holders(&digest, probe) < holders {
+    while cluster.tracker.tracker.holders(&digest, probe) < holders {
         if started.elapsed() > Duration::from_secs(30) {
             bail!("the tracker heard of {holders} liars holding the blob within 30 s");
         }
@@ -182,7 +182,7 @@ pub async fn storm(
         complete &= held
             .is_some_and(|b| dray_testkit::testbed::file_digest(b.path()) == digest.to_string());
     }
-    let forged_hashes = cluster.tracker.map(&digest).map_or(0, |m| {
+    let forged_hashes = cluster.tracker.tracker.map(&digest).map_or(0, |m| {
         m.hashes()
             .iter()
             .zip(real.hashes())
@@ -204,12 +204,12 @@ pub async fn storm(
         last_ratio: last(&run.times) / clean_last,
         fell_back: run.reports.iter().filter(|r| r.fell_back).count(),
         honest_banned: (0..nodes)
-            .filter(|&i| cluster.tracker.standing(&LocalCluster::node_id(i)).banned)
+            .filter(|&i| cluster.tracker.tracker.standing(&LocalCluster::node_id(i)).banned)
             .count(),
         liars_banned: liars
             .iter()
             .map(|(id, _)| id.clone())
-            .filter(|id| cluster.tracker.standing(id).banned)
+            .filter(|id| cluster.tracker.tracker.standing(id).banned)
             .collect(),
         slow_peers_dropped: run.reports.iter().map(|r| r.slow_peers.len()).sum(),
         bad_peers_dropped: run.reports.iter().map(|r| r.bad_peers.len()).sum(),

@@ -5,7 +5,7 @@
 //! `liar-{i}`, with a valid certificate, and two faces under that name:
 //!
 //! - **its peer plane**: an agent whose store holds every chunk of the blob
-//!   but the last with one bit flipped (src/hostile.rs's flipper), so it
+//!   but the last with one bit flipped (src/bench/hostile.rs's flipper), so it
 //!   answers a bitfield request first, with hashes of its own bytes, and
 //!   serves those bytes;
 //! - **its DHT node**: Kademlia on the agent's protocol and TLS, with a
@@ -22,7 +22,7 @@
 //! of its public parts and of libp2p's.
 
 use crate::bench::RandomBytes;
-use crate::cluster::LocalCluster;
+use dray_testkit::cluster::LocalCluster;
 use anyhow::{Context, Result, bail};
 use dray_agent::discovery::dht::tls::libp2p_id;
 use dray_agent::discovery::dht::{
@@ -119,7 +119,7 @@ pub async fn storm(
     digest: BlobDigest,
 ) -> Result<DhtHostileResult> {
     let blob = registry.blob_file(&digest.to_string());
-    let real = crate::hostile::real_map(&blob, digest)?;
+    let real = crate::bench::hostile::real_map(&blob, digest)?;
     let swarm = SwarmConfig {
         dht: dray_agent::discovery::dht::DhtConfig {
             listen: Some("127.0.0.1:0".parse()?),
@@ -159,7 +159,7 @@ pub async fn storm(
             PeerConfig::default(),
             None,
         )?;
-        crate::hostile::flip_every_chunk(liar.node().store(), &blob, &real)?;
+        crate::bench::hostile::flip_every_chunk(liar.node().store(), &blob, &real)?;
         let me = NodeRecord {
             peer_id: id.clone(),
             address: liar.node().local_addr()?.to_string(),
