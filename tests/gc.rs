@@ -106,7 +106,7 @@ async fn blobs_keep_their_chunk_size_when_it_changes_and_are_still_served_to_pee
     let dir = tempfile::tempdir().unwrap();
     let registry = Registry::start(None).await;
     let digest = push_random(&registry, dir.path(), "old", 3 << 20);
-    let tracker = start_tracker(&quick_tracker(), "127.0.0.1:0").await;
+    let tracker = serve_tracker(&quick_tracker(), "127.0.0.1:0").await;
     let client = registry_client(&registry.url(), None);
     let old = SwarmConfig {
         chunk_size: MIN_CHUNK_SIZE * 4,
@@ -225,7 +225,7 @@ async fn under_pressure_four_nodes_keep_two_copies_of_every_blob_until_the_disk_
     let digests: Vec<BlobDigest> = (0..6)
         .map(|i| push_random(&registry, dir.path(), &format!("b{i}"), blob))
         .collect();
-    let tracker = start_tracker(&quick_tracker(), "127.0.0.1:0").await;
+    let tracker = serve_tracker(&quick_tracker(), "127.0.0.1:0").await;
     let client = registry_client(&registry.url(), None);
     // Each node will hold 1.5 MiB: past the high watermark (0.5 of 1.75
     // MiB), below the critical one (0.95); the low one (0.1) asks for all.

@@ -126,7 +126,7 @@ async fn a_chunk_corrupted_on_its_way_from_the_registry_costs_the_storm_at_most_
     random_file(&src, size);
     let digest = registry.push("test/corrupt", &src);
     let d: BlobDigest = digest.parse().unwrap();
-    let tracker = start_tracker(&quick_tracker(), "127.0.0.1:0").await;
+    let tracker = serve_tracker(&quick_tracker(), "127.0.0.1:0").await;
     // One bit of the first chunk body to pass 1 MiB: its fetcher hashes the
     // wrong bytes, publishes that hash as the chunk's registry fetcher, and
     // every node assembles a blob that fails its digest.

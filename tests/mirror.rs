@@ -217,7 +217,7 @@ async fn four_containerds_pulling_one_image_at_once_take_it_from_the_registry_ab
         256 << 20,
         None,
     );
-    let tracker = start_tracker(&quick_tracker(), "127.0.0.1:0").await;
+    let tracker = serve_tracker(&quick_tracker(), "127.0.0.1:0").await;
     let ca = cluster_ca();
     let side_door = registry.side_door().await;
     let image = format!("{}/test/big:gzip", registry.host());

@@ -63,7 +63,7 @@ async fn eight_agents_pull_a_256mib_blob_at_once_and_it_leaves_the_registry_abou
     let registry = Registry::start(None).await;
     let size = 256u64 << 20;
     let digest = push_random(&registry, dir.path(), "test/big", size);
-    let tracker = start_tracker(&quick_tracker(), "127.0.0.1:0").await;
+    let tracker = serve_tracker(&quick_tracker(), "127.0.0.1:0").await;
     let ca = cluster_ca();
     let agents: Vec<Agent> =
         start_agents(&ca, dir.path(), "node", 8, quick_swarm(vec![tracker.url()]));
@@ -93,7 +93,7 @@ async fn every_agent_completes_when_the_tracker_dies_mid_pull_and_a_restart_reco
     let registry = Registry::start(None).await;
     let digest = push_random(&registry, dir.path(), "test/t", 64 << 20);
     registry.throttle(24 << 20);
-    let tracker = start_tracker(&quick_tracker(), "127.0.0.1:0").await;
+    let tracker = serve_tracker(&quick_tracker(), "127.0.0.1:0").await;
     let addr = tracker.addr.to_string();
     let ca = cluster_ca();
     let agents: Vec<Agent> =
@@ -118,7 +118,7 @@ async fn every_agent_completes_when_the_tracker_dies_mid_pull_and_a_restart_reco
     // within one announce interval (the agents' idle interval is 300 ms; the
     // first delta is answered with resend_full, then comes the full announce).
     let d: BlobDigest = digest.parse().unwrap();
-    let restarted = start_tracker(&quick_tracker(), &addr).await;
+    let restarted = serve_tracker(&quick_tracker(), &addr).await;
     let started = Instant::now();
     while restarted.tracker.holders(&d, 0) < 4 && started.elapsed() < Duration::from_secs(5) {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -142,7 +142,7 @@ async fn a_tracker_restarted_mid_pull_relearns_partial_holders_hashes_and_ends_t
     let digest = push_random(&registry, dir.path(), "test/restart", size);
     // One copy takes the registry 8 s: nobody is complete when the tracker returns.
     registry.throttle(8 << 20);
-    let tracker = start_tracker(&quick_tracker(), "127.0.0.1:0").await;
+    let tracker = serve_tracker(&quick_tracker(), "127.0.0.1:0").await;
     let addr = tracker.addr.to_string();
     let ca = cluster_ca();
     let agents = start_agents(&ca, dir.path(), "node", 4, quick_swarm(vec![tracker.url()]));
@@ -153,7 +153,7 @@ async fn a_tracker_restarted_mid_pull_relearns_partial_holders_hashes_and_ends_t
         tracker.kill();
         // Past the agents' 1.5 s grace: they fetch what no peer holds themselves.
         tokio::time::sleep(Duration::from_millis(2_500)).await;
-        let restarted = start_tracker(&quick_tracker(), &addr).await;
+        let restarted = serve_tracker(&quick_tracker(), &addr).await;
         // The full announces bring back the holders and, from partial
         // holders too, the hashes without which nobody else could verify
         // what they hold: a hash no registry run of this tracker vouches
@@ -216,7 +216,7 @@ async fn a_node_killed_while_holding_registry_assignments_loses_them_and_the_oth
     let digest = push_random(&registry, dir.path(), "test/k", size);
     // 16 MiB/s from the registry: the victim cannot finish its runs before it dies.
     registry.throttle(16 << 20);
-    let tracker = start_tracker(&quick_tracker(), "127.0.0.1:0").await;
+    let tracker = serve_tracker(&quick_tracker(), "127.0.0.1:0").await;
     let ca = cluster_ca();
     let mut cfg = quick_swarm(vec![tracker.url()]);
     cfg.stall = Duration::from_secs(30); // prove reassignment, not the stall fallback
@@ -258,7 +258,7 @@ async fn a_private_repository_needs_credentials_and_refuses_anonymous_agents_cle
     let dir = tempfile::tempdir().unwrap();
     let registry = Registry::start(Some(("alice", "s3cret"))).await;
     let digest = push_random(&registry, dir.path(), "private/p", 16 << 20);
-    let tracker = start_tracker(&quick_tracker(), "127.0.0.1:0").await;
+    let tracker = serve_tracker(&quick_tracker(), "127.0.0.1:0").await;
     let ca = cluster_ca();
     let agents: Vec<Agent> =
         start_agents(&ca, dir.path(), "node", 2, quick_swarm(vec![tracker.url()]));
@@ -317,8 +317,8 @@ async fn a_private_repository_needs_credentials_and_refuses_anonymous_agents_cle
 async fn two_tracker_replicas_split_the_blobs_and_a_dead_one_hands_its_blobs_to_the_other() {
     let dir = tempfile::tempdir().unwrap();
     let registry = Registry::start(None).await;
-    let a = start_tracker(&quick_tracker(), "127.0.0.1:0").await;
-    let b = start_tracker(&quick_tracker(), "127.0.0.1:0").await;
+    let a = serve_tracker(&quick_tracker(), "127.0.0.1:0").await;
+    let b = serve_tracker(&quick_tracker(), "127.0.0.1:0").await;
     let replicas = vec![a.url(), b.url()];
     // Ownership hashes digests with the replicas' (random) addresses: push
     // blobs until each replica owns at least two.
@@ -387,7 +387,7 @@ async fn a_chunk_map_forged_by_a_node_that_fetched_none_of_it_never_reaches_hone
     let size = 32u64 << 20;
     let digest = push_random(&registry, dir.path(), "test/w", size);
     let d: BlobDigest = digest.parse().unwrap();
-    let tracker = start_tracker(&quick_tracker(), "127.0.0.1:0").await;
+    let tracker = serve_tracker(&quick_tracker(), "127.0.0.1:0").await;
     let ca = cluster_ca();
 
     // A liar holds every chunk but the last, with chunk 2 forged, and publishes
@@ -463,7 +463,7 @@ async fn a_storm_on_ipv6_addresses_alone_leaves_the_registry_about_once() {
     let registry = Registry::start(None).await;
     let size = 96u64 << 20;
     let digest = push_random(&registry, dir.path(), "test/v6", size);
-    let tracker = start_tracker(&quick_tracker(), "[::1]:0").await;
+    let tracker = serve_tracker(&quick_tracker(), "[::1]:0").await;
     assert!(
         tracker.url().starts_with("https://[::1]:"),
         "{}",
@@ -508,7 +508,7 @@ async fn a_dual_stack_node_is_reached_over_each_family_by_the_nodes_on_it() {
     let registry = Registry::start(None).await;
     let size = 32u64 << 20;
     let digest = push_random(&registry, dir.path(), "test/dual", size);
-    let tracker = start_tracker(&quick_tracker(), "127.0.0.1:0").await;
+    let tracker = serve_tracker(&quick_tracker(), "127.0.0.1:0").await;
     let ca = cluster_ca();
     let client = registry_client(&registry.url(), None);
     let mut cfg = quick_swarm(vec![tracker.url()]);

@@ -62,7 +62,7 @@ fn announce_as(peer: &str, digest: BlobDigest) -> Body {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_anonymous_client_is_refused_by_the_tracker_api_but_reaches_its_probes() {
-    let tracker = start_tracker(&quick_tracker(), "127.0.0.1:0").await;
+    let tracker = serve_tracker(&quick_tracker(), "127.0.0.1:0").await;
     let http = anonymous_client(&cluster_ca());
     let d = BlobDigest::of(b"blob");
     // The forged map of the issue: the real digest, 4 MiB too large, no hashes.
@@ -118,7 +118,7 @@ async fn an_anonymous_client_is_refused_by_the_tracker_api_but_reaches_its_probe
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_certificate_from_another_ca_is_refused_at_the_handshake() {
-    let tracker = start_tracker(&quick_tracker(), "127.0.0.1:0").await;
+    let tracker = serve_tracker(&quick_tracker(), "127.0.0.1:0").await;
     // It trusts the cluster's CA, so only the tracker's check can refuse it.
     let foreign = ClusterCa::generate().unwrap().issue("node-a").unwrap();
     let foreign = Identity::from_pem(
@@ -139,7 +139,7 @@ async fn a_certificate_from_another_ca_is_refused_at_the_handshake() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_cannot_announce_publish_or_report_under_another_nodes_id() {
-    let tracker = start_tracker(&quick_tracker(), "127.0.0.1:0").await;
+    let tracker = serve_tracker(&quick_tracker(), "127.0.0.1:0").await;
     let ca = cluster_ca();
     let d = BlobDigest::of(b"blob");
     let b = TrackerClient::new(vec![tracker.url()], &ca.issue("node-b").unwrap());

@@ -16,7 +16,6 @@
 //! parts (a store filled by hand, a tracker client, an upload cap).
 
 use crate::bench::{SwarmRun, pull_all};
-use dray_testkit::cluster::LocalCluster;
 use anyhow::{Context, Result, bail};
 use dray_agent::discovery::tracker_client::TrackerClient;
 use dray_agent::peer::PeerConfig;
@@ -25,6 +24,7 @@ use dray_agent::pull::swarm::SwarmConfig;
 use dray_protocol::chunkmap::{ChunkMapBuilder, chunk_hash};
 use dray_protocol::pb::{self, tracker_request::Body};
 use dray_protocol::{BlobDigest, ChunkMap, DEFAULT_CHUNK_SIZE};
+use dray_testkit::cluster::LocalCluster;
 use serde::Serialize;
 use std::io::Read;
 use std::path::Path;
@@ -134,10 +134,8 @@ pub async fn storm(
                     store.import(&blob, DEFAULT_CHUNK_SIZE)?;
                 } else {
                     let lie = flip_every_chunk(store, &blob, &real)?;
-                    let tracker = TrackerClient::new(
-                        vec![cluster.tracker.url()],
-                        swarm.node().identity(),
-                    );
+                    let tracker =
+                        TrackerClient::new(vec![cluster.tracker.url()], swarm.node().identity());
                     let publish = Body::Publish(pb::PublishChunkMap {
                         peer_id: id.clone(),
                         map: Some(lie.to_pb()),
@@ -204,7 +202,13 @@ pub async fn storm(
         last_ratio: last(&run.times) / clean_last,
         fell_back: run.reports.iter().filter(|r| r.fell_back).count(),
         honest_banned: (0..nodes)
-            .filter(|&i| cluster.tracker.tracker.standing(&LocalCluster::node_id(i)).banned)
+            .filter(|&i| {
+                cluster
+                    .tracker
+                    .tracker
+                    .standing(&LocalCluster::node_id(i))
+                    .banned
+            })
             .count(),
         liars_banned: liars
             .iter()

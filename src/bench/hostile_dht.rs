@@ -22,7 +22,6 @@
 //! of its public parts and of libp2p's.
 
 use crate::bench::RandomBytes;
-use dray_testkit::cluster::LocalCluster;
 use anyhow::{Context, Result, bail};
 use dray_agent::discovery::dht::tls::libp2p_id;
 use dray_agent::discovery::dht::{
@@ -35,6 +34,7 @@ use dray_agent::pull::registry::RegistryClient;
 use dray_agent::pull::swarm::{PullReport, SwarmConfig};
 use dray_agent::serving::mirror::{Mirror, MirrorConfig};
 use dray_protocol::{BlobDigest, DEFAULT_CHUNK_SIZE};
+use dray_testkit::cluster::LocalCluster;
 use futures_util::StreamExt;
 use libp2p::core::ConnectedPoint;
 use libp2p::kad::store::{MemoryStore, MemoryStoreConfig, RecordStore};

@@ -39,8 +39,8 @@
 //! (UDP paths), `user_cpu_s_per_gib`, `sys_cpu_s_per_gib`, `mb_s_median`,
 //! `mb_s_min`, `mb_s_max`; and `net`.
 
-use crate::bench::{emit, parse_size, write_random_seeded};
 use crate::bench::storm::{remove_namespaces, run_ip};
+use crate::bench::{emit, parse_size, write_random_seeded};
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use dray_agent::identity::{ClusterCa, Identity};

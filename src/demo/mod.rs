@@ -11,12 +11,12 @@ mod image;
 mod progress;
 mod registry;
 
-use dray_testkit::cluster::LocalCluster;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use dray_agent::pull::registry::RegistryClient;
 use dray_agent::pull::swarm::{Swarm, SwarmConfig};
 use dray_protocol::BlobDigest;
+use dray_testkit::cluster::LocalCluster;
 use image::{Image, Manifest};
 use registry::{DemoRegistry, REPO, TAG};
 use serde::Serialize;

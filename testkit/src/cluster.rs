@@ -207,15 +207,7 @@ impl LocalCluster {
                 ..swarm
             },
         };
-        let agent = start_agent(
-            &self.ca,
-            id,
-            dir,
-            "127.0.0.1:0".parse()?,
-            swarm,
-            peer,
-            gc,
-        )?;
+        let agent = start_agent(&self.ca, id, dir, "127.0.0.1:0".parse()?, swarm, peer, gc)?;
         let swarm = agent.swarm().clone();
         self.members.push(agent);
         Ok(swarm)

@@ -42,7 +42,7 @@ pub fn random_file(path: &Path, size: u64) {
     assert!(status.success());
 }
 
-/// This test process's cluster CA: the trackers of [`start_tracker`] trust it
+/// This test process's cluster CA: the trackers of [`serve_tracker`] trust it
 /// and present a certificate from it, so agents that talk to them must hold
 /// certificates from it too (`Agent::start(&cluster_ca(), ...)`).
 pub fn cluster_ca() -> ClusterCa {
@@ -53,7 +53,7 @@ pub fn cluster_ca() -> ClusterCa {
 /// A tracker served from this process over TLS (the benches' and `dray
 /// demo`'s), with a certificate from [`cluster_ca`] for `localhost` and the
 /// loopback addresses, on `addr`.
-pub async fn start_tracker(config: &TrackerConfig, addr: &str) -> InProcessTracker {
+pub async fn serve_tracker(config: &TrackerConfig, addr: &str) -> InProcessTracker {
     init_logs();
     InProcessTracker::start(&cluster_ca(), config, addr)
         .await
