@@ -44,7 +44,7 @@ use crate::bench::{emit, parse_size, write_random_seeded};
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use dray_agent::identity::{ClusterCa, Identity};
-use dray_agent::peer::{PeerConfig, PeerNode, TransportTuning};
+use dray_agent::peer::{PeerConfig, PeerNode, TransportTuning, quic_endpoint};
 use dray_agent::pull::fetch::{PeerAddr, fetch_from_peers};
 use dray_agent::store::{ChunkStore, write_in_pieces};
 use dray_protocol::DEFAULT_CHUNK_SIZE;
@@ -254,7 +254,8 @@ pub enum Mode {
     Tcp,
     /// TCP with rustls (mutual TLS 1.3 with the agents' certificates) from memory.
     Tls,
-    /// One quinn stream with quinn's default transport settings, from memory.
+    /// One quinn stream on an endpoint made as the agent's is (its transport
+    /// settings and UDP socket: `dray_agent::peer::quic_endpoint`), from memory.
     Quic,
     /// A `dray` peer node serving the blob from its chunk store.
     Agent,
@@ -737,7 +738,7 @@ async fn timed_rounds(
         );
         quic.push(
             transfer(Mode::Quic, dir, size, ctx, move |a| {
-                receive_quic(a, size, receiver_id, bind)
+                receive_quic(a, size, receiver_id, (bind, &b.tuning))
             })
             .await?
             .0,
@@ -1001,12 +1002,18 @@ fn receive_tls_to_disk(addr: SocketAddr, size: u64, id: &Identity, path: &Path) 
     Ok(())
 }
 
-async fn receive_quic(addr: SocketAddr, size: u64, id: &Identity, bind: IpAddr) -> Result<()> {
-    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(id.client_tls()?)?;
-    let mut endpoint = quinn::Endpoint::client(SocketAddr::new(bind, 0))?;
-    endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(crypto)));
+async fn receive_quic(
+    addr: SocketAddr,
+    size: u64,
+    id: &Identity,
+    (bind, tuning): (IpAddr, &TuningArgs),
+) -> Result<()> {
+    let transport = tuning.peer_config().transport;
+    let endpoint = quic_endpoint(id, SocketAddr::new(bind, 0), &transport)?;
     let conn = endpoint.connect(addr, SENDER_ID)?.await?;
-    let mut r = conn.accept_uni().await?;
+    // A bidirectional stream, as the agent's requests are: the peer plane
+    // allows no unidirectional ones.
+    let (_send, mut r) = conn.accept_bi().await?;
     let mut got = 0u64;
     while let Some(chunk) = r.read_chunk(BLOCK, true).await? {
         got += chunk.bytes.len() as u64;
@@ -1052,7 +1059,7 @@ pub async fn recv(r: PeerRecv) -> Result<()> {
     match r.mode {
         Mode::Tcp => blocking(move || receive_tcp(addr, size)).await,
         Mode::Tls => blocking(move || receive_tls(addr, size, &id)).await,
-        Mode::Quic => receive_quic(addr, size, &id, r.bind).await,
+        Mode::Quic => receive_quic(addr, size, &id, (r.bind, &r.tuning)).await,
         Mode::Agent => {
             let pb = std::fs::read(map_file(&r.dir, size)).context("reading the chunk map")?;
             let map = ChunkMap::from_pb(&prost::Message::decode(pb.as_slice())?)?;
@@ -1096,13 +1103,12 @@ pub async fn send(s: PeerSend) -> Result<()> {
             })
         }
         Mode::Quic => {
-            let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(id.server_tls()?)?;
-            let cfg = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-            let endpoint = quinn::Endpoint::server(cfg, SocketAddr::new(s.bind, 0))?;
+            let transport = s.tuning.peer_config().transport;
+            let endpoint = quic_endpoint(&id, SocketAddr::new(s.bind, 0), &transport)?;
             announce(endpoint.local_addr()?)?;
             tokio::spawn(async move {
                 let conn = endpoint.accept().await.context("no connection")?.await?;
-                let mut w = conn.open_uni().await?;
+                let (mut w, _recv) = conn.open_bi().await?;
                 let buf = bytes::Bytes::from(vec![7u8; BLOCK]);
                 let mut left = size;
                 while left > 0 {

@@ -306,35 +306,7 @@ impl PeerNode {
             Ok((not_before, not_after)) => metrics.certificate_valid(not_before, not_after),
             Err(e) => tracing::warn!(error = %e, "could not read when the agent certificate ends"),
         }
-        let transport = config.transport.transport();
-        let server_crypto =
-            quinn::crypto::rustls::QuicServerConfig::try_from(identity.server_tls()?)
-                .map_err(|e| Error::Tls(e.to_string()))?;
-        let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
-        server.transport_config(transport.clone());
-        let client_crypto =
-            quinn::crypto::rustls::QuicClientConfig::try_from(identity.client_tls()?)
-                .map_err(|e| Error::Tls(e.to_string()))?;
-        let mut client = quinn::ClientConfig::new(Arc::new(client_crypto));
-        client.transport_config(transport);
-        let mut endpoint_cfg = quinn::EndpointConfig::default();
-        endpoint_cfg
-            .max_udp_payload_size(config.transport.max_udp_payload)
-            .map_err(|e| Error::Config(format!("max_udp_payload: {e}")))?;
-        let socket = std::net::UdpSocket::bind(addr)
-            .map_err(|e| Error::io(format!("binding UDP {addr}"), e))?;
-        grow_socket_buffers(&socket, config.transport.socket_buffer);
-        let runtime =
-            quinn::default_runtime().ok_or_else(|| Error::Config("no async runtime".into()))?;
-        let starting = |e| Error::io(format!("starting QUIC endpoint on {addr}"), e);
-        let socket = crate::peer::udp::KernelSizedUdp::wrap(
-            runtime.wrap_udp_socket(socket).map_err(starting)?,
-            config.transport.max_udp_payload,
-        );
-        let mut endpoint =
-            quinn::Endpoint::new_with_abstract_socket(endpoint_cfg, Some(server), socket, runtime)
-                .map_err(starting)?;
-        endpoint.set_default_client_config(client);
+        let endpoint = quic_endpoint(&identity, addr, &config.transport)?;
         let node = Arc::new(Self {
             endpoint,
             identity,
@@ -403,6 +375,46 @@ impl PeerNode {
     pub async fn closed(&self, limit: Duration) {
         let _ = tokio::time::timeout(limit, self.endpoint.wait_idle()).await;
     }
+}
+
+/// A QUIC endpoint on `addr` as the peer plane runs one: mutual TLS with
+/// `identity`, the `tuning`'s transport settings, and its UDP socket (the
+/// buffers grown, sends and receive buffers kept within the kernel's limits,
+/// see [`udp`]). `dray bench peer`'s bare quinn baseline runs on one too, so
+/// the two differ only in dray's own work.
+pub fn quic_endpoint(
+    identity: &Identity,
+    addr: SocketAddr,
+    tuning: &TransportTuning,
+) -> Result<quinn::Endpoint> {
+    let transport = tuning.transport();
+    let server_crypto = quinn::crypto::rustls::QuicServerConfig::try_from(identity.server_tls()?)
+        .map_err(|e| Error::Tls(e.to_string()))?;
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
+    server.transport_config(transport.clone());
+    let client_crypto = quinn::crypto::rustls::QuicClientConfig::try_from(identity.client_tls()?)
+        .map_err(|e| Error::Tls(e.to_string()))?;
+    let mut client = quinn::ClientConfig::new(Arc::new(client_crypto));
+    client.transport_config(transport);
+    let mut endpoint_cfg = quinn::EndpointConfig::default();
+    endpoint_cfg
+        .max_udp_payload_size(tuning.max_udp_payload)
+        .map_err(|e| Error::Config(format!("max_udp_payload: {e}")))?;
+    let socket =
+        std::net::UdpSocket::bind(addr).map_err(|e| Error::io(format!("binding UDP {addr}"), e))?;
+    grow_socket_buffers(&socket, tuning.socket_buffer);
+    let runtime =
+        quinn::default_runtime().ok_or_else(|| Error::Config("no async runtime".into()))?;
+    let starting = |e| Error::io(format!("starting QUIC endpoint on {addr}"), e);
+    let socket = crate::peer::udp::KernelSizedUdp::wrap(
+        runtime.wrap_udp_socket(socket).map_err(starting)?,
+        tuning.max_udp_payload,
+    );
+    let mut endpoint =
+        quinn::Endpoint::new_with_abstract_socket(endpoint_cfg, Some(server), socket, runtime)
+            .map_err(starting)?;
+    endpoint.set_default_client_config(client);
+    Ok(endpoint)
 }
 
 /// Sets the socket's buffers, past `net.core.{r,w}mem_max` when allowed
