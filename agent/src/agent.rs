@@ -93,10 +93,13 @@ impl Agent {
         }
     }
 
-    /// Stops as a crash would: no more announces, answers or uploads.
+    /// Stops as a crash would: no more announces, answers, uploads or DHT.
     pub fn kill(&self) {
         self.stop_loops();
         self.swarm.node().close();
+        if let Some(dht) = self.swarm.dht() {
+            dht.stop();
+        }
     }
 
     pub fn swarm(&self) -> &Arc<Swarm> {

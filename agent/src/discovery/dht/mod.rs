@@ -369,9 +369,11 @@ enum Command {
 }
 
 /// This node's handle on the DHT; the DHT runs on its own task until the
-/// handle is dropped.
+/// handle is dropped or [`Dht::stop`] is called.
 pub struct Dht {
     commands: mpsc::Sender<Command>,
+    /// Ends the DHT's task: its listener and connections close with it.
+    stop: tokio_util::sync::CancellationToken,
     local: PeerId,
     /// This node's overflow list ([`overflow_list`]).
     overflow_list: u32,
@@ -451,9 +453,11 @@ impl Dht {
             warned_forged: false,
             metrics,
         };
-        tokio::spawn(runner.run(rx));
+        let stop = tokio_util::sync::CancellationToken::new();
+        tokio::spawn(runner.run(rx, stop.clone()));
         Ok(Arc::new(Self {
             commands,
+            stop,
             local,
             overflow_list: overflow_list(&identity.peer_id),
             listening,
@@ -465,6 +469,13 @@ impl Dht {
 
     pub fn config(&self) -> &DhtConfig {
         &self.config
+    }
+
+    /// Leaves the DHT as a crash would: its task ends, closing its listener
+    /// and connections, while other holders of this handle may still ask
+    /// (and hear nothing).
+    pub fn stop(&self) {
+        self.stop.cancel();
     }
 
     /// The address the DHT listens on (a port 0 made real), once bound;
@@ -779,7 +790,11 @@ struct Runner {
 }
 
 impl Runner {
-    async fn run(mut self, mut commands: mpsc::Receiver<Command>) {
+    async fn run(
+        mut self,
+        mut commands: mpsc::Receiver<Command>,
+        stop: tokio_util::sync::CancellationToken,
+    ) {
         // One message per lookup under way, at most one per bootstrap entry.
         let (found, mut resolved) = mpsc::unbounded_channel::<Resolved>();
         let mut tick = tokio::time::interval(DIAL_EVERY);
@@ -788,6 +803,7 @@ impl Runner {
         purge.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
+                () = stop.cancelled() => return,
                 command = commands.recv() => match command {
                     Some(c) => self.on_command(c),
                     None => return,
@@ -1193,6 +1209,7 @@ mod tests {
         let (_, listening) = watch::channel(Listening::Pending);
         let dht = Dht {
             commands,
+            stop: Default::default(),
             local: libp2p_id("me"),
             overflow_list: overflow_list("me"),
             listening,
