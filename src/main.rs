@@ -971,17 +971,26 @@ fn chaos(args: SimArgs) -> Result<()> {
     } else {
         writeln!(
             out,
-            "{:<18} {:>6} {:>12} {:>7} {:>11} {:>11}",
-            "fault class", "seeds", "max egress", "bound", "max time x", "bound k,c,r"
+            "{:<18} {:>6} {:>11} {:>7} {:>13} {:>9} {:>11} {:>11}",
+            "fault class",
+            "seeds",
+            "max egress",
+            "alone",
+            "bound",
+            "of bound",
+            "max time x",
+            "bound k,c,r"
         )?;
         for c in &report.classes {
             writeln!(
                 out,
-                "{:<18} {:>6} {:>12.3} {:>7.2} {:>11.2} {:>11}",
+                "{:<18} {:>6} {:>11.3} {:>7.3} {:>13} {:>9.3} {:>11.2} {:>11}",
                 c.class,
                 c.seeds,
                 c.max_egress_copies,
-                c.egress_bound,
+                c.max_egress_copies_alone,
+                format!("{}+{}/hit", c.egress_bound, c.egress_bound_per_node_hit),
+                c.max_egress_of_bound,
                 c.max_time_ratio,
                 format!("{},{},{}", c.time_bound.0, c.time_bound.1, c.time_bound.2)
             )?;

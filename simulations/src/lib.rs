@@ -96,7 +96,7 @@ mod scenario;
 mod sim;
 mod tracker;
 
-pub use report::{Adversity, DhtReport, EgressBucket, SimReport, write_svg};
+pub use report::{Adversity, DhtReport, EgressBucket, Fallbacks, SimReport, write_svg};
 pub use scenario::{
     CHUNK_BYTES, Churn, Emulated, Freeze, LateJoiners, Outage, Partition, Racks, SCENARIOS,
     Scenario, scenario,

@@ -90,6 +90,8 @@ pub struct SimReport {
     /// Pulls (a node's blob) whose machine fell back to the registry, counted
     /// per escalation (a pull going silent-tracker then stalled counts twice).
     pub fallbacks: u64,
+    /// The same escalations by the rule that fired, and when.
+    pub fallback_rules: Fallbacks,
     /// Wall-clock time of the run (the only field that differs between identical runs).
     pub wall_s: f64,
     /// Simulated events a wall-clock second (`events / wall_s`; varies with
@@ -101,6 +103,41 @@ pub struct SimReport {
     /// What the DHT cost (`dray-dht` only).
     pub dht: Option<DhtReport>,
     pub adversity: Adversity,
+}
+
+/// Pull machines' escalations to the registry, by the rule that fired
+/// (`dray_protocol::pull::Fallback`).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Fallbacks {
+    /// The tracker answered but nothing came for its grace while a
+    /// published chunk no live peer could give was missing.
+    pub starved: u64,
+    /// The tracker went unheard for its grace.
+    pub tracker_silent: u64,
+    /// Nothing arrived for `stall` (or the pull had no swarm at all).
+    pub stalled: u64,
+    /// Simulated seconds of the first and the last escalation.
+    pub first_s: Option<f64>,
+    pub last_s: Option<f64>,
+}
+
+impl Fallbacks {
+    /// A pull escalated to `mode` at simulated second `at`.
+    pub(crate) fn record(&mut self, mode: dray_protocol::pull::Fallback, at: f64) {
+        use dray_protocol::pull::Fallback;
+        match mode {
+            Fallback::Off => return,
+            Fallback::Starved => self.starved += 1,
+            Fallback::Unavailable => self.tracker_silent += 1,
+            Fallback::All => self.stalled += 1,
+        }
+        self.first_s.get_or_insert(at);
+        self.last_s = Some(at);
+    }
+
+    pub fn total(&self) -> u64 {
+        self.starved + self.tracker_silent + self.stalled
+    }
 }
 
 /// What liars, frozen peers and registry errors did to a run, and how the
@@ -171,7 +208,7 @@ pub(crate) struct Outcome {
     pub registry_bytes: f64,
     pub end: f64,
     pub events: u64,
-    pub fallbacks: u64,
+    pub fallbacks: Fallbacks,
     pub samples: Samples,
     pub wall_s: f64,
     pub dht: Option<DhtReport>,
@@ -241,7 +278,8 @@ impl SimReport {
             registry_egress_ratio: registry_bytes / image_bytes as f64,
             sim_end_s: end,
             events,
-            fallbacks,
+            fallbacks: fallbacks.total(),
+            fallback_rules: fallbacks,
             wall_s,
             events_per_s: events as f64 / wall_s.max(1e-9),
             completion_cdf: cdf,

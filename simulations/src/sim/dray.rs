@@ -227,7 +227,7 @@ impl World<'_> {
                     }
                     self.run_ended(n, b, run);
                 }
-                Action::FellBack(_) => self.fallbacks += 1,
+                Action::FellBack(mode) => self.fallbacks.record(mode, self.net.now()),
                 Action::Republish => {
                     if self.reaches_tracker(n) {
                         let held: Vec<u32> = self.nodes[n as usize].blobs[b].held.ones().collect();

@@ -30,7 +30,7 @@ mod transfers;
 
 use crate::Strategy;
 use crate::net::{Ev, FlowId, LinkId, Net, Payload, Purpose, Rng, Source, to_ns};
-use crate::report::{Adversity, Outcome, Samples, SimReport};
+use crate::report::{Adversity, Fallbacks, Outcome, Samples, SimReport};
 use crate::scenario::Scenario;
 use crate::tracker::Tracker;
 use dray_protocol::chunkmap::ChunkHash;
@@ -197,7 +197,7 @@ struct World<'a> {
     /// The DHT of a `dray-dht` run.
     dht: Option<dht::DhtWorld>,
     /// Escalations of pull machines' fallbacks.
-    fallbacks: u64,
+    fallbacks: Fallbacks,
     /// What the adversaries and the rules against them did.
     adversity: Adversity,
 }
@@ -515,7 +515,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
         samples: Samples::new(lower / 64.0),
         registry_link,
         dht: (strategy == Strategy::DrayDht).then(|| dht::DhtWorld::new(total, layers, &mut rng)),
-        fallbacks: 0,
+        fallbacks: Fallbacks::default(),
         adversity: Adversity::default(),
     };
 
