@@ -129,6 +129,11 @@ pub struct Scenario {
     /// A fraction of nodes (chosen at random) that lie: every chunk asked
     /// of them comes with bytes that fail its hash. They pull honestly.
     pub liars: Option<f64>,
+    /// A fraction of nodes (chosen at random, none of them liars) that
+    /// withhold: they pull and announce what they hold, as honest nodes do,
+    /// and answer no chunk request (each waits out its deadline). A node
+    /// with a valid certificate can do this; its announces never lapse.
+    pub withholders: Option<f64>,
     pub freeze: Option<Freeze>,
     /// The registry answers every request sent in `[at_s, at_s + for_s)`
     /// with a server error (a 5xx burst).
@@ -168,6 +173,12 @@ pub struct Scenario {
 }
 
 impl Scenario {
+    /// Whether a peer may leave a chunk request unanswered (frozen peers,
+    /// withholders): only then do requests carry the agent's deadlines.
+    pub fn peers_may_hang(&self) -> bool {
+        self.freeze.is_some() || self.withholders.is_some()
+    }
+
     fn base(name: &str, nodes: u32, layers: u32, image_bytes: u64) -> Self {
         Self {
             name: name.to_owned(),
@@ -185,6 +196,7 @@ impl Scenario {
             hang: None,
             partition: None,
             liars: None,
+            withholders: None,
             freeze: None,
             registry_errors: None,
             max_downloads: DEFAULTS.max_downloads as u32,
@@ -295,9 +307,10 @@ impl Scenario {
                 .as_ref()
                 .is_some_and(|f| !fraction_ok(f.fraction, f.at_s))
             || self.liars.is_some_and(|f| !fraction_ok(f, 0.0))
+            || self.withholders.is_some_and(|f| !fraction_ok(f, 0.0))
         {
             return bad(
-                "churn, late-joiner, freeze and liar fractions must be in 0..=1 at a time >= 0",
+                "churn, late-joiner, freeze, liar and withholder fractions must be in 0..=1 at a time >= 0",
             );
         }
         let window_ok =

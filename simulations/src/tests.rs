@@ -300,6 +300,23 @@ fn a_frozen_peer_is_dropped_when_a_request_misses_its_deadline() {
     assert_eq!(r.adversity.honest_dropped, 0);
 }
 
+/// Withholders (members that pull and announce, and answer no request)
+/// are dropped past their deadlines and every node completes. What they
+/// cost is an open finding (docs/results.md, "Withholders"): a quarter of
+/// 16 nodes withholding took the last node from 29.0 s to 81.4 s and the
+/// registry to 1.34 copies; this test holds what is kept, not that cost.
+#[test]
+fn withholders_are_dropped_past_their_deadlines_and_every_node_completes() {
+    let mut sc = small();
+    sc.withholders = Some(0.25);
+    let r = run(&sc, Strategy::Dray, 1).unwrap();
+    let a = &r.adversity;
+    assert_eq!(r.completed, 16, "withholders pull too: {r:?}");
+    assert_eq!(a.withholders, 4);
+    assert!(a.frozen_dropped > 0, "{a:?}");
+    assert_eq!((a.bad_chunks, a.honest_dropped), (0, 0), "{a:?}");
+}
+
 #[test]
 fn registry_errors_shorter_than_the_retries_fail_no_pull_and_longer_ones_do() {
     let mut sc = small();

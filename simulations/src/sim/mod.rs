@@ -156,6 +156,8 @@ struct Node {
     caught: bool,
     /// Stopped for good, its connections open (not `alive`).
     frozen: bool,
+    /// Alive, pulling and announcing, and answering no chunk request.
+    withholds: bool,
     /// Requests to frozen peers in flight.
     hung: Vec<Hung>,
 }
@@ -481,6 +483,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             runs: Vec::new(),
             rotor: 0,
             liar: false,
+            withholds: false,
             lied: false,
             caught: false,
             frozen: false,
@@ -543,6 +546,20 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             w.nodes[n as usize].liar = true;
         }
         w.adversity.liars = count as u32;
+    }
+    if let Some(f) = sc.withholders {
+        rng.shuffle(&mut order);
+        let count = (f * f64::from(pullers)).round() as usize;
+        let chosen: Vec<u32> = order
+            .iter()
+            .copied()
+            .filter(|&n| !w.nodes[n as usize].liar)
+            .take(count)
+            .collect();
+        for n in chosen {
+            w.nodes[n as usize].withholds = true;
+        }
+        w.adversity.withholders = count as u32;
     }
     if let Some(f) = &sc.freeze {
         w.net.at_secs(f.at_s, Ev::Freeze);

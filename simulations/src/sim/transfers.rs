@@ -50,7 +50,11 @@ impl World<'_> {
                     // peer's lanes are all waiting on it). Once one peer
                     // refused, the others' nodes need not be read (a cache
                     // miss each).
-                    busy = busy || !self.nodes[pu].frozen;
+                    busy = busy || !(self.nodes[pu].frozen || self.nodes[pu].withholds);
+                    continue;
+                }
+                if self.nodes[pu].withholds {
+                    self.hang(n, b, p);
                     continue;
                 }
                 if !self.nodes[pu].alive {
@@ -65,9 +69,10 @@ impl World<'_> {
                     let bytes = self.chunk_bytes(b as u16, c);
                     let mut payload =
                         Payload::new(n, Source::Peer(p), b as u16, c, Purpose::PeerChunk);
-                    // Only a frozen peer misses a deadline here (a flow
-                    // always ends): it is taken only where peers may freeze.
-                    if self.sc.freeze.is_some() {
+                    // Only a frozen peer or a withholder misses a deadline
+                    // here (a flow always ends): it is taken only where
+                    // peers may hang.
+                    if self.sc.peers_may_hang() {
                         payload.deadline_ns = self.deadline_ns(n, b, c);
                     }
                     self.start_flow(payload, bytes);
@@ -116,7 +121,7 @@ impl World<'_> {
         }
     }
 
-    /// `n` asks frozen peer `p` for chunks of blob `b` in its free slots:
+    /// `n` asks frozen peer or withholder `p` for chunks of blob `b` in its free slots:
     /// the requests go out and nothing comes back.
     fn hang(&mut self, n: u32, b: usize, p: u32) {
         while let Some(c) = self.take_request(n, b, p) {
@@ -192,7 +197,7 @@ impl World<'_> {
             if bad {
                 self.nodes[nu].blobs[b].bad.set(c);
             }
-            if self.sc.freeze.is_some() {
+            if self.sc.peers_may_hang() {
                 let took = (self.net.now_ns() - asked_ns).max(1) as f64 / 1e9;
                 let rate = self.chunk_bytes(b as u16, c) / took;
                 self.nodes[nu].blobs[b].rates.record(rate);
