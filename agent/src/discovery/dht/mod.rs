@@ -1337,6 +1337,34 @@ mod tests {
         );
     }
 
+    /// `Agent::kill` leaves the DHT as a crash would: with the handle still
+    /// held, `stop` ends the task and its listener with it.
+    #[tokio::test]
+    async fn a_stopped_dht_closes_its_listener_while_its_handle_lives() {
+        let id = crate::identity::ClusterCa::generate()
+            .unwrap()
+            .issue("a")
+            .unwrap();
+        let config = DhtConfig {
+            listen: Some("127.0.0.1:0".parse().unwrap()),
+            ..DhtConfig::default()
+        };
+        let dht = Dht::join(&id, &config, "127.0.0.1:7881".into(), DhtMetrics::default()).unwrap();
+        let addr = dht.listening().await.unwrap();
+        tokio::net::TcpStream::connect(addr)
+            .await
+            .expect("a running DHT accepts connections");
+        dht.stop();
+        let started = Instant::now();
+        while tokio::net::TcpStream::connect(addr).await.is_ok() {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "the DHT still listens on {addr} after stop"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     #[test]
     fn a_dht_bound_to_every_interface_is_reached_at_the_advertised_addresses() {
         let at = |s: &str| s.parse::<SocketAddr>().unwrap();
