@@ -484,11 +484,10 @@ impl LyingNode {
 /// [`SETUP`]; `what` names the wait in the error.
 /// Dials `seed` until a connection is up, or [`SETUP`] passes: again after
 /// a failed dial, and beside one that has not finished in [`DIAL_ATTEMPT`].
-/// Every node of a local cluster is 127.0.0.1, one address to the seed's
-/// cap on handshakes per address, which the clean storm's agents (their
-/// DHT swarms live on in this process, dialling ports now the new
-/// cluster's) can fill for a while: the suite once saw the single dial of
-/// the first version get nowhere, and the bench fail 20 s later.
+/// The suite once saw the single dial of the first version get nowhere
+/// and the bench fail 20 s later (why was not found; every node of a local
+/// cluster is 127.0.0.1, one address to the seed's cap on handshakes per
+/// address, which the honest nodes' own dials share).
 async fn connect(
     swarm: &mut Swarm<kad::Behaviour<MemoryStore>>,
     seed: SocketAddr,
