@@ -130,7 +130,8 @@ impl Class {
             // Issue 36's bound: at most a quarter of the nodes hostile and
             // the tracker up, at most 1.5 copies. A liar is banned by the
             // first node it lies to and reported to the tracker at once, so
-            // what it held is fetched again once (1,000 seeds: at most 1.31).
+            // what it held is fetched again once (docs/results.md, "Egress
+            // class by class").
             Class::Liars => 1.5,
             // Chunks only a crashed node held, their hashes published, are
             // fetched by every pull that starves for them (issue 36's

@@ -302,9 +302,8 @@ fn a_frozen_peer_is_dropped_when_a_request_misses_its_deadline() {
 
 /// Withholders (members that pull and announce, and answer no request)
 /// are dropped past their deadlines and every node completes. What they
-/// cost is an open finding (docs/results.md, "Withholders"): a quarter of
-/// 16 nodes withholding took the last node from 29.0 s to 81.4 s and the
-/// registry to 1.34 copies; this test holds what is kept, not that cost.
+/// cost in time and egress is an open finding (docs/results.md,
+/// "Withholders"); this test holds what is kept, not that cost.
 #[test]
 fn withholders_are_dropped_past_their_deadlines_and_every_node_completes() {
     let mut sc = small();
