@@ -99,18 +99,18 @@ impl Class {
     }
 
     /// Registry egress allowed with this fault, in copies of the image, for
-    /// `hit` nodes hit by it ([`Class::per_node_hit`] more for each). A node that cannot hear the tracker fetches
-    /// from the registry what no peer it knows holds (never worse than a
-    /// direct pull: at most one more copy for each node hit, beyond the
-    /// swarm's); the other classes keep the swarm's one copy, with a margin
-    /// for the chunks in flight when a fetcher crashed.
+    /// `hit` nodes hit by it: a base, plus [`Class::per_node_hit`] for each.
     pub fn egress_bound(self, hit: u32) -> f64 {
         self.egress_base() + self.per_node_hit() * f64::from(hit)
     }
 
     /// Copies of the image a fault of this class may cost for each node it
-    /// hits: one for those whose hit nodes pull alone (never worse than a
-    /// direct pull), none for the rest.
+    /// hits: one where the hit nodes pull alone, never worse than a direct
+    /// pull (a node that cannot hear the tracker fetches what no peer it
+    /// knows holds; chunks only a crashed or frozen node held, their hashes
+    /// published, are fetched by every pull that starves for them, as the
+    /// tracker knows the holder is gone only when its announces expire),
+    /// none for the rest.
     pub fn per_node_hit(self) -> f64 {
         match self {
             Class::TrackerHang
@@ -122,23 +122,15 @@ impl Class {
         }
     }
 
-    /// The bound with no node hit.
+    /// The bound with no node hit: the swarm's one copy with a margin for
+    /// the chunks in flight when a fetcher went; for liars, issue 36's 1.5
+    /// copies with at most a quarter of the nodes hostile and the tracker
+    /// up (a liar is banned by the first node it lies to and reported to
+    /// the tracker at once, so what it held is fetched again once).
     fn egress_base(self) -> f64 {
         match self {
-            Class::TrackerHang | Class::TrackerCrash | Class::TrackerPartition => 1.5,
             Class::RegistrySlow | Class::LateJoin | Class::RegistryErrors => 1.1,
-            // Issue 36's bound: at most a quarter of the nodes hostile and
-            // the tracker up, at most 1.5 copies. A liar is banned by the
-            // first node it lies to and reported to the tracker at once, so
-            // what it held is fetched again once (docs/results.md, "Egress
-            // class by class").
-            Class::Liars => 1.5,
-            // Chunks only a crashed node held, their hashes published, are
-            // fetched by every pull that starves for them (issue 36's
-            // finding: the tracker knows the holder is gone only when its
-            // announces expire). A frozen peer is to the others a crashed
-            // holder, whose published chunks they starve for.
-            Class::PeerCrash | Class::PeerFreeze => 1.5,
+            _ => 1.5,
         }
     }
 
