@@ -241,6 +241,12 @@ fn unknown_names_and_bad_scenarios_are_typed_errors() {
     sc = small();
     sc.nodes = 0;
     assert!(run(&sc, Strategy::Direct, 1).is_err());
+    for bad in [1.5, -0.1, f64::NAN] {
+        sc = small();
+        sc.withholders = Some(bad);
+        let err = run(&sc, Strategy::Dray, 1).unwrap_err();
+        assert!(err.to_string().contains("withholder fractions"), "{err}");
+    }
 }
 
 #[test]

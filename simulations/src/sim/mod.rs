@@ -556,10 +556,10 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             .filter(|&n| !w.nodes[n as usize].liar)
             .take(count)
             .collect();
+        w.adversity.withholders = chosen.len() as u32;
         for n in chosen {
             w.nodes[n as usize].withholds = true;
         }
-        w.adversity.withholders = count as u32;
     }
     if let Some(f) = &sc.freeze {
         w.net.at_secs(f.at_s, Ev::Freeze);
