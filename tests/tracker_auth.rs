@@ -168,6 +168,15 @@ async fn a_node_cannot_announce_publish_or_report_under_another_nodes_id() {
             }),
         ),
         (
+            "a silent-peer report",
+            Body::SilentPeer(pb::SilentPeerReport {
+                reporter: "node-b".into(),
+                offender: "node-c".into(),
+                digest: d.to_string(),
+                index: 0,
+            }),
+        ),
+        (
             "a digest-failure report",
             Body::DigestFailed(pb::BlobDigestFailed {
                 reporter: "node-b".into(),

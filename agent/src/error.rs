@@ -38,6 +38,10 @@ pub enum Error {
     Busy { peer: String, reason: String },
     #[error("peer {peer}: {detail}")]
     Peer { peer: String, detail: String },
+    /// A peer answered a request with nothing, or stopped sending, for the
+    /// request timeout: a withholder, or a frozen or crashed node.
+    #[error("peer {peer} went silent: {detail}")]
+    PeerSilent { peer: String, detail: String },
     #[error("could not connect to peer {peer} at {addr}: {detail}")]
     Connect {
         peer: String,

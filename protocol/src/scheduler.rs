@@ -84,6 +84,16 @@ pub struct SchedulerConfig {
     /// while a real failure is met by every node that assembles the blob,
     /// moments apart.
     pub digest_failure_quorum: usize,
+    /// Distinct askers whose requests a peer left unanswered past their
+    /// deadlines, within `silence`, after which it is silenced (see
+    /// [`Scheduler::report_silent`]).
+    pub reports_to_silence: usize,
+    /// A first silence's length (each later one twice the one before, up to
+    /// `max_ban`), and how long a silence report counts.
+    pub silence: Duration,
+    /// Distinct peers one reporter may report silent within `silence`; its
+    /// further silence reports are not taken.
+    pub max_silent_per_reporter: usize,
     /// A first ban's length; each later ban of the same peer lasts twice the
     /// one before, up to `max_ban`.
     pub ban: Duration,
@@ -119,6 +129,9 @@ impl Default for SchedulerConfig {
             report_window: Duration::from_secs(3600),
             max_accused_per_reporter: 16,
             digest_failure_quorum: 2,
+            reports_to_silence: 3,
+            silence: Duration::from_secs(60),
+            max_silent_per_reporter: 16,
             ban: Duration::from_secs(600),
             max_ban: Duration::from_secs(24 * 3600),
             // 1 TiB in 4 MiB chunks; 16 GiB in the smallest (64 KiB).
@@ -213,9 +226,9 @@ pub struct AnnounceDecision {
     pub interval: Duration,
     /// The tracker has no state for this peer: send a full announce.
     pub resend_full: bool,
-    /// Wanted blobs with registry runs live (this peer's or others'): the
-    /// swarm is waiting on the registry, not stalled, however long a chunk
-    /// takes.
+    /// Wanted blobs with registry runs live (this peer's or others'), or
+    /// owed (a published chunk left without a holder): the swarm is waiting
+    /// on the registry, not stalled, however long a chunk takes.
     pub fetching: Vec<BlobDigest>,
     /// Blob entries of the announce that were ignored, and why.
     pub rejected: Vec<ScheduleError>,
@@ -260,6 +273,16 @@ pub struct BadChunk {
     pub confirmed: bool,
 }
 
+/// A peer left a request for one of its chunks unanswered past the
+/// request's deadline: not a byte of it came.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Silent {
+    pub reporter: String,
+    pub offender: String,
+    pub digest: BlobDigest,
+    pub index: u32,
+}
+
 /// How much a peer is trusted.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Standing {
@@ -270,6 +293,13 @@ pub struct Standing {
     pub banned: bool,
     /// Bans it has had (the current one included).
     pub bans: u32,
+    /// Distinct peers whose reports of its silence count now.
+    pub silent_reporters: usize,
+    /// Its requests went unanswered for `reports_to_silence` askers: named
+    /// to nobody, its holdings ignored, no registry runs, for a while.
+    pub silenced: bool,
+    /// Silences it has had (the current one included).
+    pub silences: u32,
 }
 
 /// A blob's geometry as the tracker knows it.
@@ -288,6 +318,8 @@ pub struct TickReport {
     pub expired: Vec<String>,
     /// Peers whose ban ended.
     pub unbanned: Vec<String>,
+    /// Peers whose silence ended.
+    pub unsilenced: Vec<String>,
     /// Runs taken back from stalled peers, with the peer that held them.
     pub reclaimed: Vec<(String, Assignment)>,
 }
@@ -346,8 +378,16 @@ pub enum ScheduleError {
         digest: BlobDigest,
         index: u32,
     },
-    #[error("peer {0:?} is banned: its reports are not taken")]
+    #[error("peer {0:?} is banned or silenced: its reports are not taken")]
     ReporterBanned(String),
+    #[error(
+        "peer {reporter:?} reported {reported} peers silent within {window:?}: its silence reports are not taken until some lapse"
+    )]
+    SilenceReportLimit {
+        reporter: String,
+        reported: usize,
+        window: Duration,
+    },
     #[error(
         "peer {peer:?} holds {held} of the {chunk_count} chunks of {digest}: only a node that assembled every chunk can report that the blob failed its digest"
     )]
@@ -404,8 +444,12 @@ struct Peer {
     runs: BTreeSet<(BlobDigest, u32)>,
     /// A peer that stalled gets no runs before this, so the run goes elsewhere.
     no_runs_before: Option<Instant>,
-    /// Its record says banned (kept here: every answer checks each candidate).
-    banned: bool,
+    /// Its record says banned or silenced (kept here: every answer checks
+    /// each candidate): named to nobody, its holdings ignored, no runs.
+    excluded: bool,
+    /// Its exclusion ended: its next announce must be a full one, as the
+    /// holdings it announced while excluded were not taken.
+    resend_full: bool,
 }
 
 /// The peers a member was last named for a blob (its candidates for
@@ -612,6 +656,15 @@ impl Swarm {
         i < self.chunk_count
             && !self.assigned.get(i)
             && (self.holders[i as usize] == 0 || !self.hashed.get(i))
+    }
+
+    /// Whether a published chunk has no holder and no run: one its holders
+    /// were dropped from (silenced, banned, gone), which a run will fetch
+    /// again as the registry budget allows. A pull lacking it is waiting
+    /// on the tracker, not starving.
+    fn owes_run(&self) -> bool {
+        (self.cursor..self.chunk_count)
+            .any(|i| self.hashed.get(i) && self.holders[i as usize] == 0 && !self.assigned.get(i))
     }
 
     /// Whether `m` takes registry runs: it wants the blob and lacks chunks,
@@ -850,6 +903,15 @@ struct Record {
     banned: bool,
     banned_until: Option<Instant>,
     bans: u32,
+    /// Who reported its requests unanswered, and when: these lapse after
+    /// `silence`.
+    silent_reporters: BTreeMap<String, Instant>,
+    /// Whom it reported silent, and when (lapsing after `silence`).
+    reported_silent: BTreeMap<String, Instant>,
+    /// Silenced until then.
+    silenced_until: Option<Instant>,
+    /// Silences it has had (the current one included).
+    silences: u32,
     /// When it last reported a digest failure that counted: one per
     /// `report_window`, so that a few liars claiming failures cost the swarm
     /// at most a copy of a blob per window.
@@ -862,7 +924,23 @@ impl Record {
             reporters: self.reporters.len(),
             banned: self.banned,
             bans: self.bans,
+            silent_reporters: self.silent_reporters.len(),
+            silenced: self.silenced_until.is_some(),
+            silences: self.silences,
         }
+    }
+
+    /// Banned or silenced: named to nobody, its holdings and reports not taken.
+    fn excluded(&self) -> bool {
+        self.banned || self.silenced_until.is_some()
+    }
+
+    /// Silenced for `base` doubled per earlier silence, at most `max`.
+    fn silence(&mut self, now: Instant, base: Duration, max: Duration) {
+        let length = base.saturating_mul(1u32 << self.silences.min(16)).min(max);
+        self.silenced_until = now.checked_add(length).or(Some(now));
+        self.silences = self.silences.saturating_add(1);
+        self.silent_reporters.clear();
     }
 
     /// Bans for `base` doubled per earlier ban, at most `max`.
@@ -875,11 +953,15 @@ impl Record {
         self.accused.clear();
     }
 
-    /// Drops reports older than `window`.
-    fn lapse(&mut self, now: Instant, window: Duration) {
+    /// Drops bad-chunk reports older than `window` and silence reports
+    /// older than `silence`.
+    fn lapse(&mut self, now: Instant, window: Duration, silence: Duration) {
         let fresh = |t: &mut Instant| now.saturating_duration_since(*t) <= window;
         self.reporters.retain(|_, t| fresh(t));
         self.accused.retain(|_, t| fresh(t));
+        let recent = |t: &mut Instant| now.saturating_duration_since(*t) <= silence;
+        self.silent_reporters.retain(|_, t| recent(t));
+        self.reported_silent.retain(|_, t| recent(t));
         if self
             .reported_failure
             .is_some_and(|t| now.saturating_duration_since(t) > window)
@@ -889,9 +971,11 @@ impl Record {
     }
 
     fn is_idle(&self) -> bool {
-        !self.banned
+        !self.excluded()
             && self.reporters.is_empty()
             && self.accused.is_empty()
+            && self.silent_reporters.is_empty()
+            && self.reported_silent.is_empty()
             && self.reported_failure.is_none()
     }
 }
@@ -1022,7 +1106,7 @@ impl Scheduler {
         self.slots
             .iter()
             .flatten()
-            .filter(|p| !p.banned)
+            .filter(|p| !p.excluded)
             .map(|p| (p.id.as_str(), &p.labels))
     }
 
@@ -1136,7 +1220,12 @@ impl Scheduler {
         let Some(peer) = peer_mut(&mut self.slots, key) else {
             return decision;
         };
-        let banned = peer.banned;
+        let banned = peer.excluded;
+        if std::mem::take(&mut peer.resend_full) && !announce.full {
+            // Its holdings are not known: a delta cannot say them.
+            peer.resend_full = true;
+            decision.resend_full = true;
+        }
         peer.address = announce.address;
         peer.capacity = announce.upload_bytes_per_s;
         peer.active_uploads = announce.active_uploads;
@@ -1170,7 +1259,7 @@ impl Scheduler {
                 continue;
             };
             let pulling = swarm.members.get(&key).is_some_and(|m| swarm.runs_for(m));
-            if pulling && !swarm.runs.is_empty() {
+            if pulling && (!swarm.runs.is_empty() || swarm.owes_run()) {
                 decision.fetching.push(digest);
             }
             if pulling {
@@ -1236,7 +1325,8 @@ impl Scheduler {
             blobs: BTreeSet::new(),
             runs: BTreeSet::new(),
             no_runs_before: None,
-            banned: self.records.get(id).is_some_and(|r| r.banned),
+            excluded: self.records.get(id).is_some_and(Record::excluded),
+            resend_full: false,
         };
         let key = match self.free_slots.pop() {
             Some(key) => {
@@ -1523,7 +1613,7 @@ impl Scheduler {
             .into_iter()
             .filter_map(|k| {
                 let p = peer_ref(&self.slots, k)?;
-                if p.banned {
+                if p.excluded {
                     return None;
                 }
                 let theirs = &swarm.members.get(&k)?.held;
@@ -1606,56 +1696,29 @@ impl Scheduler {
         report: &BadChunk,
         now: Instant,
     ) -> Result<Standing, ScheduleError> {
-        if report.reporter == report.offender {
-            return Err(ScheduleError::SelfReport(report.reporter.clone()));
-        }
-        let Some(&reporter) = self.index.get(&report.reporter) else {
-            return Err(ScheduleError::UnknownPeer(report.reporter.clone()));
-        };
-        if peer_ref(&self.slots, reporter).is_some_and(|p| p.banned) {
-            return Err(ScheduleError::ReporterBanned(report.reporter.clone()));
-        }
-        let Some(swarm) = self.swarms.get(&report.digest) else {
-            return Err(ScheduleError::UnknownBlob(report.digest));
-        };
-        if report.index >= swarm.chunk_count {
-            return Err(ScheduleError::ChunkOutOfRange {
-                digest: report.digest,
-                index: report.index,
-                chunk_count: swarm.chunk_count,
-            });
-        }
-        let offender = self.index.get(&report.offender).copied();
-        let named = offender.is_some_and(|o| {
-            swarm
-                .members
-                .get(&reporter)
-                .is_some_and(|m| m.named.contains(&o))
-        });
-        if !named && !report.confirmed {
-            return Err(ScheduleError::NotNamed {
-                reporter: report.reporter.clone(),
-                offender: report.offender.clone(),
-                digest: report.digest,
-                index: report.index,
-            });
-        }
+        let (reporter, offender) = self.check_report(
+            &report.reporter,
+            &report.offender,
+            report.digest,
+            report.index,
+            report.confirmed,
+        )?;
         let (window, base, max) = (
             self.config.report_window,
             self.config.ban,
             self.config.max_ban,
         );
         let accuser = self.records.entry(report.reporter.clone()).or_default();
-        accuser.lapse(now, window);
+        accuser.lapse(now, window, self.config.silence);
         accuser.accused.insert(report.offender.clone(), now);
         if accuser.accused.len() > self.config.max_accused_per_reporter {
             accuser.ban(now, base, max);
-            self.ban(reporter);
+            self.exclude(reporter);
             return Err(ScheduleError::ReporterBanned(report.reporter.clone()));
         }
         let threshold = self.config.reports_to_ban.max(1);
         let record = self.records.entry(report.offender.clone()).or_default();
-        record.lapse(now, window);
+        record.lapse(now, window, self.config.silence);
         let was_banned = record.banned;
         if !record.banned {
             // Distinct reporters, so that one hostile peer cannot ban another alone.
@@ -1670,20 +1733,149 @@ impl Scheduler {
                 swarm.remove_chunk(key, report.index);
             }
             if standing.banned && !was_banned {
-                self.ban(key);
+                self.exclude(key);
             }
             self.prune_member(key, report.digest);
         }
         Ok(standing)
     }
 
-    /// Drops a banned peer's holdings and runs; it stays a member where it wants
-    /// a blob, so it can still finish pulling from others.
-    fn ban(&mut self, key: PeerKey) {
+    /// The reporter's and the offender's keys, if `reporter` may report
+    /// `offender` for chunk `index` of `digest`: both differ, the reporter
+    /// is known and not excluded, the chunk exists, and the tracker named
+    /// the offender to the reporter for that blob (unless `confirmed`).
+    fn check_report(
+        &self,
+        reporter_id: &str,
+        offender_id: &str,
+        digest: BlobDigest,
+        index: u32,
+        confirmed: bool,
+    ) -> Result<(PeerKey, Option<PeerKey>), ScheduleError> {
+        if reporter_id == offender_id {
+            return Err(ScheduleError::SelfReport(reporter_id.to_owned()));
+        }
+        let Some(&reporter) = self.index.get(reporter_id) else {
+            return Err(ScheduleError::UnknownPeer(reporter_id.to_owned()));
+        };
+        if peer_ref(&self.slots, reporter).is_some_and(|p| p.excluded) {
+            return Err(ScheduleError::ReporterBanned(reporter_id.to_owned()));
+        }
+        let Some(swarm) = self.swarms.get(&digest) else {
+            return Err(ScheduleError::UnknownBlob(digest));
+        };
+        if index >= swarm.chunk_count {
+            return Err(ScheduleError::ChunkOutOfRange {
+                digest,
+                index,
+                chunk_count: swarm.chunk_count,
+            });
+        }
+        let offender = self.index.get(offender_id).copied();
+        let named = offender.is_some_and(|o| {
+            swarm
+                .members
+                .get(&reporter)
+                .is_some_and(|m| m.named.contains(&o))
+        });
+        if !named && !confirmed {
+            return Err(ScheduleError::NotNamed {
+                reporter: reporter_id.to_owned(),
+                offender: offender_id.to_owned(),
+                digest,
+                index,
+            });
+        }
+        Ok((reporter, offender))
+    }
+
+    /// A peer's request to `offender`, a peer the tracker named to it for
+    /// the blob, went unanswered past its deadline: a withholder (it
+    /// announces chunks and serves none), or a frozen or crashed node.
+    /// Askers drop such a peer from their pulls at once, but while the
+    /// tracker counts it as a holder it hands nobody a registry run of what
+    /// only it holds, and every pull starves for those chunks and fetches
+    /// them from the registry alone (`docs/results.md`, "Withholders").
+    /// So one report forgets what the offender holds of that blob until
+    /// its next full announce: what only it held is owed a run at once
+    /// (and pulls hear the blob is being fetched). Reported by
+    /// `reports_to_silence` distinct askers within `silence`, the offender
+    /// is silenced for `silence` (doubling on each repeat, at most
+    /// `max_ban`): named to nobody, its holdings ignored, given no runs; it
+    /// still pulls. A reporter's reports of more than
+    /// `max_silent_per_reporter` distinct peers within `silence` are not
+    /// taken, and it is not punished (a node cut off from many peers is not
+    /// lying): colluding reporters, each named the offender, make the
+    /// tracker forget at most that many peers' holdings of a blob each per
+    /// `silence`, and each forgetting costs at most one more registry copy
+    /// of what only that peer held.
+    pub fn report_silent(
+        &mut self,
+        report: &Silent,
+        now: Instant,
+    ) -> Result<Standing, ScheduleError> {
+        let (_, offender) = self.check_report(
+            &report.reporter,
+            &report.offender,
+            report.digest,
+            report.index,
+            false,
+        )?;
+        let (window, silence, cap) = (
+            self.config.report_window,
+            self.config.silence,
+            self.config.max_silent_per_reporter,
+        );
+        let reporter = self.records.entry(report.reporter.clone()).or_default();
+        reporter.lapse(now, window, silence);
+        if !reporter.reported_silent.contains_key(&report.offender)
+            && reporter.reported_silent.len() >= cap
+        {
+            return Err(ScheduleError::SilenceReportLimit {
+                reporter: report.reporter.clone(),
+                reported: reporter.reported_silent.len(),
+                window: silence,
+            });
+        }
+        reporter
+            .reported_silent
+            .insert(report.offender.clone(), now);
+        let record = self.records.entry(report.offender.clone()).or_default();
+        record.lapse(now, window, silence);
+        let was = record.excluded();
+        if !was {
+            record.silent_reporters.insert(report.reporter.clone(), now);
+            if record.silent_reporters.len() >= self.config.reports_to_silence.max(1) {
+                record.silence(now, silence, self.config.max_ban);
+            }
+        }
+        let standing = record.standing();
+        let Some(key) = offender else {
+            return Ok(standing);
+        };
+        if standing.silenced && !was {
+            self.exclude(key);
+        } else if !was {
+            // One asker's word already forgets what the offender holds of
+            // this blob (until its next full announce): what only it held
+            // goes out as a registry run now, not once the quorum is met,
+            // while the pulls it left unanswered would starve for it.
+            if let Some(swarm) = self.swarms.get_mut(&report.digest) {
+                swarm.clear_holdings(key);
+            }
+            self.prune_member(key, report.digest);
+        }
+        Ok(standing)
+    }
+
+    /// Drops a banned or silenced peer's holdings and runs; it stays a
+    /// member where it wants a blob, so it can still finish pulling from
+    /// others.
+    fn exclude(&mut self, key: PeerKey) {
         let Some(peer) = peer_mut(&mut self.slots, key) else {
             return;
         };
-        peer.banned = true;
+        peer.excluded = true;
         let runs = std::mem::take(&mut peer.runs);
         let blobs: Vec<BlobDigest> = peer.blobs.iter().copied().collect();
         for (digest, first) in runs {
@@ -1733,7 +1925,7 @@ impl Scheduler {
         }
         let window = self.config.report_window;
         let record = self.records.entry(reporter.to_owned()).or_default();
-        record.lapse(now, window);
+        record.lapse(now, window, self.config.silence);
         if let Some(at) = record.reported_failure {
             return Err(ScheduleError::FailureReportLimit {
                 peer: reporter.to_owned(),
@@ -1791,26 +1983,36 @@ impl Scheduler {
             }
             self.remove_peer(key);
         }
-        let window = self.config.report_window;
+        let (window, silence) = (self.config.report_window, self.config.silence);
         for (id, record) in &mut self.records {
+            let was = record.excluded();
             if record.banned && record.banned_until.is_some_and(|t| now >= t) {
                 record.banned = false;
                 record.banned_until = None;
-                if let Some(peer) = self
+                report.unbanned.push(id.clone());
+            }
+            if record.silenced_until.is_some_and(|t| now >= t) {
+                record.silenced_until = None;
+                report.unsilenced.push(id.clone());
+            }
+            if was
+                && !record.excluded()
+                && let Some(peer) = self
                     .index
                     .get(id)
                     .and_then(|&k| peer_mut(&mut self.slots, k))
-                {
-                    peer.banned = false;
-                }
-                report.unbanned.push(id.clone());
+            {
+                peer.excluded = false;
+                peer.resend_full = true;
             }
-            record.lapse(now, window);
+            record.lapse(now, window, silence);
         }
-        // A record with no ban and no live report is dropped unless it
-        // counts past bans (which lengthen the next); records are made only
-        // for peers the tracker knew, so they stay as few as its peers.
-        self.records.retain(|_, r| !r.is_idle() || r.bans > 0);
+        // A record with no ban, no silence and no live report is dropped
+        // unless it counts past ones (which lengthen the next); records are
+        // made only for peers the tracker knew, so they stay as few as its
+        // peers.
+        self.records
+            .retain(|_, r| !r.is_idle() || r.bans > 0 || r.silences > 0);
         for (&digest, swarm) in &mut self.swarms {
             // A fetcher's hash that never came: the chunk goes to another.
             let unhashed: Vec<u32> = swarm
@@ -2423,8 +2625,7 @@ mod tests {
             standing,
             Standing {
                 reporters: 1,
-                banned: false,
-                bans: 0,
+                ..Standing::default()
             }
         );
         // The same reporter twice does not count twice.
@@ -3010,6 +3211,129 @@ mod tests {
             started.elapsed() < Duration::from_secs(20),
             "{:?}",
             started.elapsed()
+        );
+    }
+
+    fn silent(reporter: &str, offender: &str) -> Silent {
+        Silent {
+            reporter: reporter.to_owned(),
+            offender: offender.to_owned(),
+            digest: blob(),
+            index: 0,
+        }
+    }
+
+    #[test]
+    fn a_holder_three_askers_find_silent_is_silenced_its_chunks_go_out_as_runs_and_it_returns_after_the_silence()
+     {
+        let mut s = Scheduler::new(SchedulerConfig {
+            expiry_intervals: 1_000,
+            ..striped()
+        });
+        let t0 = Instant::now();
+        let all: Vec<u32> = (0..8).collect();
+        s.announce(wants("w", 8, &[]), t0);
+        fetched(&mut s, "w", 8, all.clone(), t0);
+        for r in ["r1", "r2", "r3"] {
+            let d = s.announce(wants(r, 8, &[]), t0);
+            assert!(d.assignments.is_empty(), "w holds every chunk: {d:?}");
+        }
+        // One asker's word forgets what w holds of the blob: what only it
+        // held is owed a run, and pulls hear that it is being fetched.
+        let st = s.report_silent(&silent("r1", "w"), t0).unwrap();
+        assert_eq!((st.silent_reporters, st.silenced), (1, false));
+        assert_eq!(s.holders(&blob(), 0), 0);
+        let d = s.announce(added("r2", 8, vec![]), t0);
+        assert_eq!(d.fetching, vec![blob()], "{d:?}");
+        assert!(
+            !d.assignments.is_empty(),
+            "what only w held goes out as runs"
+        );
+        // Its next full announce counts again, until the quorum is met.
+        s.announce(wants("w", 8, &all), t0);
+        assert_eq!(s.holders(&blob(), 0), 1);
+        let st = s.report_silent(&silent("r2", "w"), t0).unwrap();
+        assert_eq!((st.silent_reporters, st.silenced), (2, false));
+        // One asker's word again counts once.
+        let st = s.report_silent(&silent("r2", "w"), t0).unwrap();
+        assert_eq!((st.silent_reporters, st.silenced), (2, false));
+        let st = s.report_silent(&silent("r3", "w"), t0).unwrap();
+        assert!(st.silenced && !st.banned, "{st:?}");
+        let d = s.announce(added("r1", 8, vec![]), t0);
+        assert!(d.peers.values().flatten().all(|p| p.peer != "w"), "{d:?}");
+        // Its announces while silenced are not taken, and it gets no runs.
+        let d = s.announce(wants("w", 8, &all), t0);
+        assert!(d.assignments.is_empty());
+        assert_eq!(s.holders(&blob(), 0), 0);
+        let later = t0 + Duration::from_secs(59);
+        assert!(s.tick(later).unsilenced.is_empty());
+        let back = t0 + Duration::from_secs(60);
+        assert_eq!(s.tick(back).unsilenced, vec!["w".to_owned()]);
+        assert!(!s.standing("w").silenced);
+        // What it announced while silenced was not taken: a delta is not enough.
+        assert!(s.announce(added("w", 8, vec![]), back).resend_full);
+        s.announce(wants("w", 8, &all), back);
+        assert_eq!(s.holders(&blob(), 0), 1);
+        // Silenced again, for twice as long.
+        for r in ["r1", "r2", "r3"] {
+            s.announce(wants(r, 8, &[]), back);
+            s.report_silent(&silent(r, "w"), back).unwrap();
+        }
+        let st = s.standing("w");
+        assert_eq!((st.silenced, st.silences), (true, 2));
+        assert!(
+            s.tick(back + Duration::from_secs(119))
+                .unsilenced
+                .is_empty()
+        );
+        assert_eq!(
+            s.tick(back + Duration::from_secs(120)).unsilenced,
+            vec!["w".to_owned()]
+        );
+    }
+
+    #[test]
+    fn a_silence_report_needs_a_named_offender_and_a_reporter_naming_many_is_not_heard_nor_punished()
+     {
+        let mut s = Scheduler::new(SchedulerConfig {
+            max_silent_per_reporter: 2,
+            peers_per_blob: 8,
+            ..striped()
+        });
+        let now = Instant::now();
+        s.announce(wants("stranger", 8, &[]), now);
+        s.leave("stranger");
+        let honest: Vec<String> = (0..3).map(|i| format!("honest-{i}")).collect();
+        for h in &honest {
+            s.announce(wants(h, 8, &[0, 1, 2, 3, 4, 5, 6, 7]), now);
+        }
+        s.announce(wants("accuser", 8, &[]), now);
+        assert!(matches!(
+            s.report_silent(&silent("accuser", "stranger"), now),
+            Err(ScheduleError::NotNamed { .. })
+        ));
+        assert_eq!(
+            s.report_silent(&silent("accuser", "accuser"), now),
+            Err(ScheduleError::SelfReport("accuser".into()))
+        );
+        for h in &honest[..2] {
+            s.report_silent(&silent("accuser", h), now).unwrap();
+        }
+        assert!(matches!(
+            s.report_silent(&silent("accuser", &honest[2]), now),
+            Err(ScheduleError::SilenceReportLimit { reported: 2, .. })
+        ));
+        // A repeat of a peer already reported is still heard.
+        assert!(s.report_silent(&silent("accuser", &honest[0]), now).is_ok());
+        let st = s.standing("accuser");
+        assert!(!st.banned && !st.silenced, "{st:?}");
+        assert_eq!(s.standing(&honest[2]).silent_reporters, 0);
+        // The cap lapses with the reports.
+        let later = now + Duration::from_secs(61);
+        s.announce(wants("accuser", 8, &[]), later);
+        assert!(
+            s.report_silent(&silent("accuser", &honest[2]), later)
+                .is_ok()
         );
     }
 }

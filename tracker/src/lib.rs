@@ -282,6 +282,7 @@ impl TrackerError {
             Self::Schedule(
                 scheduler::ScheduleError::NotNamed { .. }
                 | scheduler::ScheduleError::ReporterBanned(_)
+                | scheduler::ScheduleError::SilenceReportLimit { .. }
                 | scheduler::ScheduleError::NotAHolder { .. }
                 | scheduler::ScheduleError::SelfReport(_),
             ) => "report_refused",
@@ -364,6 +365,14 @@ fn speaker(
             certified: c.to_owned(),
         }),
     }
+}
+
+/// A report's offender, within the length of a peer id.
+fn offender_id(id: String) -> Result<String, TrackerError> {
+    if id.len() > MAX_ID_BYTES {
+        return Err(too_large("the offender's peer id", id.len(), MAX_ID_BYTES));
+    }
+    Ok(id)
 }
 
 fn digest(s: &str) -> Result<BlobDigest, TrackerError> {
@@ -499,18 +508,11 @@ impl Tracker {
             Some(Body::BadChunk(r)) => {
                 let report = scheduler::BadChunk {
                     reporter: speaker("a bad-chunk report", r.reporter, certified)?,
-                    offender: r.offender,
+                    offender: offender_id(r.offender)?,
                     digest: digest(&r.digest)?,
                     index: r.index,
                     confirmed: false,
                 };
-                if report.offender.len() > MAX_ID_BYTES {
-                    return Err(too_large(
-                        "the offender's peer id",
-                        report.offender.len(),
-                        MAX_ID_BYTES,
-                    ));
-                }
                 let mut st = self.lock();
                 let was_banned = st.scheduler.standing(&report.offender).banned;
                 let reported = st.scheduler.report_bad_chunk(&report, now);
@@ -533,6 +535,30 @@ impl Tracker {
                 } else {
                     tracing::info!(offender = %report.offender, reporter = %report.reporter, digest = %report.digest,
                         index = report.index, banned = standing.banned, "bad chunk reported");
+                }
+                Ok(None)
+            }
+            Some(Body::SilentPeer(r)) => {
+                let report = scheduler::Silent {
+                    reporter: speaker("a silent-peer report", r.reporter, certified)?,
+                    offender: offender_id(r.offender)?,
+                    digest: digest(&r.digest)?,
+                    index: r.index,
+                };
+                let (was_silenced, standing) = {
+                    let mut st = self.lock();
+                    let was = st.scheduler.standing(&report.offender).silenced;
+                    (was, st.scheduler.report_silent(&report, now)?)
+                };
+                let silenced_now = standing.silenced && !was_silenced;
+                self.metrics.silent_peer_reported(silenced_now);
+                if silenced_now {
+                    tracing::warn!(offender = %report.offender, reporter = %report.reporter, digest = %report.digest,
+                        index = report.index, silences = standing.silences,
+                        "several askers found a peer silent; it is named to nobody and its chunks go out as registry runs for a while");
+                } else {
+                    tracing::info!(offender = %report.offender, reporter = %report.reporter, digest = %report.digest,
+                        index = report.index, reporters = standing.silent_reporters, "silent peer reported");
                 }
                 Ok(None)
             }
@@ -636,6 +662,9 @@ impl Tracker {
         };
         for peer in &report.unbanned {
             tracing::info!(%peer, "ban ended");
+        }
+        for peer in &report.unsilenced {
+            tracing::info!(%peer, "silence ended; the agent is named to others again");
         }
         self.metrics
             .ticked(report.reclaimed.len(), report.expired.len());

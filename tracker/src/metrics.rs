@@ -62,6 +62,8 @@ pub struct TrackerMetrics {
     left_nodes: Counter,
     bad_chunk_reports: Counter,
     bans: Counter,
+    silent_peer_reports: Counter,
+    silences: Counter,
     digest_failures: Counter,
 }
 
@@ -92,6 +94,8 @@ impl TrackerMetrics {
             left_nodes: Counter::default(),
             bad_chunk_reports: Counter::default(),
             bans: Counter::default(),
+            silent_peer_reports: Counter::default(),
+            silences: Counter::default(),
             digest_failures: Counter::default(),
         };
         let r = &mut m.registry;
@@ -174,6 +178,16 @@ impl TrackerMetrics {
             m.bans.clone(),
         );
         r.register(
+            "silent_peer_reports",
+            "Reports of a peer leaving a chunk request unanswered past its deadline",
+            m.silent_peer_reports.clone(),
+        );
+        r.register(
+            "silences",
+            "Agents silenced (named to nobody, holdings ignored) after silent-peer reports from distinct askers",
+            m.silences.clone(),
+        );
+        r.register(
             "digest_failures",
             "Blobs that failed their digest at two nodes, whose chunks are rechecked against the registry",
             m.digest_failures.clone(),
@@ -197,6 +211,13 @@ impl TrackerMetrics {
         self.bad_chunk_reports.inc();
         if newly_banned {
             self.bans.inc();
+        }
+    }
+
+    pub fn silent_peer_reported(&self, newly_silenced: bool) {
+        self.silent_peer_reports.inc();
+        if newly_silenced {
+            self.silences.inc();
         }
     }
 

@@ -4,6 +4,7 @@
 use super::*;
 use dray_protocol::framing::{MAX_BITFIELD_WAIT_MS, MAX_HASHES_PER_ANSWER};
 use dray_protocol::{Bitfield, ChunkMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 impl PeerNode {
     /// Dials `peer_id` at `addr`, checks its certificate names that peer id, and
@@ -206,6 +207,22 @@ impl PeerNode {
         map: &ChunkMap,
         index: u32,
     ) -> Result<Vec<u8>> {
+        self.fetch_chunk_noting(link, map, index, &AtomicBool::new(false))
+            .await
+    }
+
+    /// [`PeerNode::fetch_chunk`], setting `answered` once a byte of the
+    /// chunk came (a header alone is not an answer: a withholder can send
+    /// one): a caller that gives up on the request earlier knows whether
+    /// the peer sent anything at all. A peer that answers nothing, or stops
+    /// sending, for `request_timeout` fails with [`Error::PeerSilent`].
+    pub async fn fetch_chunk_noting(
+        &self,
+        link: &PeerLink,
+        map: &ChunkMap,
+        index: u32,
+        answered: &AtomicBool,
+    ) -> Result<Vec<u8>> {
         let peer = &link.peer_id;
         let idle = self.config.request_timeout;
         let want = map.chunk_len(index);
@@ -240,10 +257,10 @@ impl PeerNode {
         let mut recv = tokio::time::timeout(idle, request)
             .await
             .unwrap_or_else(|_| {
-                Err(peer_err(
-                    peer,
-                    format!("chunk {index}: no answer within {idle:?}"),
-                ))
+                Err(Error::PeerSilent {
+                    peer: peer.clone(),
+                    detail: format!("chunk {index}: no answer within {idle:?}"),
+                })
             })?;
         self.download.take(want).await;
         // On a slow or shared link a chunk may take long; only a transfer that
@@ -254,12 +271,12 @@ impl PeerNode {
             let got = buf.len();
             match tokio::time::timeout(idle, recv.read_chunk(want - got, true)).await {
                 Err(_) => {
-                    return Err(peer_err(
-                        peer,
-                        format!(
+                    return Err(Error::PeerSilent {
+                        peer: peer.clone(),
+                        detail: format!(
                             "chunk {index} stalled: no bytes for {idle:?} after {got} of {want}"
                         ),
-                    ));
+                    });
                 }
                 Ok(Err(e)) => return Err(peer_err(peer, e)),
                 Ok(Ok(None)) => {
@@ -268,7 +285,12 @@ impl PeerNode {
                         format!("chunk {index} ended after {got} of {want} bytes"),
                     ));
                 }
-                Ok(Ok(Some(piece))) => buf.extend_from_slice(&piece.bytes),
+                Ok(Ok(Some(piece))) => {
+                    if !piece.bytes.is_empty() {
+                        answered.store(true, Ordering::Release);
+                    }
+                    buf.extend_from_slice(&piece.bytes);
+                }
             }
         }
         Ok(buf)

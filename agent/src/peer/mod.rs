@@ -800,6 +800,58 @@ mod tests {
         );
     }
 
+    /// A withholder: a member with a valid certificate that says hello and
+    /// takes chunk requests, and answers none. The request fails
+    /// `PeerSilent` after the request timeout, and the caller hears that
+    /// no answer came (what the pull reports to the tracker).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_peer_that_takes_a_request_and_answers_nothing_fails_it_silent() {
+        let config = PeerConfig {
+            request_timeout: Duration::from_millis(500),
+            ..PeerConfig::default()
+        };
+        let (_dir, a, b, map) = pair_with(config.clone()).await;
+        let any = "127.0.0.1:0".parse().unwrap();
+        let withholder = quic_endpoint(a.identity(), any, &config.transport).unwrap();
+        let addr = withholder.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let conn = withholder.accept().await.unwrap().await.unwrap();
+            let (mut send, mut recv) = conn.accept_bi().await.unwrap();
+            let _: pb::PeerMessage = read_frame(&mut recv, "b").await.unwrap();
+            let hello = pb::PeerMessage {
+                body: Some(Body::Hello(pb::Hello {
+                    version: PROTOCOL_VERSION,
+                    peer_id: "a".into(),
+                })),
+            };
+            write_frame(&mut send, &hello).await.unwrap();
+            // Takes every request and keeps it open, unanswered.
+            let mut held = Vec::new();
+            while let Ok(stream) = conn.accept_bi().await {
+                held.push(stream);
+            }
+        });
+        let link = b.connect("a", addr).await.unwrap();
+        let answered = std::sync::atomic::AtomicBool::new(false);
+        let started = std::time::Instant::now();
+        let err = b
+            .fetch_chunk_noting(&link, &map, 0, &answered)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::PeerSilent { .. }), "{err}");
+        assert!(err.to_string().contains("no answer within"), "{err}");
+        assert!(!answered.load(std::sync::atomic::Ordering::Acquire));
+        assert!(started.elapsed() >= Duration::from_millis(500));
+        // The honest peer answers the same request at once.
+        let link = b.connect("a", a.local_addr().unwrap()).await.unwrap();
+        let answered = std::sync::atomic::AtomicBool::new(false);
+        b.fetch_chunk_noting(&link, &map, 0, &answered)
+            .await
+            .unwrap();
+        assert!(answered.load(std::sync::atomic::Ordering::Acquire));
+        server.abort();
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_requester_that_does_not_read_loses_its_upload_slot_at_the_deadline() {
         let config = PeerConfig {

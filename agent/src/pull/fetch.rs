@@ -38,7 +38,11 @@
 //! that moves no byte for `peer.request_timeout`, let a peer sending a byte
 //! every few seconds keep a chunk forever. A chunk past its deadline goes
 //! back to the picker, and a swarm transfer drops the peer that missed it
-//! for good (its other requests are cancelled at once).
+//! for good (its other requests are cancelled at once). So does a request
+//! its peer left silent (no byte of the chunk by the deadline, or none for
+//! `peer.request_timeout`: [`Error::PeerSilent`]), and the pull reports
+//! that peer to the tracker at once ([`Transfer::take_silent_peers`]),
+//! which stops counting a peer several askers found silent as a holder.
 //! Rescue and endgame: a lane with nothing left to pick asks its peer for a
 //! chunk already requested from another peer, when every missing chunk is in
 //! flight or that request has taken [`RESCUE_FACTOR`] times the median chunk
@@ -66,7 +70,7 @@ use dray_protocol::{Bitfield, ChunkMap, VerifyError};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::Notify;
@@ -154,6 +158,9 @@ struct Shared {
     /// Chunks that failed their hash, with their senders, not yet taken by
     /// [`Transfer::take_bad_chunks`].
     unreported: Vec<(String, u32)>,
+    /// Peers dropped for a request they left unanswered, with its chunk,
+    /// not yet taken by [`Transfer::take_silent_peers`].
+    unreported_silent: Vec<(String, u32)>,
 }
 
 /// One chunk request to one peer.
@@ -310,6 +317,7 @@ impl Transfer {
                 rates: ChunkRates::default(),
                 stopped: false,
                 unreported: Vec::new(),
+                unreported_silent: Vec::new(),
             }),
             blob,
             released: Notify::new(),
@@ -715,6 +723,15 @@ impl Transfer {
         std::mem::take(&mut self.lock().unreported)
     }
 
+    /// The peers dropped since the last call for a request they left
+    /// unanswered (not a byte, or none for the request timeout), each with
+    /// the chunk asked: the pull reports them to the tracker at once, which
+    /// silences a peer several askers found silent, so that what only it
+    /// holds goes out as registry runs to others.
+    pub fn take_silent_peers(&self) -> Vec<(String, u32)> {
+        std::mem::take(&mut self.lock().unreported_silent)
+    }
+
     /// Stops every lane and makes what was stored durable.
     pub async fn finish(&self) -> Result<FetchReport> {
         self.lock().stopped = true;
@@ -816,10 +833,11 @@ impl Transfer {
         self.released.notify_waiters();
     }
 
-    /// `peer` was too slow with chunk `index`: a swarm transfer drops it
-    /// for good (its other requests cancelled at once); a fixed list of peers
-    /// keeps it, as it may be the only one holding some chunks.
-    fn too_slow(&self, peer: &str, index: u32, why: &str) {
+    /// `peer` was too slow with chunk `index`, or `silent` (it answered
+    /// nothing): a swarm transfer drops it for good (its other requests
+    /// cancelled at once) and, if silent, has it reported; a fixed list of
+    /// peers keeps it, as it may be the only one holding some chunks.
+    fn too_slow(&self, peer: &str, index: u32, why: &str, silent: bool) {
         if !self.swarm {
             tracing::info!(%peer, index, why, "chunk request too slow");
             return;
@@ -830,6 +848,9 @@ impl Transfer {
             sh.retire(peer);
             sh.picker.ban(&peer.to_string());
             sh.report.slow_peers.insert(peer.to_string(), index);
+            if silent {
+                sh.unreported_silent.push((peer.to_string(), index));
+            }
             for r in sh.requests.values().flatten().filter(|r| r.peer == peer) {
                 r.cancel.cancel();
             }
@@ -1040,7 +1061,11 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
         let deadline = t.deadline(len);
         tracing::debug!(index, %peer, ?deadline, "requesting chunk");
         let started = Instant::now();
-        let fetch = tokio::time::timeout(deadline, t.node.fetch_chunk(&link, &map, index));
+        let answered = AtomicBool::new(false);
+        let fetch = tokio::time::timeout(
+            deadline,
+            t.node.fetch_chunk_noting(&link, &map, index, &answered),
+        );
         let bytes = match cancel.run_until_cancelled(fetch).await {
             // Another copy landed first, or the peer was dropped as too slow.
             None => {
@@ -1049,11 +1074,17 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
             }
             Some(Err(_)) => {
                 t.end_request(index, &peer, Ended::Failed);
-                t.too_slow(
-                    &peer,
-                    index,
-                    &format!("missed its deadline of {deadline:?}"),
-                );
+                let silent = !answered.load(Ordering::Acquire);
+                let why = match silent {
+                    true => format!("sent no byte within its deadline of {deadline:?}"),
+                    false => format!("missed its deadline of {deadline:?}"),
+                };
+                t.too_slow(&peer, index, &why, silent);
+                continue;
+            }
+            Some(Ok(Err(e @ Error::PeerSilent { .. }))) => {
+                t.end_request(index, &peer, Ended::Failed);
+                t.too_slow(&peer, index, &e.to_string(), true);
                 continue;
             }
             Some(Ok(Ok(b))) => b,
@@ -1428,6 +1459,10 @@ mod tests {
         assert!(
             report.bad_peers.is_empty(),
             "a slow peer is not a liar: {report:?}"
+        );
+        assert!(
+            t.take_silent_peers().is_empty(),
+            "a slow peer answered: it is not reported silent"
         );
     }
 

@@ -49,6 +49,18 @@ pub fn first_deadline(len: usize, slowest: u64, request_timeout: Duration) -> Du
     d
 }
 
+/// How long a request is waited for once its peer stops answering: its
+/// deadline, or `request_timeout` without a byte, whichever is shorter (the
+/// agent's lane gives up on the first; its peer client fails the request
+/// silent after the second). A withholder or a frozen peer is dropped
+/// after at most the request timeout, whatever the first deadline.
+pub fn silent_deadline(deadline: Duration, request_timeout: Duration) -> Duration {
+    if planted::is(Bug::NoDeadline) {
+        return Duration::MAX;
+    }
+    deadline.min(request_timeout)
+}
+
 /// The rates of a transfer's last chunks from peers, bytes per second.
 #[derive(Clone, Debug, Default)]
 pub struct ChunkRates {

@@ -397,8 +397,23 @@ impl Swarm {
             digest: digest.to_string(),
             index,
         });
+        self.report(digest, body, "a bad chunk").await;
+    }
+
+    pub(super) async fn report_silent(&self, digest: &BlobDigest, offender: &str, index: u32) {
+        let body = Body::SilentPeer(pb::SilentPeerReport {
+            reporter: self.node.peer_id().to_string(),
+            offender: offender.to_string(),
+            digest: digest.to_string(),
+            index,
+        });
+        self.report(digest, body, "a silent peer").await;
+    }
+
+    /// Sends a report about `what` to the replica of `digest`.
+    async fn report(&self, digest: &BlobDigest, body: Body, what: &str) {
         if let Err(e) = self.tracker.send_for(digest, body).await {
-            tracing::warn!(error = %e, "could not report a bad chunk");
+            tracing::warn!(error = %e, "could not report {what}");
         }
     }
 }

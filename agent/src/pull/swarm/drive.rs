@@ -134,6 +134,9 @@ impl Swarm {
             for (peer, index) in transfer.take_bad_chunks() {
                 self.report_bad_chunk(&digest, &peer, index).await;
             }
+            for (peer, index) in transfer.take_silent_peers() {
+                self.report_silent(&digest, &peer, index).await;
+            }
             for (peer, index) in &fetched.bad_peers {
                 report.bad_peers.push(peer.clone());
                 let why = format!("chunk {index} failed its hash");
@@ -271,6 +274,15 @@ impl Swarm {
             for (peer, index) in t.take_bad_chunks() {
                 let swarm = self.clone();
                 let task = async move { swarm.report_bad_chunk(&digest, &peer, index).await };
+                tokio::spawn(task.in_current_span());
+            }
+            // So is a peer dropped for a request it left unanswered: until
+            // the tracker hears it from several askers, it counts it as
+            // holding what it announced, and what only it holds starves
+            // every pull (the simulator's withholders found it).
+            for (peer, index) in t.take_silent_peers() {
+                let swarm = self.clone();
+                let task = async move { swarm.report_silent(&digest, &peer, index).await };
                 tokio::spawn(task.in_current_span());
             }
             if t.blob().is_complete() {
