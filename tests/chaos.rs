@@ -49,6 +49,7 @@ fn two_hundred_seeds_of_faults_keep_every_invariant() {
         "liars",
         "peer-freeze",
         "registry-errors",
+        "withholders",
     ] {
         assert!(classes.contains(&class), "{classes:?}");
     }

@@ -4,7 +4,7 @@
 //! Each seed makes one case: a cluster (16-64 nodes, 1-3 layers, 64-320 MiB,
 //! a registry of 1-4 Gbit/s) and one or two fault classes with their times,
 //! and on half the seeds with one fault an adversary more (liars, frozen
-//! peers, registry errors), all drawn from the seed. The case runs twice, with its faults and without
+//! peers, registry errors, withholders), all drawn from the seed. The case runs twice, with its faults and without
 //! (the same seed otherwise), and these invariants are checked:
 //! - every node that stays completes (the simulated registry never fails
 //!   for longer than a request's retries, so a direct pull would have);
@@ -21,7 +21,10 @@
 //! bytes are checked with `dray_protocol::chunkmap::hash_matches` (a
 //! simulated chunk's content is its hash) and a peer that fails it is
 //! banned from the pull, as the agent's lane does; a request to a frozen
-//! peer waits out the deadline of `dray_protocol::pull::deadline`; a
+//! peer or a withholder waits out its deadline, or the request timeout
+//! without a byte (`dray_protocol::pull::deadline::silent_deadline`),
+//! and the asker reports the peer silent to the tracker, whose scheduler
+//! silences a peer that several askers found silent; a
 //! registry request refused with a server error is sent again after
 //! `dray_protocol::defaults::registry_retry_after`, and one whose last
 //! attempt fails fails the pull.
@@ -66,13 +69,16 @@ pub enum Class {
     /// The registry answers every request with a server error for up to
     /// 2.5 s (shorter than the agent's retries: a direct pull rides it out).
     RegistryErrors,
+    /// A share of the nodes (at most a quarter) withhold: they pull and
+    /// announce as honest nodes do, and answer no chunk request.
+    Withholders,
 }
 
 impl Class {
     /// Where the adversaries start in [`Class::ALL`].
     pub const ADVERSARIES: usize = 6;
 
-    pub const ALL: [Class; 9] = [
+    pub const ALL: [Class; 10] = [
         Class::TrackerHang,
         Class::TrackerCrash,
         Class::TrackerPartition,
@@ -82,6 +88,7 @@ impl Class {
         Class::Liars,
         Class::PeerFreeze,
         Class::RegistryErrors,
+        Class::Withholders,
     ];
 
     pub fn name(self) -> &'static str {
@@ -95,6 +102,7 @@ impl Class {
             Class::Liars => "liars",
             Class::PeerFreeze => "peer-freeze",
             Class::RegistryErrors => "registry-errors",
+            Class::Withholders => "withholders",
         }
     }
 
@@ -107,10 +115,10 @@ impl Class {
     /// Copies of the image a fault of this class may cost for each node it
     /// hits: one where the hit nodes pull alone, never worse than a direct
     /// pull (a node that cannot hear the tracker fetches what no peer it
-    /// knows holds; chunks only a crashed or frozen node held, their hashes
-    /// published, are fetched by every pull that starves for them, as the
-    /// tracker knows the holder is gone only when its announces expire),
-    /// none for the rest.
+    /// knows holds; a crashed or frozen node's askers report it silent, and
+    /// a pull that starved for what only it held before the tracker heard
+    /// fetches that alone), none for the rest. Loose for crashes and
+    /// freezes since the reports (figures: `docs/results.md`).
     pub fn per_node_hit(self) -> f64 {
         match self {
             Class::TrackerHang
@@ -162,6 +170,13 @@ impl Class {
             // Each request is sent again until the burst ends, plus the
             // last backoff.
             Class::RegistryErrors => (2.0, 1.0, retries_s()),
+            // A request to a withholder is given up after the request
+            // timeout at most, and the asker reports it: the tracker then
+            // forgets what it holds of the blob (and once several askers
+            // reported it, stops naming it), and sends others for what only
+            // it held. A chunk two withholders hold is asked of each in
+            // turn (the sweep found such a seed past one timeout).
+            Class::Withholders => (2.0, 0.0, 2.0 * request_timeout_s() + grace_s()),
         }
     }
 }
@@ -175,6 +190,11 @@ fn first_deadline_s() -> f64 {
         REQUEST_TIMEOUT,
     )
     .as_secs_f64()
+}
+
+/// How long a peer may answer nothing before its request is given up.
+fn request_timeout_s() -> f64 {
+    dray_protocol::pull::deadline::REQUEST_TIMEOUT.as_secs_f64()
 }
 
 /// How long a registry request is retried on server errors, in all.
@@ -309,6 +329,10 @@ pub fn case(seed: u64) -> Case {
                 sc.registry_errors = Some(Outage { at_s, for_s });
                 (for_s, 1.0)
             }
+            Class::Withholders => {
+                sc.withholders = Some(fraction);
+                (0.0, fraction)
+            }
         };
         faults.push(Fault {
             class: class.name(),
@@ -342,6 +366,8 @@ pub struct SeedOutcome {
     pub max_s: f64,
     pub fault_free_max_s: f64,
     pub fallbacks: u64,
+    /// The rule behind each fallback.
+    pub fallback_rules: crate::report::Fallbacks,
     pub events: u64,
     /// What liars, frozen peers and registry errors did.
     pub adversity: crate::Adversity,
@@ -448,6 +474,7 @@ fn outcome(
         max_s: faulted.max_s,
         fault_free_max_s: calm.max_s,
         fallbacks: faulted.fallbacks,
+        fallback_rules: faulted.fallback_rules.clone(),
         events: faulted.events + calm.events,
         adversity: faulted.adversity.clone(),
         violations,

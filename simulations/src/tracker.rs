@@ -11,7 +11,9 @@
 //! `storm-10k` took 62-65 s of wall time instead of 78-93 s.
 
 use dray_protocol::BlobDigest;
-use dray_protocol::scheduler::{Announce, AnnounceDecision, BadChunk, Scheduler, SchedulerConfig};
+use dray_protocol::scheduler::{
+    Announce, AnnounceDecision, BadChunk, Scheduler, SchedulerConfig, Silent,
+};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -24,6 +26,8 @@ enum Call {
     HashSettled(BlobDigest, u32, Instant),
     /// A peer reports a chunk that failed its hash.
     BadChunk(Box<BadChunk>, Instant),
+    /// A peer reports a peer that left its request unanswered.
+    Silent(Box<Silent>, Instant),
     /// The tracker restarts empty.
     Restart,
 }
@@ -64,6 +68,7 @@ impl Tracker {
                         Call::HashSettled(d, i, at) => sched.hash_settled(&d, i, at),
                         // Refused reports (an unknown peer, say) change nothing.
                         Call::BadChunk(r, at) => _ = sched.report_bad_chunk(&r, at),
+                        Call::Silent(r, at) => _ = sched.report_silent(&r, at),
                         Call::Restart => sched = Scheduler::new(config.clone()),
                     }
                 }
@@ -116,6 +121,10 @@ impl Tracker {
 
     pub fn report_bad_chunk(&mut self, report: BadChunk, at: Instant) {
         self.send(Call::BadChunk(Box::new(report), at));
+    }
+
+    pub fn report_silent(&mut self, report: Silent, at: Instant) {
+        self.send(Call::Silent(Box::new(report), at));
     }
 
     pub fn restart(&mut self) {

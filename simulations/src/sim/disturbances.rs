@@ -51,6 +51,7 @@ impl World<'_> {
         }
         self.nodes[nu].runs.clear();
         let mut receivers = Vec::new();
+        let mut unanswered = Vec::new();
         for id in std::mem::take(&mut self.nodes[nu].out_flows) {
             let (p, left) = self.net.remove(id);
             let r = p.to;
@@ -58,15 +59,16 @@ impl World<'_> {
             match p.purpose {
                 // Its askers hear nothing: the request hangs until its deadline.
                 Purpose::PeerChunk if how == Exit::Freeze => {
+                    let due_ns = self.silent_due_ns(p.deadline_ns);
                     self.nodes[r as usize].hung.push(Hung {
                         blob: p.blob,
                         chunk: p.chunk,
                         peer: n,
-                        due_ns: p.deadline_ns,
+                        due_ns,
                     });
                     self.uploads[nu] += 1;
-                    if p.deadline_ns != u64::MAX {
-                        self.net.at_ns(p.deadline_ns, Ev::Deadline(r));
+                    if due_ns != u64::MAX {
+                        self.net.at_ns(due_ns, Ev::Deadline(r));
                     }
                 }
                 Purpose::PeerChunk => {
@@ -77,10 +79,19 @@ impl World<'_> {
                         picker.remove_peer(&n);
                     }
                     receivers.push(r);
+                    // A crashed peer says nothing more: its askers report
+                    // it silent, as the agent's lanes do once the request
+                    // goes unanswered.
+                    if how == Exit::Crash {
+                        unanswered.push((r, p.blob as usize, p.chunk));
+                    }
                 }
                 // A whole-blob download resumes elsewhere for the bytes it lacks.
                 _ => self.fetch_whole(r, p.blob, left),
             }
+        }
+        for (r, b, c) in unanswered {
+            self.report_silent(r, b, n, c);
         }
         for r in receivers {
             self.try_fill(r);

@@ -204,6 +204,14 @@ struct World<'a> {
     adversity: Adversity,
 }
 
+impl Node {
+    /// A frozen node or a withholder: a request to it is neither answered
+    /// nor refused (its upload slots do not fill: it never says BUSY).
+    fn hangs(&self) -> bool {
+        self.frozen || self.withholds
+    }
+}
+
 impl World<'_> {
     fn up(&self, n: u32) -> LinkId {
         2 * n

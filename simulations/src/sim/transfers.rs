@@ -4,7 +4,10 @@
 //! (`dray_protocol::pull::deadline`, the agent's rule).
 
 use super::*;
-use dray_protocol::pull::deadline::{MIN_CHUNK_BYTES_PER_S, REQUEST_TIMEOUT, first_deadline};
+use dray_protocol::pull::deadline::{
+    MIN_CHUNK_BYTES_PER_S, REQUEST_TIMEOUT, first_deadline, silent_deadline,
+};
+use std::time::Duration;
 
 impl World<'_> {
     /// Fills `n`'s free download slots with chunks its picker chooses from
@@ -45,24 +48,21 @@ impl World<'_> {
                 let pu = p as usize;
                 // Upload counts sit in one dense array: most peers of a busy
                 // swarm are busy, and this is the hot check.
-                if self.uploads[pu] >= max_up {
-                    // The agent's request would be refused BUSY (a frozen
-                    // peer's lanes are all waiting on it). Once one peer
-                    // refused, the others' nodes need not be read (a cache
-                    // miss each).
-                    busy = busy || !(self.nodes[pu].frozen || self.nodes[pu].withholds);
+                if self.uploads[pu] >= max_up && !self.nodes[pu].hangs() {
+                    // The agent's request would be refused BUSY. Once one
+                    // peer refused, the others' nodes need not be read (a
+                    // cache miss each).
+                    busy = true;
                     continue;
                 }
-                if self.nodes[pu].withholds {
+                if self.nodes[pu].hangs() {
+                    // It refuses nothing: the request goes out and hangs,
+                    // however many others do.
                     self.hang(n, b, p);
                     continue;
                 }
                 if !self.nodes[pu].alive {
-                    if self.nodes[pu].frozen {
-                        self.hang(n, b, p);
-                    } else {
-                        gone.push(p);
-                    }
+                    gone.push(p);
                     continue;
                 }
                 while let Some(c) = self.take_request(n, b, p) {
@@ -80,6 +80,9 @@ impl World<'_> {
             }
             for p in gone {
                 self.drop_peer(n, b, p);
+                // Asked, a crashed peer answers nothing: reported as the
+                // agent's lane reports a request left unanswered.
+                self.report_silent(n, b, p, 0);
             }
         }
         if self.nodes[nu].downloads < max_down {
@@ -99,7 +102,7 @@ impl World<'_> {
     fn take_request(&mut self, n: u32, b: usize, p: u32) -> Option<u32> {
         let (nu, pu) = (n as usize, p as usize);
         if self.nodes[nu].downloads >= self.sc.max_downloads
-            || self.uploads[pu] >= self.sc.max_uploads
+            || (self.uploads[pu] >= self.sc.max_uploads && !self.nodes[pu].hangs())
         {
             return None;
         }
@@ -121,11 +124,23 @@ impl World<'_> {
         }
     }
 
+    /// When a request `n` sent for chunk `c` of blob `b`, deadline
+    /// `deadline_ns`, is given up on once its peer stops answering now:
+    /// at its deadline, or after the request timeout without a byte,
+    /// whichever comes first (the agent's `fetch_chunk_noting` fails a
+    /// peer silent for that long).
+    pub(super) fn silent_due_ns(&self, deadline_ns: u64) -> u64 {
+        let now = self.net.now_ns();
+        let left = Duration::from_nanos(deadline_ns.saturating_sub(now));
+        let wait = silent_deadline(left, REQUEST_TIMEOUT);
+        u64::try_from(wait.as_nanos()).map_or(u64::MAX, |ns| now.saturating_add(ns))
+    }
+
     /// `n` asks frozen peer or withholder `p` for chunks of blob `b` in its free slots:
     /// the requests go out and nothing comes back.
     fn hang(&mut self, n: u32, b: usize, p: u32) {
         while let Some(c) = self.take_request(n, b, p) {
-            let due_ns = self.deadline_ns(n, b, c);
+            let due_ns = self.silent_due_ns(self.deadline_ns(n, b, c));
             self.nodes[n as usize].hung.push(Hung {
                 blob: b as u16,
                 chunk: c,
@@ -171,8 +186,26 @@ impl World<'_> {
                 picker.ban(&h.peer);
             }
             self.adversity.frozen_dropped += 1;
+            self.report_silent(n, b, h.peer, h.chunk);
         }
         self.try_fill(n);
+    }
+
+    /// `n` dropped `p` for a request for chunk `c` of blob `b` that `p`
+    /// left unanswered, and tells the tracker at once, as the agent's pull
+    /// does.
+    pub(super) fn report_silent(&mut self, n: u32, b: usize, p: u32, c: u32) {
+        if !self.reaches_tracker(n) {
+            return;
+        }
+        let report = dray_protocol::scheduler::Silent {
+            reporter: self.names[n as usize].clone(),
+            offender: self.names[p as usize].clone(),
+            digest: self.blobs[b].digest,
+            index: c,
+        };
+        let at = self.instant();
+        self.sched.report_silent(report, at);
     }
 
     /// `n` received chunk `c` of blob `b` from peer `p`, sent `asked_ns`
