@@ -116,6 +116,14 @@ fn twelve_honest_nodes_beside_four_liars_complete_intact_and_the_registry_sends_
     // (egress 1.0001x, no fallback, no corrupt byte, the flipper banned).
     // What a liar must never cost is a stall: an honest node waiting out
     // `swarm.stall` on a peer that does not deliver. That is the bound.
+    assert_no_stall(&h, "the liars");
+}
+
+/// The last honest node beside the liars of `h` finished less than one
+/// `swarm.stall` after the clean storm's: nobody waited out a peer that
+/// does not deliver.
+#[cfg(feature = "hostile")]
+fn assert_no_stall(h: &serde_json::Value, who: &str) {
     let stall = SwarmConfig::default().stall.as_secs_f64();
     let (last, clean) = (
         h["swarm_last_s"].as_f64().unwrap(),
@@ -123,9 +131,34 @@ fn twelve_honest_nodes_beside_four_liars_complete_intact_and_the_registry_sends_
     );
     assert!(
         last < clean + stall,
-        "the liars cost the last honest node {:.1} s, a stall ({stall} s) or more: {h}",
+        "{who} cost the last honest node {:.1} s, a stall ({stall} s) or more: {h}",
         last - clean
     );
+}
+
+/// Two withholders (members that announce the whole blob, answer bitfields
+/// and no chunk request) beside 12 honest nodes: the askers drop them once a
+/// request goes unanswered and report them, the tracker silences them, and
+/// no honest node is silenced, falls back or stalls. (The simulator holds
+/// the exact claims: `dray sim --chaos`'s `withholders` class.)
+#[cfg(feature = "hostile")]
+#[test]
+fn withholders_are_reported_and_silenced_and_no_honest_node_is() {
+    let h = hostile_bench(2, "withhold");
+    eprintln!("12 honest nodes beside 2 withholders: {h}");
+    assert_eq!(h["honest_complete"], true, "{h}");
+    assert_eq!(h["corrupt_bytes"], 0, "{h}");
+    assert_eq!(h["honest_silenced"], 0, "an honest node was silenced: {h}");
+    assert_eq!(h["honest_banned"], 0, "{h}");
+    assert_eq!(h["fell_back"], 0, "an honest node pulled alone: {h}");
+    let silenced = h["liars_silenced"].as_array().unwrap();
+    assert!(
+        !silenced.is_empty(),
+        "no withholder was reported by three askers and silenced: {h}"
+    );
+    let egress = h["egress_ratio"].as_f64().unwrap();
+    assert!(egress <= 1.2, "registry served {egress:.2}x the blob: {h}");
+    assert_no_stall(&h, "the withholders");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

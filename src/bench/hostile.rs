@@ -10,11 +10,15 @@
 //! - a **forger** publishes a fresh forged chunk map every 100 ms;
 //! - an **accuser**, every 100 ms, says it wants the blob, accuses every peer
 //!   the tracker names of sending it a bad chunk, claims to hold the whole
-//!   blob and reports that it failed its digest.
+//!   blob and reports that it failed its digest;
+//! - a **withholder** announces the whole blob and answers bitfields, and
+//!   no chunk request (`bench::withholder`).
 //!
 //! The agent has no switch to misbehave: the liars are made of its public
-//! parts (a store filled by hand, a tracker client, an upload cap).
+//! parts (a store filled by hand, a tracker client, an upload cap, its QUIC
+//! endpoint settings).
 
+use crate::bench::withholder::Withholder;
 use crate::bench::{SwarmRun, pull_all};
 use anyhow::{Context, Result, bail};
 use dray_agent::discovery::tracker_client::TrackerClient;
@@ -45,6 +49,8 @@ pub enum Attack {
     Forge,
     /// Report bad chunks and a digest failure about honest nodes.
     Accuse,
+    /// Announce the whole blob and answer no chunk request.
+    Withhold,
 }
 
 /// The bytes a second a trickler uploads.
@@ -83,6 +89,11 @@ pub struct HostileResult {
     pub honest_banned: usize,
     /// The liars the tracker banned.
     pub liars_banned: Vec<String>,
+    /// Honest nodes the tracker silenced (named to nobody): must be 0.
+    pub honest_silenced: usize,
+    /// The liars the tracker silenced, reported by askers they left
+    /// unanswered.
+    pub liars_silenced: Vec<String>,
     /// Peers honest nodes dropped as slow or for bad chunks, summed.
     pub slow_peers_dropped: usize,
     pub bad_peers_dropped: usize,
@@ -119,6 +130,7 @@ pub async fn storm(
         .collect();
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
+    let mut withholders = Vec::new();
     let mut holders = 0;
     for (id, attack) in &liars {
         let dir = root.join(id);
@@ -143,6 +155,12 @@ pub async fn storm(
                     // Refused or held as unconfirmed: either way, it tried.
                     _ = tracker.send(&cluster.tracker.url(), publish).await;
                 }
+                holders += 1;
+            }
+            Attack::Withhold => {
+                let w = Withholder::bind(cluster.ca.issue(id)?, real.clone())?;
+                let run = w.run(cluster.tracker.url(), stop.clone(), LIE_FOR);
+                withholders.push(tokio::spawn(run));
                 holders += 1;
             }
             Attack::Forge | Attack::Accuse => {
@@ -173,6 +191,10 @@ pub async fn storm(
     let run = pull_all(&cluster, registry, client, digest).await?;
     stop.store(true, Ordering::Relaxed);
     let tally = finish(tasks).await?;
+    for w in withholders {
+        w.await.context("a withholder's task")?;
+    }
+    let standing = |id: &str| cluster.tracker.tracker.standing(id);
 
     let mut complete = run.failures.is_empty();
     for swarm in &cluster.agents {
@@ -202,18 +224,20 @@ pub async fn storm(
         last_ratio: last(&run.times) / clean_last,
         fell_back: run.reports.iter().filter(|r| r.fell_back).count(),
         honest_banned: (0..nodes)
-            .filter(|&i| {
-                cluster
-                    .tracker
-                    .tracker
-                    .standing(&LocalCluster::node_id(i))
-                    .banned
-            })
+            .filter(|&i| standing(&LocalCluster::node_id(i)).banned)
             .count(),
         liars_banned: liars
             .iter()
             .map(|(id, _)| id.clone())
-            .filter(|id| cluster.tracker.tracker.standing(id).banned)
+            .filter(|id| standing(id).banned)
+            .collect(),
+        honest_silenced: (0..nodes)
+            .filter(|&i| standing(&LocalCluster::node_id(i)).silences > 0)
+            .count(),
+        liars_silenced: liars
+            .iter()
+            .map(|(id, _)| id.clone())
+            .filter(|id| standing(id).silences > 0)
             .collect(),
         slow_peers_dropped: run.reports.iter().map(|r| r.slow_peers.len()).sum(),
         bad_peers_dropped: run.reports.iter().map(|r| r.bad_peers.len()).sum(),
@@ -404,13 +428,12 @@ pub fn print(h: &HostileResult) {
         h.honest_complete, h.corrupt_bytes, h.forged_hashes
     );
     println!(
-        "honest nodes banned: {}   liars banned: {:?}   accusations taken: {}   peers dropped as slow: {}, for bad chunks: {}   fell back: {}",
-        h.honest_banned,
-        h.liars_banned,
-        h.accusations_taken,
-        h.slow_peers_dropped,
-        h.bad_peers_dropped,
-        h.fell_back
+        "honest nodes banned: {}   liars banned: {:?}   honest nodes silenced: {}   liars silenced: {:?}",
+        h.honest_banned, h.liars_banned, h.honest_silenced, h.liars_silenced
+    );
+    println!(
+        "accusations taken: {}   peers dropped as slow: {}, for bad chunks: {}   fell back: {}",
+        h.accusations_taken, h.slow_peers_dropped, h.bad_peers_dropped, h.fell_back
     );
     for f in &h.honest_failures {
         println!("failed: {f}");

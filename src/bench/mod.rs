@@ -7,7 +7,8 @@
 //! [`unpack_giant`] (the unpacker against containerd, `tar` and rapidgzip),
 //! [`storm`] (an emulated cluster of `dray agent` processes), and with the
 //! `hostile` feature the liars of `bench swarm --hostile`: [`hostile`] (with
-//! a tracker) and [`hostile_dht`] (without one). `bench swarm` is here.
+//! a tracker, its withholder in [`withholder`]) and [`hostile_dht`] (without
+//! one). `bench swarm` is here.
 
 #[cfg(feature = "hostile")]
 mod hostile;
@@ -18,6 +19,8 @@ mod peer_counted;
 mod storm;
 mod unpack;
 mod unpack_giant;
+#[cfg(feature = "hostile")]
+mod withholder;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
