@@ -50,6 +50,7 @@ fn two_hundred_seeds_of_faults_keep_every_invariant() {
         "peer-freeze",
         "registry-errors",
         "withholders",
+        "accusers",
     ] {
         assert!(classes.contains(&class), "{classes:?}");
     }

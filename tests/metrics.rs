@@ -290,6 +290,6 @@ async fn two_agents_metrics_account_for_every_byte_and_the_tracker_counts_announ
     assert_eq!(sample(&t, "dray_tracker_bans_total"), 0.0);
     // Honest agents left no request unanswered.
     assert_eq!(sample(&t, "dray_tracker_silent_peer_reports_total"), 0.0);
-    assert_eq!(sample(&t, "dray_tracker_silences_total"), 0.0);
+    assert_eq!(sample(&t, "dray_tracker_silent_owed_chunks_total"), 0.0);
     assert_eq!(sample(&t, "dray_tracker_rejected_requests_total"), 0.0);
 }

@@ -84,15 +84,11 @@ pub struct SchedulerConfig {
     /// while a real failure is met by every node that assembles the blob,
     /// moments apart.
     pub digest_failure_quorum: usize,
-    /// Distinct askers whose requests a peer left unanswered past their
-    /// deadlines, within `silence`, after which it is silenced (see
-    /// [`Scheduler::report_silent`]).
-    pub reports_to_silence: usize,
-    /// A first silence's length (each later one twice the one before, up to
-    /// `max_ban`), and how long a silence report counts.
-    pub silence: Duration,
-    /// Distinct peers one reporter may report silent within `silence`; its
-    /// further silence reports are not taken.
+    /// How long a silent-peer report counts, for its reporter's cap and
+    /// its offender's tally (see [`Scheduler::report_silent`]).
+    pub silent_window: Duration,
+    /// Distinct peers one reporter may report silent within
+    /// `silent_window`; its further reports are not taken.
     pub max_silent_per_reporter: usize,
     /// A first ban's length; each later ban of the same peer lasts twice the
     /// one before, up to `max_ban`.
@@ -129,8 +125,7 @@ impl Default for SchedulerConfig {
             report_window: Duration::from_secs(3600),
             max_accused_per_reporter: 16,
             digest_failure_quorum: 2,
-            reports_to_silence: 3,
-            silence: Duration::from_secs(60),
+            silent_window: Duration::from_secs(60),
             max_silent_per_reporter: 16,
             ban: Duration::from_secs(600),
             max_ban: Duration::from_secs(24 * 3600),
@@ -295,11 +290,6 @@ pub struct Standing {
     pub bans: u32,
     /// Distinct peers whose reports of its silence count now.
     pub silent_reporters: usize,
-    /// Its requests went unanswered for `reports_to_silence` askers: named
-    /// to nobody, its holdings ignored, no registry runs, for a while.
-    pub silenced: bool,
-    /// Silences it has had (the current one included).
-    pub silences: u32,
 }
 
 /// A blob's geometry as the tracker knows it.
@@ -318,8 +308,6 @@ pub struct TickReport {
     pub expired: Vec<String>,
     /// Peers whose ban ended.
     pub unbanned: Vec<String>,
-    /// Peers whose silence ended.
-    pub unsilenced: Vec<String>,
     /// Runs taken back from stalled peers, with the peer that held them.
     pub reclaimed: Vec<(String, Assignment)>,
 }
@@ -378,7 +366,7 @@ pub enum ScheduleError {
         digest: BlobDigest,
         index: u32,
     },
-    #[error("peer {0:?} is banned or silenced: its reports are not taken")]
+    #[error("peer {0:?} is banned: its reports are not taken")]
     ReporterBanned(String),
     #[error(
         "peer {reporter:?} reported {reported} peers silent within {window:?}: its silence reports are not taken until some lapse"
@@ -444,11 +432,11 @@ struct Peer {
     runs: BTreeSet<(BlobDigest, u32)>,
     /// A peer that stalled gets no runs before this, so the run goes elsewhere.
     no_runs_before: Option<Instant>,
-    /// Its record says banned or silenced (kept here: every answer checks
-    /// each candidate): named to nobody, its holdings ignored, no runs.
+    /// Its record says banned (kept here: every answer checks each
+    /// candidate): named to nobody, its holdings ignored, no runs.
     excluded: bool,
-    /// Its exclusion ended: its next announce must be a full one, as the
-    /// holdings it announced while excluded were not taken.
+    /// Its ban ended: its next announce must be a full one, as the
+    /// holdings it announced while banned were not taken.
     resend_full: bool,
 }
 
@@ -481,6 +469,10 @@ struct Run {
     deadline: Instant,
     timeout: Duration,
 }
+
+/// At most this share (1/n) of a swarm's members are doubted (reported
+/// silent) at once.
+const DOUBTED_SHARE: usize = 4;
 
 /// A recheck fetches at most this share (1/n) of a blob's chunks at once.
 const RECHECK_SHARE: u32 = 8;
@@ -519,6 +511,12 @@ struct Swarm {
     complete: Vec<(u64, PeerKey)>,
     /// Chunks covered by a live run, or awaiting their fetcher's hash.
     assigned: Bitfield,
+    /// Members an asker reported silent, with when (for `silent_window`):
+    /// a chunk all of whose holders are among them is owed a registry run
+    /// as if nobody held it.
+    doubted: FxHashMap<PeerKey, Instant>,
+    /// Holders of each chunk that are in `doubted`.
+    doubted_holders: Vec<u32>,
     /// Chunks whose run ended when its fetcher held them, before their hash
     /// arrived, with the time they are given up on: the fetcher takes its
     /// next run at once (its hash publication is under way), while nobody
@@ -588,6 +586,8 @@ impl Swarm {
             held_chunks: 0,
             complete: Vec::new(),
             assigned: Bitfield::new(chunk_count),
+            doubted: FxHashMap::default(),
+            doubted_holders: vec![0; chunk_count as usize],
             awaiting_hash: BTreeMap::new(),
             assembled: FxHashSet::default(),
             failure_reporters: Vec::new(),
@@ -637,6 +637,7 @@ impl Swarm {
     /// Forgets member `key` and its holdings.
     fn remove_member(&mut self, key: PeerKey) {
         self.clear_holdings(key);
+        self.doubted.remove(&key);
         self.assembled.remove(&key);
         self.failure_reporters.retain(|&k| k != key);
         let Some(m) = self.members.remove(&key) else {
@@ -655,16 +656,74 @@ impl Swarm {
     fn is_free(&self, i: u32) -> bool {
         i < self.chunk_count
             && !self.assigned.get(i)
-            && (self.holders[i as usize] == 0 || !self.hashed.get(i))
+            && (self.holders[i as usize] == 0 || !self.hashed.get(i) || self.owed(i))
     }
 
-    /// Whether a published chunk has no holder and no run: one its holders
-    /// were dropped from (silenced, banned, gone), which a run will fetch
-    /// again as the registry budget allows. A pull lacking it is waiting
-    /// on the tracker, not starving.
+    /// Chunk `i` is held, and every holder was reported silent.
+    fn owed(&self, i: u32) -> bool {
+        let held = self.holders[i as usize];
+        held > 0 && self.doubted_holders[i as usize] == held
+    }
+
+    /// An asker reported member `key` silent at `now`: the chunks it holds
+    /// that only doubted members hold are owed runs. Returns how many
+    /// became so.
+    fn doubt(&mut self, key: PeerKey, now: Instant) -> u32 {
+        if let Some(at) = self.doubted.get_mut(&key) {
+            *at = now;
+            return 0;
+        }
+        // At most a quarter of the members at once: members reporting every
+        // peer named to them as silent doubt no more than that.
+        if self.doubted.len() >= (self.members.len() / DOUBTED_SHARE).max(1) {
+            return 0;
+        }
+        self.doubted.insert(key, now);
+        let held: Vec<u32> = self
+            .members
+            .get(&key)
+            .map_or_else(Vec::new, |m| m.held.ones().collect());
+        let mut owed = 0;
+        for i in held {
+            self.doubted_holders[i as usize] += 1;
+            if self.owed(i) && self.hashed.get(i) {
+                owed += 1;
+                self.note_maybe_free(i);
+            }
+        }
+        owed
+    }
+
+    /// Forgets the reports of silence older than `window`.
+    fn lapse_doubts(&mut self, now: Instant, window: Duration) {
+        let old: Vec<PeerKey> = self
+            .doubted
+            .iter()
+            .filter(|&(_, &t)| now.saturating_duration_since(t) > window)
+            .map(|(&k, _)| k)
+            .collect();
+        for key in old {
+            self.undoubt(key);
+        }
+    }
+
+    fn undoubt(&mut self, key: PeerKey) {
+        if self.doubted.remove(&key).is_none() {
+            return;
+        }
+        if let Some(m) = self.members.get(&key) {
+            for i in m.held.ones() {
+                self.doubted_holders[i as usize] -= 1;
+            }
+        }
+    }
+
+    /// Whether a published chunk is owed a run it has not got: its holders
+    /// were dropped (banned, gone), or its only holder was reported silent,
+    /// and a run will fetch it again as the registry budget allows. A pull
+    /// lacking it is waiting on the tracker, not starving.
     fn owes_run(&self) -> bool {
-        (self.cursor..self.chunk_count)
-            .any(|i| self.hashed.get(i) && self.holders[i as usize] == 0 && !self.assigned.get(i))
+        (self.cursor..self.chunk_count).any(|i| self.hashed.get(i) && self.is_free(i))
     }
 
     /// Whether `m` takes registry runs: it wants the blob and lacks chunks,
@@ -707,9 +766,10 @@ impl Swarm {
         true
     }
 
-    /// Chunk `i` can be had from a peer and checked: held, and hashed.
+    /// Chunk `i` can be had from a peer and checked: held, and hashed, and
+    /// not held only by a peer reported silent.
     fn is_served(&self, i: u32) -> bool {
-        self.holders[i as usize] > 0 && self.hashed.get(i)
+        self.holders[i as usize] > 0 && self.hashed.get(i) && !self.owed(i)
     }
 
     /// The run covering chunk `i`, once each of its chunks is served or
@@ -780,6 +840,10 @@ impl Swarm {
         if *count == 1 {
             self.held_chunks += 1;
         }
+        if !self.doubted.is_empty() && self.doubted.contains_key(&key) {
+            self.doubted_holders[i as usize] += 1;
+            self.note_maybe_free(i);
+        }
         self.drop_run_if_served(i, dropped);
     }
 
@@ -802,8 +866,12 @@ impl Swarm {
         *count -= 1;
         if *count == 0 {
             self.held_chunks -= 1;
-            self.note_maybe_free(i);
         }
+        if !self.doubted.is_empty() && self.doubted.contains_key(&key) {
+            self.doubted_holders[i as usize] -= 1;
+        }
+        // Its last holder gone, or its last one not reported silent.
+        self.note_maybe_free(i);
         if empty {
             self.remove_source(key);
         }
@@ -904,14 +972,10 @@ struct Record {
     banned_until: Option<Instant>,
     bans: u32,
     /// Who reported its requests unanswered, and when: these lapse after
-    /// `silence`.
+    /// `silent_window`.
     silent_reporters: BTreeMap<String, Instant>,
-    /// Whom it reported silent, and when (lapsing after `silence`).
+    /// Whom it reported silent, and when (lapsing after `silent_window`).
     reported_silent: BTreeMap<String, Instant>,
-    /// Silenced until then.
-    silenced_until: Option<Instant>,
-    /// Silences it has had (the current one included).
-    silences: u32,
     /// When it last reported a digest failure that counted: one per
     /// `report_window`, so that a few liars claiming failures cost the swarm
     /// at most a copy of a blob per window.
@@ -925,22 +989,12 @@ impl Record {
             banned: self.banned,
             bans: self.bans,
             silent_reporters: self.silent_reporters.len(),
-            silenced: self.silenced_until.is_some(),
-            silences: self.silences,
         }
     }
 
-    /// Banned or silenced: named to nobody, its holdings and reports not taken.
+    /// Banned: named to nobody, its holdings and reports not taken.
     fn excluded(&self) -> bool {
-        self.banned || self.silenced_until.is_some()
-    }
-
-    /// Silenced for `base` doubled per earlier silence, at most `max`.
-    fn silence(&mut self, now: Instant, base: Duration, max: Duration) {
-        let length = base.saturating_mul(1u32 << self.silences.min(16)).min(max);
-        self.silenced_until = now.checked_add(length).or(Some(now));
-        self.silences = self.silences.saturating_add(1);
-        self.silent_reporters.clear();
+        self.banned
     }
 
     /// Bans for `base` doubled per earlier ban, at most `max`.
@@ -953,7 +1007,7 @@ impl Record {
         self.accused.clear();
     }
 
-    /// Drops bad-chunk reports older than `window` and silence reports
+    /// Drops bad-chunk reports older than `window` and silent-peer reports
     /// older than `silence`.
     fn lapse(&mut self, now: Instant, window: Duration, silence: Duration) {
         let fresh = |t: &mut Instant| now.saturating_duration_since(*t) <= window;
@@ -1709,7 +1763,7 @@ impl Scheduler {
             self.config.max_ban,
         );
         let accuser = self.records.entry(report.reporter.clone()).or_default();
-        accuser.lapse(now, window, self.config.silence);
+        accuser.lapse(now, window, self.config.silent_window);
         accuser.accused.insert(report.offender.clone(), now);
         if accuser.accused.len() > self.config.max_accused_per_reporter {
             accuser.ban(now, base, max);
@@ -1718,7 +1772,7 @@ impl Scheduler {
         }
         let threshold = self.config.reports_to_ban.max(1);
         let record = self.records.entry(report.offender.clone()).or_default();
-        record.lapse(now, window, self.config.silence);
+        record.lapse(now, window, self.config.silent_window);
         let was_banned = record.banned;
         if !record.banned {
             // Distinct reporters, so that one hostile peer cannot ban another alone.
@@ -1793,27 +1847,25 @@ impl Scheduler {
     /// the blob, went unanswered past its deadline: a withholder (it
     /// announces chunks and serves none), or a frozen or crashed node.
     /// Askers drop such a peer from their pulls at once, but while the
-    /// tracker counts it as a holder it hands nobody a registry run of what
-    /// only it holds, and every pull starves for those chunks and fetches
-    /// them from the registry alone (`docs/results.md`, "Withholders").
-    /// So one report forgets what the offender holds of that blob until
-    /// its next full announce: what only it held is owed a run at once
-    /// (and pulls hear the blob is being fetched). Reported by
-    /// `reports_to_silence` distinct askers within `silence`, the offender
-    /// is silenced for `silence` (doubling on each repeat, at most
-    /// `max_ban`): named to nobody, its holdings ignored, given no runs; it
-    /// still pulls. A reporter's reports of more than
-    /// `max_silent_per_reporter` distinct peers within `silence` are not
-    /// taken, and it is not punished (a node cut off from many peers is not
-    /// lying): colluding reporters, each named the offender, make the
-    /// tracker forget at most that many peers' holdings of a blob each per
-    /// `silence`, and each forgetting costs at most one more registry copy
-    /// of what only that peer held.
-    pub fn report_silent(
-        &mut self,
-        report: &Silent,
-        now: Instant,
-    ) -> Result<Standing, ScheduleError> {
+    /// tracker counts it as the holder of chunks nobody else holds it hands
+    /// nobody a registry run of them, and every pull starves for them and
+    /// fetches them from the registry alone (`docs/results.md`,
+    /// "Withholders"). So the chunks only the offender holds are owed a
+    /// run, as if nobody held them, until a second member holds them (and
+    /// pulls hear the blob is being fetched). Nothing else changes: the
+    /// offender stays named, keeps its holdings and takes runs, because one
+    /// asker's word is all this takes, and any member can say it (tried and
+    /// dropped, each worse under members reporting every peer named to
+    /// them: a quorum of three silencing the offender, ranking it last, or
+    /// giving it no runs; `docs/results.md`, "Withholders"). What a false
+    /// report costs is bounded: each reporter's first report of an
+    /// offender within `silent_window` counts (repeats change nothing), of
+    /// at most `max_silent_per_reporter` offenders (further reports are
+    /// refused, and the reporter is not punished: a node cut off from many
+    /// peers is not lying), and each costs at most one more registry copy
+    /// of the chunks only that offender held then. Returns how many chunks
+    /// the report made owed.
+    pub fn report_silent(&mut self, report: &Silent, now: Instant) -> Result<u32, ScheduleError> {
         let (_, offender) = self.check_report(
             &report.reporter,
             &report.offender,
@@ -1823,14 +1875,15 @@ impl Scheduler {
         )?;
         let (window, silence, cap) = (
             self.config.report_window,
-            self.config.silence,
+            self.config.silent_window,
             self.config.max_silent_per_reporter,
         );
         let reporter = self.records.entry(report.reporter.clone()).or_default();
         reporter.lapse(now, window, silence);
-        if !reporter.reported_silent.contains_key(&report.offender)
-            && reporter.reported_silent.len() >= cap
-        {
+        if reporter.reported_silent.contains_key(&report.offender) {
+            return Ok(0);
+        }
+        if reporter.reported_silent.len() >= cap {
             return Err(ScheduleError::SilenceReportLimit {
                 reporter: report.reporter.clone(),
                 reported: reporter.reported_silent.len(),
@@ -1842,35 +1895,15 @@ impl Scheduler {
             .insert(report.offender.clone(), now);
         let record = self.records.entry(report.offender.clone()).or_default();
         record.lapse(now, window, silence);
-        let was = record.excluded();
-        if !was {
-            record.silent_reporters.insert(report.reporter.clone(), now);
-            if record.silent_reporters.len() >= self.config.reports_to_silence.max(1) {
-                record.silence(now, silence, self.config.max_ban);
-            }
-        }
-        let standing = record.standing();
-        let Some(key) = offender else {
-            return Ok(standing);
+        record.silent_reporters.insert(report.reporter.clone(), now);
+        let (Some(key), Some(swarm)) = (offender, self.swarms.get_mut(&report.digest)) else {
+            return Ok(0);
         };
-        if standing.silenced && !was {
-            self.exclude(key);
-        } else if !was {
-            // One asker's word already forgets what the offender holds of
-            // this blob (until its next full announce): what only it held
-            // goes out as a registry run now, not once the quorum is met,
-            // while the pulls it left unanswered would starve for it.
-            if let Some(swarm) = self.swarms.get_mut(&report.digest) {
-                swarm.clear_holdings(key);
-            }
-            self.prune_member(key, report.digest);
-        }
-        Ok(standing)
+        Ok(swarm.doubt(key, now))
     }
 
-    /// Drops a banned or silenced peer's holdings and runs; it stays a
-    /// member where it wants a blob, so it can still finish pulling from
-    /// others.
+    /// Drops a banned peer's holdings and runs; it stays a member where it
+    /// wants a blob, so it can still finish pulling from others.
     fn exclude(&mut self, key: PeerKey) {
         let Some(peer) = peer_mut(&mut self.slots, key) else {
             return;
@@ -1925,7 +1958,7 @@ impl Scheduler {
         }
         let window = self.config.report_window;
         let record = self.records.entry(reporter.to_owned()).or_default();
-        record.lapse(now, window, self.config.silence);
+        record.lapse(now, window, self.config.silent_window);
         if let Some(at) = record.reported_failure {
             return Err(ScheduleError::FailureReportLimit {
                 peer: reporter.to_owned(),
@@ -1983,37 +2016,29 @@ impl Scheduler {
             }
             self.remove_peer(key);
         }
-        let (window, silence) = (self.config.report_window, self.config.silence);
+        let (window, silence) = (self.config.report_window, self.config.silent_window);
         for (id, record) in &mut self.records {
-            let was = record.excluded();
             if record.banned && record.banned_until.is_some_and(|t| now >= t) {
                 record.banned = false;
                 record.banned_until = None;
-                report.unbanned.push(id.clone());
-            }
-            if record.silenced_until.is_some_and(|t| now >= t) {
-                record.silenced_until = None;
-                report.unsilenced.push(id.clone());
-            }
-            if was
-                && !record.excluded()
-                && let Some(peer) = self
+                if let Some(peer) = self
                     .index
                     .get(id)
                     .and_then(|&k| peer_mut(&mut self.slots, k))
-            {
-                peer.excluded = false;
-                peer.resend_full = true;
+                {
+                    peer.excluded = false;
+                    peer.resend_full = true;
+                }
+                report.unbanned.push(id.clone());
             }
             record.lapse(now, window, silence);
         }
-        // A record with no ban, no silence and no live report is dropped
-        // unless it counts past ones (which lengthen the next); records are
-        // made only for peers the tracker knew, so they stay as few as its
-        // peers.
-        self.records
-            .retain(|_, r| !r.is_idle() || r.bans > 0 || r.silences > 0);
+        // A record with no ban and no live report is dropped unless it
+        // counts past bans (which lengthen the next); records are made only
+        // for peers the tracker knew, so they stay as few as its peers.
+        self.records.retain(|_, r| !r.is_idle() || r.bans > 0);
         for (&digest, swarm) in &mut self.swarms {
+            swarm.lapse_doubts(now, silence);
             // A fetcher's hash that never came: the chunk goes to another.
             let unhashed: Vec<u32> = swarm
                 .awaiting_hash
@@ -3224,8 +3249,7 @@ mod tests {
     }
 
     #[test]
-    fn a_holder_three_askers_find_silent_is_silenced_its_chunks_go_out_as_runs_and_it_returns_after_the_silence()
-     {
+    fn what_only_peers_reported_silent_hold_is_owed_a_run_until_another_member_holds_it() {
         let mut s = Scheduler::new(SchedulerConfig {
             expiry_intervals: 1_000,
             ..striped()
@@ -3234,62 +3258,54 @@ mod tests {
         let all: Vec<u32> = (0..8).collect();
         s.announce(wants("w", 8, &[]), t0);
         fetched(&mut s, "w", 8, all.clone(), t0);
-        for r in ["r1", "r2", "r3"] {
+        // "h" holds the first half too: those are not w's alone.
+        s.announce(wants("h", 8, &[0, 1, 2, 3]), t0);
+        for r in ["r1", "r2"] {
             let d = s.announce(wants(r, 8, &[]), t0);
-            assert!(d.assignments.is_empty(), "w holds every chunk: {d:?}");
+            assert!(d.assignments.is_empty(), "every chunk is held: {d:?}");
+            assert!(d.fetching.is_empty(), "{d:?}");
         }
-        // One asker's word forgets what w holds of the blob: what only it
-        // held is owed a run, and pulls hear that it is being fetched.
-        let st = s.report_silent(&silent("r1", "w"), t0).unwrap();
-        assert_eq!((st.silent_reporters, st.silenced), (1, false));
-        assert_eq!(s.holders(&blob(), 0), 0);
-        let d = s.announce(added("r2", 8, vec![]), t0);
-        assert_eq!(d.fetching, vec![blob()], "{d:?}");
-        assert!(
-            !d.assignments.is_empty(),
-            "what only w held goes out as runs"
-        );
-        // Its next full announce counts again, until the quorum is met.
-        s.announce(wants("w", 8, &all), t0);
-        assert_eq!(s.holders(&blob(), 0), 1);
-        let st = s.report_silent(&silent("r2", "w"), t0).unwrap();
-        assert_eq!((st.silent_reporters, st.silenced), (2, false));
-        // One asker's word again counts once.
-        let st = s.report_silent(&silent("r2", "w"), t0).unwrap();
-        assert_eq!((st.silent_reporters, st.silenced), (2, false));
-        let st = s.report_silent(&silent("r3", "w"), t0).unwrap();
-        assert!(st.silenced && !st.banned, "{st:?}");
-        let d = s.announce(added("r1", 8, vec![]), t0);
-        assert!(d.peers.values().flatten().all(|p| p.peer != "w"), "{d:?}");
-        // Its announces while silenced are not taken, and it gets no runs.
-        let d = s.announce(wants("w", 8, &all), t0);
-        assert!(d.assignments.is_empty());
-        assert_eq!(s.holders(&blob(), 0), 0);
-        let later = t0 + Duration::from_secs(59);
-        assert!(s.tick(later).unsilenced.is_empty());
-        let back = t0 + Duration::from_secs(60);
-        assert_eq!(s.tick(back).unsilenced, vec!["w".to_owned()]);
-        assert!(!s.standing("w").silenced);
-        // What it announced while silenced was not taken: a delta is not enough.
-        assert!(s.announce(added("w", 8, vec![]), back).resend_full);
-        s.announce(wants("w", 8, &all), back);
-        assert_eq!(s.holders(&blob(), 0), 1);
-        // Silenced again, for twice as long.
-        for r in ["r1", "r2", "r3"] {
-            s.announce(wants(r, 8, &[]), back);
-            s.report_silent(&silent(r, "w"), back).unwrap();
-        }
+        assert_eq!(s.report_silent(&silent("r1", "w"), t0), Ok(4));
+        // Nothing else changes: w stays named and keeps its holdings.
+        assert_eq!((s.holders(&blob(), 0), s.holders(&blob(), 7)), (2, 1));
         let st = s.standing("w");
-        assert_eq!((st.silenced, st.silences), (true, 2));
-        assert!(
-            s.tick(back + Duration::from_secs(119))
-                .unsilenced
-                .is_empty()
-        );
+        assert!(!st.banned && st.silent_reporters == 1, "{st:?}");
+        let d = s.announce(added("r2", 8, vec![]), t0);
+        assert!(d.peers.values().flatten().any(|p| p.peer == "w"), "{d:?}");
+        assert_eq!(d.fetching, vec![blob()], "{d:?}");
+        let runs: Vec<u32> = d
+            .assignments
+            .iter()
+            .flat_map(|a| a.first..a.first + a.count)
+            .collect();
+        assert_eq!(runs, vec![4, 5, 6, 7], "w's own chunks go out: {d:?}");
+        // A repeat of the same report changes nothing.
+        assert_eq!(s.report_silent(&silent("r1", "w"), t0), Ok(0));
+        // Fetched by r2: two holders, nothing is owed any more, and a
+        // second report finds nothing only w holds.
+        fetched(&mut s, "r2", 8, vec![4, 5, 6, 7], t0);
+        assert!(s.announce(added("r1", 8, vec![]), t0).fetching.is_empty());
+        assert_eq!(s.report_silent(&silent("r2", "w"), t0), Ok(0));
+        assert_eq!(s.standing("w").silent_reporters, 2);
+        // h reported too: the chunks only w and h hold would be owed, but
+        // at most a quarter of the members (one of four) are doubted at once.
+        assert_eq!(s.report_silent(&silent("r1", "h"), t0), Ok(0));
+        for r in ["r3", "r4", "r5", "r6"] {
+            s.announce(wants(r, 8, &[]), t0);
+        }
+        // Eight members: two may be doubted. Reported again, h is, and the
+        // chunks only w and h hold are owed now.
+        assert_eq!(s.report_silent(&silent("r2", "h"), t0), Ok(4));
         assert_eq!(
-            s.tick(back + Duration::from_secs(120)).unsilenced,
-            vec!["w".to_owned()]
+            s.announce(added("r1", 8, vec![]), t0).fetching,
+            vec![blob()]
         );
+        // The reports lapse with the window, and nothing is owed.
+        s.tick(t0 + Duration::from_secs(61));
+        assert_eq!(s.standing("w").silent_reporters, 0);
+        let later = t0 + Duration::from_secs(62);
+        let d = s.announce(added("r1", 8, vec![]), later);
+        assert!(d.fetching.is_empty() && d.assignments.is_empty(), "{d:?}");
     }
 
     #[test]
@@ -3316,17 +3332,17 @@ mod tests {
             s.report_silent(&silent("accuser", "accuser"), now),
             Err(ScheduleError::SelfReport("accuser".into()))
         );
+        // Three holders of each chunk: none is one's alone, none owed.
         for h in &honest[..2] {
-            s.report_silent(&silent("accuser", h), now).unwrap();
+            assert_eq!(s.report_silent(&silent("accuser", h), now), Ok(0));
         }
         assert!(matches!(
             s.report_silent(&silent("accuser", &honest[2]), now),
             Err(ScheduleError::SilenceReportLimit { reported: 2, .. })
         ));
-        // A repeat of a peer already reported is still heard.
-        assert!(s.report_silent(&silent("accuser", &honest[0]), now).is_ok());
-        let st = s.standing("accuser");
-        assert!(!st.banned && !st.silenced, "{st:?}");
+        // A repeat of a peer already reported is taken, and changes nothing.
+        assert_eq!(s.report_silent(&silent("accuser", &honest[0]), now), Ok(0));
+        assert!(!s.standing("accuser").banned);
         assert_eq!(s.standing(&honest[2]).silent_reporters, 0);
         // The cap lapses with the reports.
         let later = now + Duration::from_secs(61);

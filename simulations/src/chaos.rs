@@ -4,7 +4,7 @@
 //! Each seed makes one case: a cluster (16-64 nodes, 1-3 layers, 64-320 MiB,
 //! a registry of 1-4 Gbit/s) and one or two fault classes with their times,
 //! and on half the seeds with one fault an adversary more (liars, frozen
-//! peers, registry errors, withholders), all drawn from the seed. The case runs twice, with its faults and without
+//! peers, registry errors, withholders, accusers), all drawn from the seed. The case runs twice, with its faults and without
 //! (the same seed otherwise), and these invariants are checked:
 //! - every node that stays completes (the simulated registry never fails
 //!   for longer than a request's retries, so a direct pull would have);
@@ -24,7 +24,7 @@
 //! peer or a withholder waits out its deadline, or the request timeout
 //! without a byte (`dray_protocol::pull::deadline::silent_deadline`),
 //! and the asker reports the peer silent to the tracker, whose scheduler
-//! silences a peer that several askers found silent; a
+//! sends out what only reported peers hold as registry runs; a
 //! registry request refused with a server error is sent again after
 //! `dray_protocol::defaults::registry_retry_after`, and one whose last
 //! attempt fails fails the pull.
@@ -72,13 +72,16 @@ pub enum Class {
     /// A share of the nodes (at most a quarter) withhold: they pull and
     /// announce as honest nodes do, and answer no chunk request.
     Withholders,
+    /// A share of the nodes (at most a quarter) pull and serve honestly and
+    /// report every peer named to them silent.
+    Accusers,
 }
 
 impl Class {
     /// Where the adversaries start in [`Class::ALL`].
     pub const ADVERSARIES: usize = 6;
 
-    pub const ALL: [Class; 10] = [
+    pub const ALL: [Class; 11] = [
         Class::TrackerHang,
         Class::TrackerCrash,
         Class::TrackerPartition,
@@ -89,6 +92,7 @@ impl Class {
         Class::PeerFreeze,
         Class::RegistryErrors,
         Class::Withholders,
+        Class::Accusers,
     ];
 
     pub fn name(self) -> &'static str {
@@ -103,6 +107,7 @@ impl Class {
             Class::PeerFreeze => "peer-freeze",
             Class::RegistryErrors => "registry-errors",
             Class::Withholders => "withholders",
+            Class::Accusers => "accusers",
         }
     }
 
@@ -134,10 +139,16 @@ impl Class {
     /// the chunks in flight when a fetcher went; for liars, issue 36's 1.5
     /// copies with at most a quarter of the nodes hostile and the tracker
     /// up (a liar is banned by the first node it lies to and reported to
-    /// the tracker at once, so what it held is fetched again once).
+    /// the tracker at once, so what it held is fetched again once); for
+    /// withholders and accusers a quarter of a copy more.
     fn egress_base(self) -> f64 {
         match self {
             Class::RegistrySlow | Class::LateJoin | Class::RegistryErrors => 1.1,
+            // The chunks only members reported silent hold go out again as
+            // runs, and up to a quarter of a swarm's members may be so
+            // reported at once (withholders rightly, or honest nodes by
+            // accusers): a quarter of a copy more.
+            Class::Withholders | Class::Accusers => 1.75,
             _ => 1.5,
         }
     }
@@ -172,11 +183,17 @@ impl Class {
             Class::RegistryErrors => (2.0, 1.0, retries_s()),
             // A request to a withholder is given up after the request
             // timeout at most, and the asker reports it: the tracker then
-            // forgets what it holds of the blob (and once several askers
-            // reported it, stops naming it), and sends others for what only
-            // it held. A chunk two withholders hold is asked of each in
-            // turn (the sweep found such a seed past one timeout).
-            Class::Withholders => (2.0, 0.0, 2.0 * request_timeout_s() + grace_s()),
+            // sends others for what only withholders hold. A withholder
+            // stays named and takes runs (the tracker cannot tell it from
+            // an honest node a liar accuses), so a chunk may be asked of
+            // two withholders in turn, and a run one took is sent out again
+            // only once a request to it timed out (the sweep found seeds
+            // past one and two timeouts with a slow registry).
+            Class::Withholders => (2.0, 0.0, 3.0 * request_timeout_s() + grace_s()),
+            // Accused peers stay named and keep their holdings; what only
+            // accused peers hold goes out as runs, at most a quarter of a
+            // swarm's members accused at once.
+            Class::Accusers => (2.0, 0.0, grace_s()),
         }
     }
 }
@@ -331,6 +348,10 @@ pub fn case(seed: u64) -> Case {
             }
             Class::Withholders => {
                 sc.withholders = Some(fraction);
+                (0.0, fraction)
+            }
+            Class::Accusers => {
+                sc.accusers = Some(fraction);
                 (0.0, fraction)
             }
         };

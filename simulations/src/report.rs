@@ -159,6 +159,8 @@ pub struct Adversity {
     pub frozen_dropped: u64,
     /// Nodes that pull and announce but answer no chunk request.
     pub withholders: u32,
+    /// Nodes that report every peer named to them silent.
+    pub accusers: u32,
     /// Registry requests a server error failed, and pulls that failed as
     /// the last attempt did.
     pub registry_errors: u64,

@@ -134,6 +134,11 @@ pub struct Scenario {
     /// and answer no chunk request (each waits out its deadline). A node
     /// with a valid certificate can do this; its announces never lapse.
     pub withholders: Option<f64>,
+    /// A fraction of nodes (chosen at random, none of them liars or
+    /// withholders) that pull and serve honestly, and report every peer
+    /// the tracker names to them silent, at each of its answers: the
+    /// attack on the tracker's silent-peer rule.
+    pub accusers: Option<f64>,
     pub freeze: Option<Freeze>,
     /// The registry answers every request sent in `[at_s, at_s + for_s)`
     /// with a server error (a 5xx burst).
@@ -197,6 +202,7 @@ impl Scenario {
             partition: None,
             liars: None,
             withholders: None,
+            accusers: None,
             freeze: None,
             registry_errors: None,
             max_downloads: DEFAULTS.max_downloads as u32,
@@ -308,9 +314,10 @@ impl Scenario {
                 .is_some_and(|f| !fraction_ok(f.fraction, f.at_s))
             || self.liars.is_some_and(|f| !fraction_ok(f, 0.0))
             || self.withholders.is_some_and(|f| !fraction_ok(f, 0.0))
+            || self.accusers.is_some_and(|f| !fraction_ok(f, 0.0))
         {
             return bad(
-                "churn, late-joiner, freeze, liar and withholder fractions must be in 0..=1 at a time >= 0",
+                "churn, late-joiner, freeze, liar, withholder and accuser fractions must be in 0..=1 at a time >= 0",
             );
         }
         let window_ok =

@@ -89,11 +89,10 @@ pub struct HostileResult {
     pub honest_banned: usize,
     /// The liars the tracker banned.
     pub liars_banned: Vec<String>,
-    /// Honest nodes the tracker silenced (named to nobody): must be 0.
-    pub honest_silenced: usize,
-    /// The liars the tracker silenced, reported by askers they left
-    /// unanswered.
-    pub liars_silenced: Vec<String>,
+    /// Honest nodes an asker reported silent (a request left unanswered).
+    pub honest_reported_silent: usize,
+    /// The liars askers reported silent.
+    pub liars_reported_silent: Vec<String>,
     /// Peers honest nodes dropped as slow or for bad chunks, summed.
     pub slow_peers_dropped: usize,
     pub bad_peers_dropped: usize,
@@ -231,13 +230,13 @@ pub async fn storm(
             .map(|(id, _)| id.clone())
             .filter(|id| standing(id).banned)
             .collect(),
-        honest_silenced: (0..nodes)
-            .filter(|&i| standing(&LocalCluster::node_id(i)).silences > 0)
+        honest_reported_silent: (0..nodes)
+            .filter(|&i| standing(&LocalCluster::node_id(i)).silent_reporters > 0)
             .count(),
-        liars_silenced: liars
+        liars_reported_silent: liars
             .iter()
             .map(|(id, _)| id.clone())
-            .filter(|id| standing(id).silences > 0)
+            .filter(|id| standing(id).silent_reporters > 0)
             .collect(),
         slow_peers_dropped: run.reports.iter().map(|r| r.slow_peers.len()).sum(),
         bad_peers_dropped: run.reports.iter().map(|r| r.bad_peers.len()).sum(),
@@ -428,8 +427,8 @@ pub fn print(h: &HostileResult) {
         h.honest_complete, h.corrupt_bytes, h.forged_hashes
     );
     println!(
-        "honest nodes banned: {}   liars banned: {:?}   honest nodes silenced: {}   liars silenced: {:?}",
-        h.honest_banned, h.liars_banned, h.honest_silenced, h.liars_silenced
+        "honest nodes banned: {}   liars banned: {:?}   honest nodes reported silent: {}   liars reported silent: {:?}",
+        h.honest_banned, h.liars_banned, h.honest_reported_silent, h.liars_reported_silent
     );
     println!(
         "accusations taken: {}   peers dropped as slow: {}, for bad chunks: {}   fell back: {}",

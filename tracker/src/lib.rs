@@ -545,21 +545,16 @@ impl Tracker {
                     digest: digest(&r.digest)?,
                     index: r.index,
                 };
-                let (was_silenced, standing) = {
+                let (owed, reporters) = {
                     let mut st = self.lock();
-                    let was = st.scheduler.standing(&report.offender).silenced;
-                    (was, st.scheduler.report_silent(&report, now)?)
+                    let owed = st.scheduler.report_silent(&report, now)?;
+                    let standing = st.scheduler.standing(&report.offender);
+                    (owed, standing.silent_reporters)
                 };
-                let silenced_now = standing.silenced && !was_silenced;
-                self.metrics.silent_peer_reported(silenced_now);
-                if silenced_now {
-                    tracing::warn!(offender = %report.offender, reporter = %report.reporter, digest = %report.digest,
-                        index = report.index, silences = standing.silences,
-                        "several askers found a peer silent; it is named to nobody and its chunks go out as registry runs for a while");
-                } else {
-                    tracing::info!(offender = %report.offender, reporter = %report.reporter, digest = %report.digest,
-                        index = report.index, reporters = standing.silent_reporters, "silent peer reported");
-                }
+                self.metrics.silent_peer_reported(owed);
+                tracing::info!(offender = %report.offender, reporter = %report.reporter, digest = %report.digest,
+                    index = report.index, owed, reporters,
+                    "silent peer reported; the chunks only it holds go out as registry runs");
                 Ok(None)
             }
             Some(Body::DigestFailed(f)) => {
@@ -662,9 +657,6 @@ impl Tracker {
         };
         for peer in &report.unbanned {
             tracing::info!(%peer, "ban ended");
-        }
-        for peer in &report.unsilenced {
-            tracing::info!(%peer, "silence ended; the agent is named to others again");
         }
         self.metrics
             .ticked(report.reclaimed.len(), report.expired.len());

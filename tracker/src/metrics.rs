@@ -63,7 +63,7 @@ pub struct TrackerMetrics {
     bad_chunk_reports: Counter,
     bans: Counter,
     silent_peer_reports: Counter,
-    silences: Counter,
+    silent_owed_chunks: Counter,
     digest_failures: Counter,
 }
 
@@ -95,7 +95,7 @@ impl TrackerMetrics {
             bad_chunk_reports: Counter::default(),
             bans: Counter::default(),
             silent_peer_reports: Counter::default(),
-            silences: Counter::default(),
+            silent_owed_chunks: Counter::default(),
             digest_failures: Counter::default(),
         };
         let r = &mut m.registry;
@@ -183,9 +183,9 @@ impl TrackerMetrics {
             m.silent_peer_reports.clone(),
         );
         r.register(
-            "silences",
-            "Agents silenced (named to nobody, holdings ignored) after silent-peer reports from distinct askers",
-            m.silences.clone(),
+            "silent_owed_chunks",
+            "Chunks held by one agent only that a silent-peer report sent out as registry runs",
+            m.silent_owed_chunks.clone(),
         );
         r.register(
             "digest_failures",
@@ -214,11 +214,10 @@ impl TrackerMetrics {
         }
     }
 
-    pub fn silent_peer_reported(&self, newly_silenced: bool) {
+    /// A silent-peer report taken, which made `owed` chunks owed a run.
+    pub fn silent_peer_reported(&self, owed: u32) {
         self.silent_peer_reports.inc();
-        if newly_silenced {
-            self.silences.inc();
-        }
+        self.silent_owed_chunks.inc_by(u64::from(owed));
     }
 
     pub fn digest_failed(&self) {

@@ -42,7 +42,7 @@
 //! its peer left silent (no byte of the chunk by the deadline, or none for
 //! `peer.request_timeout`: [`Error::PeerSilent`]), and the pull reports
 //! that peer to the tracker at once ([`Transfer::take_silent_peers`]),
-//! which stops counting a peer several askers found silent as a holder.
+//! which sends out what only that peer holds as registry runs.
 //! Rescue and endgame: a lane with nothing left to pick asks its peer for a
 //! chunk already requested from another peer, when every missing chunk is in
 //! flight or that request has taken [`RESCUE_FACTOR`] times the median chunk
@@ -726,8 +726,7 @@ impl Transfer {
     /// The peers dropped since the last call for a request they left
     /// unanswered (not a byte, or none for the request timeout), each with
     /// the chunk asked: the pull reports them to the tracker at once, which
-    /// silences a peer several askers found silent, so that what only it
-    /// holds goes out as registry runs to others.
+    /// sends out what only such a peer holds as registry runs to others.
     pub fn take_silent_peers(&self) -> Vec<(String, u32)> {
         std::mem::take(&mut self.lock().unreported_silent)
     }

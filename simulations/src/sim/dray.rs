@@ -151,6 +151,9 @@ impl World<'_> {
                     continue;
                 }
                 self.learn_peer(n, b as usize, p);
+                if self.nodes[n as usize].accuses {
+                    self.report_silent(n, b as usize, p, 0);
+                }
             }
         }
         for b in 0..self.blobs.len() {

@@ -158,6 +158,8 @@ struct Node {
     frozen: bool,
     /// Alive, pulling and announcing, and answering no chunk request.
     withholds: bool,
+    /// Reports every peer the tracker names to it silent.
+    accuses: bool,
     /// Requests to frozen peers in flight.
     hung: Vec<Hung>,
 }
@@ -203,6 +205,9 @@ struct World<'a> {
     /// What the adversaries and the rules against them did.
     adversity: Adversity,
 }
+
+/// Makes a node one kind of adversary.
+type Mark = fn(&mut Node);
 
 impl Node {
     /// A frozen node or a withholder: a request to it is neither answered
@@ -492,6 +497,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             rotor: 0,
             liar: false,
             withholds: false,
+            accuses: false,
             lied: false,
             caught: false,
             frozen: false,
@@ -555,18 +561,34 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
         }
         w.adversity.liars = count as u32;
     }
-    if let Some(f) = sc.withholders {
+    // Withholders, then accusers: a share of the nodes each, none of them
+    // an adversary already.
+    let adversaries: [(Option<f64>, Mark); 2] = [
+        (sc.withholders, |node| node.withholds = true),
+        (sc.accusers, |node| node.accuses = true),
+    ];
+    for (k, (fraction, mark)) in adversaries.into_iter().enumerate() {
+        let Some(f) = fraction else {
+            continue;
+        };
         rng.shuffle(&mut order);
         let count = (f * f64::from(pullers)).round() as usize;
         let chosen: Vec<u32> = order
             .iter()
             .copied()
-            .filter(|&n| !w.nodes[n as usize].liar)
+            .filter(|&n| {
+                let node = &w.nodes[n as usize];
+                !(node.liar || node.withholds || node.accuses)
+            })
             .take(count)
             .collect();
-        w.adversity.withholders = chosen.len() as u32;
-        for n in chosen {
-            w.nodes[n as usize].withholds = true;
+        for &n in &chosen {
+            mark(&mut w.nodes[n as usize]);
+        }
+        let chosen = chosen.len() as u32;
+        match k {
+            0 => w.adversity.withholders = chosen,
+            _ => w.adversity.accusers = chosen,
         }
     }
     if let Some(f) = &sc.freeze {

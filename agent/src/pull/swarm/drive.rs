@@ -277,9 +277,9 @@ impl Swarm {
                 tokio::spawn(task.in_current_span());
             }
             // So is a peer dropped for a request it left unanswered: until
-            // the tracker hears it from several askers, it counts it as
-            // holding what it announced, and what only it holds starves
-            // every pull (the simulator's withholders found it).
+            // the tracker hears it, it counts it as holding what it
+            // announced, and what only it holds starves every pull (the
+            // simulator's withholders found it).
             for (peer, index) in t.take_silent_peers() {
                 let swarm = self.clone();
                 let task = async move { swarm.report_silent(&digest, &peer, index).await };
