@@ -434,7 +434,7 @@ struct Peer {
     no_runs_before: Option<Instant>,
     /// Its record says banned (kept here: every answer checks each
     /// candidate): named to nobody, its holdings ignored, no runs.
-    excluded: bool,
+    banned: bool,
     /// Its ban ended: its next announce must be a full one, as the
     /// holdings it announced while banned were not taken.
     resend_full: bool,
@@ -723,7 +723,11 @@ impl Swarm {
     /// and a run will fetch it again as the registry budget allows. A pull
     /// lacking it is waiting on the tracker, not starving.
     fn owes_run(&self) -> bool {
-        (self.cursor..self.chunk_count).any(|i| self.hashed.get(i) && self.is_free(i))
+        // Asked at every announce of a swarm without runs: a blob nothing
+        // of which is hashed yet (a layer waiting for the registry budget)
+        // is not scanned.
+        self.hashed.count() > 0
+            && (self.cursor..self.chunk_count).any(|i| self.hashed.get(i) && self.is_free(i))
     }
 
     /// Whether `m` takes registry runs: it wants the blob and lacks chunks,
@@ -992,11 +996,6 @@ impl Record {
         }
     }
 
-    /// Banned: named to nobody, its holdings and reports not taken.
-    fn excluded(&self) -> bool {
-        self.banned
-    }
-
     /// Bans for `base` doubled per earlier ban, at most `max`.
     fn ban(&mut self, now: Instant, base: Duration, max: Duration) {
         let length = base.saturating_mul(1u32 << self.bans.min(16)).min(max);
@@ -1025,7 +1024,7 @@ impl Record {
     }
 
     fn is_idle(&self) -> bool {
-        !self.excluded()
+        !self.banned
             && self.reporters.is_empty()
             && self.accused.is_empty()
             && self.silent_reporters.is_empty()
@@ -1160,7 +1159,7 @@ impl Scheduler {
         self.slots
             .iter()
             .flatten()
-            .filter(|p| !p.excluded)
+            .filter(|p| !p.banned)
             .map(|p| (p.id.as_str(), &p.labels))
     }
 
@@ -1274,7 +1273,7 @@ impl Scheduler {
         let Some(peer) = peer_mut(&mut self.slots, key) else {
             return decision;
         };
-        let banned = peer.excluded;
+        let banned = peer.banned;
         if std::mem::take(&mut peer.resend_full) && !announce.full {
             // Its holdings are not known: a delta cannot say them.
             peer.resend_full = true;
@@ -1379,7 +1378,7 @@ impl Scheduler {
             blobs: BTreeSet::new(),
             runs: BTreeSet::new(),
             no_runs_before: None,
-            excluded: self.records.get(id).is_some_and(Record::excluded),
+            banned: self.records.get(id).is_some_and(|r| r.banned),
             resend_full: false,
         };
         let key = match self.free_slots.pop() {
@@ -1667,7 +1666,7 @@ impl Scheduler {
             .into_iter()
             .filter_map(|k| {
                 let p = peer_ref(&self.slots, k)?;
-                if p.excluded {
+                if p.banned {
                     return None;
                 }
                 let theirs = &swarm.members.get(&k)?.held;
@@ -1767,7 +1766,7 @@ impl Scheduler {
         accuser.accused.insert(report.offender.clone(), now);
         if accuser.accused.len() > self.config.max_accused_per_reporter {
             accuser.ban(now, base, max);
-            self.exclude(reporter);
+            self.ban(reporter);
             return Err(ScheduleError::ReporterBanned(report.reporter.clone()));
         }
         let threshold = self.config.reports_to_ban.max(1);
@@ -1787,7 +1786,7 @@ impl Scheduler {
                 swarm.remove_chunk(key, report.index);
             }
             if standing.banned && !was_banned {
-                self.exclude(key);
+                self.ban(key);
             }
             self.prune_member(key, report.digest);
         }
@@ -1796,7 +1795,7 @@ impl Scheduler {
 
     /// The reporter's and the offender's keys, if `reporter` may report
     /// `offender` for chunk `index` of `digest`: both differ, the reporter
-    /// is known and not excluded, the chunk exists, and the tracker named
+    /// is known and not banned, the chunk exists, and the tracker named
     /// the offender to the reporter for that blob (unless `confirmed`).
     fn check_report(
         &self,
@@ -1812,7 +1811,7 @@ impl Scheduler {
         let Some(&reporter) = self.index.get(reporter_id) else {
             return Err(ScheduleError::UnknownPeer(reporter_id.to_owned()));
         };
-        if peer_ref(&self.slots, reporter).is_some_and(|p| p.excluded) {
+        if peer_ref(&self.slots, reporter).is_some_and(|p| p.banned) {
             return Err(ScheduleError::ReporterBanned(reporter_id.to_owned()));
         }
         let Some(swarm) = self.swarms.get(&digest) else {
@@ -1904,11 +1903,11 @@ impl Scheduler {
 
     /// Drops a banned peer's holdings and runs; it stays a member where it
     /// wants a blob, so it can still finish pulling from others.
-    fn exclude(&mut self, key: PeerKey) {
+    fn ban(&mut self, key: PeerKey) {
         let Some(peer) = peer_mut(&mut self.slots, key) else {
             return;
         };
-        peer.excluded = true;
+        peer.banned = true;
         let runs = std::mem::take(&mut peer.runs);
         let blobs: Vec<BlobDigest> = peer.blobs.iter().copied().collect();
         for (digest, first) in runs {
@@ -2026,7 +2025,7 @@ impl Scheduler {
                     .get(id)
                     .and_then(|&k| peer_mut(&mut self.slots, k))
                 {
-                    peer.excluded = false;
+                    peer.banned = false;
                     peer.resend_full = true;
                 }
                 report.unbanned.push(id.clone());

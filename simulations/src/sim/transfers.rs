@@ -21,6 +21,9 @@ impl World<'_> {
         let max_up = self.sc.max_uploads;
         let nblobs = self.blobs.len();
         let mut busy = false;
+        // Only then is a peer's node read for whether it hangs: most peers
+        // of a busy swarm are busy, and a node read is a cache miss each.
+        let may_hang = self.sc.peers_may_hang();
         let rotor = self.nodes[nu].rotor;
         self.nodes[nu].rotor = rotor.wrapping_add(1);
         'blobs: for k in 0..nblobs {
@@ -48,14 +51,13 @@ impl World<'_> {
                 let pu = p as usize;
                 // Upload counts sit in one dense array: most peers of a busy
                 // swarm are busy, and this is the hot check.
-                if self.uploads[pu] >= max_up && !self.nodes[pu].hangs() {
-                    // The agent's request would be refused BUSY. Once one
-                    // peer refused, the others' nodes need not be read (a
-                    // cache miss each).
+                let hangs = may_hang && self.nodes[pu].hangs();
+                if self.uploads[pu] >= max_up && !hangs {
+                    // The agent's request would be refused BUSY.
                     busy = true;
                     continue;
                 }
-                if self.nodes[pu].hangs() {
+                if hangs {
                     // It refuses nothing: the request goes out and hangs,
                     // however many others do.
                     self.hang(n, b, p);
