@@ -16,8 +16,11 @@
 //!    and a `tar` layer) through the mirrors, for the side-by-side figures;
 //! 4. a second artifact with the tracker stopped (SIGSTOP: connections
 //!    accepted, nothing answered) a moment into the pull: every copy still
-//!    completes, none later than `swarm.stall` plus the registry time, and
-//!    the DHT keeps egress at most 1.5 copies.
+//!    completes, none later than `swarm.stall` after the slower of the
+//!    direct copies and the same copies through the mirrors with the
+//!    tracker up (step 2: on one 2-core machine the four agents' hashing,
+//!    QUIC and store writes can make those the slower), and the DHT keeps
+//!    egress at most 1.5 copies.
 //!
 //! And the local API refuses to unpack an artifact's blob (it has no diffID
 //! to check a tar against), before it fetches any of it.
@@ -176,15 +179,17 @@ async fn a_modelpack_artifact_goes_through_four_mirrors_about_once_and_survives_
     assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
     check_and_remove(&copies, &hung);
     let hung_s: Vec<f64> = copies.iter().map(|c| c.1).collect();
+    // What the copies take without the hang: the slower of the registry
+    // and the mirrors with the tracker up, in this run.
+    let unhung_s = registry_s.max(last(&model_s));
+    let bound = STALL_S + unhung_s;
     eprintln!(
-        "tracker hung 0.5 s into the pull: copies done at {hung_s:.1?} s (bound {:.1} s: swarm.stall + the registry time); egress {hung_copies:.3} copies",
-        STALL_S + registry_s
+        "tracker hung 0.5 s into the pull: copies done at {hung_s:.1?} s (bound {bound:.1} s: swarm.stall + {unhung_s:.1} s without the hang); egress {hung_copies:.3} copies"
     );
     assert!(
-        last(&hung_s) <= STALL_S + registry_s,
-        "a copy took {:.1} s with the tracker hung; swarm.stall plus the registry time is {:.1} s",
-        last(&hung_s),
-        STALL_S + registry_s
+        last(&hung_s) <= bound,
+        "a copy took {:.1} s with the tracker hung; swarm.stall after the copies without the hang is {bound:.1} s",
+        last(&hung_s)
     );
     assert!(
         hung_copies <= 1.5,

@@ -9,7 +9,7 @@ use super::{MAX_ANNOUNCE_BYTES, MAX_ANNOUNCE_CHUNKS, Swarm, Update, lock};
 use crate::discovery::advertise::{self};
 use crate::discovery::dht::Dht;
 use crate::error::Result;
-use crate::pull::fetch::PeerAddr;
+use crate::pull::fetch::{PeerAddr, Transfer};
 use crate::store::{Blob, Holding};
 use dray_protocol::defaults::announce_spread;
 use dray_protocol::pb::{self, tracker_request::Body};
@@ -19,6 +19,7 @@ use prost::Message;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
+use tracing::Instrument;
 
 impl Swarm {
     /// Announces until the task is dropped: often while pulls run, seldom otherwise.
@@ -390,7 +391,27 @@ impl Swarm {
         }
     }
 
-    pub(super) async fn report_bad_chunk(&self, digest: &BlobDigest, offender: &str, index: u32) {
+    /// Reports, each in its own task (a hung tracker never holds a pull),
+    /// the peers `transfer` found sending a chunk that failed its hash or
+    /// leaving a request unanswered since the last call. Until the tracker
+    /// hears it, it counts such a peer as holding what it announced and
+    /// hands nobody a registry run of it, so every pull it lies to or
+    /// ignores starves for those chunks and fetches them from the registry
+    /// on its own (the chaos sweep's `liars` and `withholders` found it).
+    pub(super) fn spawn_reports(self: &Arc<Self>, digest: &BlobDigest, transfer: &Transfer) {
+        for (peer, index) in transfer.take_bad_chunks() {
+            let (swarm, digest) = (self.clone(), *digest);
+            let task = async move { swarm.report_bad_chunk(&digest, &peer, index).await };
+            tokio::spawn(task.in_current_span());
+        }
+        for (peer, index) in transfer.take_silent_peers() {
+            let (swarm, digest) = (self.clone(), *digest);
+            let task = async move { swarm.report_silent(&digest, &peer, index).await };
+            tokio::spawn(task.in_current_span());
+        }
+    }
+
+    async fn report_bad_chunk(&self, digest: &BlobDigest, offender: &str, index: u32) {
         let body = Body::BadChunk(pb::BadChunkReport {
             reporter: self.node.peer_id().to_string(),
             offender: offender.to_string(),
@@ -400,7 +421,7 @@ impl Swarm {
         self.report(digest, body, "a bad chunk").await;
     }
 
-    pub(super) async fn report_silent(&self, digest: &BlobDigest, offender: &str, index: u32) {
+    async fn report_silent(&self, digest: &BlobDigest, offender: &str, index: u32) {
         let body = Body::SilentPeer(pb::SilentPeerReport {
             reporter: self.node.peer_id().to_string(),
             offender: offender.to_string(),

@@ -131,12 +131,7 @@ impl Swarm {
             report.slow_peers.extend(fetched.slow_peers.into_keys());
             report.liars.extend(fetched.liars);
             report.checks += fetched.checks;
-            for (peer, index) in transfer.take_bad_chunks() {
-                self.report_bad_chunk(&digest, &peer, index).await;
-            }
-            for (peer, index) in transfer.take_silent_peers() {
-                self.report_silent(&digest, &peer, index).await;
-            }
+            self.spawn_reports(&digest, &transfer);
             for (peer, index) in &fetched.bad_peers {
                 report.bad_peers.push(peer.clone());
                 let why = format!("chunk {index} failed its hash");
@@ -266,25 +261,7 @@ impl Swarm {
             while let Some(done) = checks.try_join_next() {
                 done??;
             }
-            // A peer that sent a chunk failing its hash is reported at once:
-            // until the tracker hears it, it counts the liar as holding the
-            // chunk and hands nobody a registry run of it, and every pull the
-            // liar lies to starves for it and fetches it from the registry
-            // on its own (the chaos sweep's `liars` class found it).
-            for (peer, index) in t.take_bad_chunks() {
-                let swarm = self.clone();
-                let task = async move { swarm.report_bad_chunk(&digest, &peer, index).await };
-                tokio::spawn(task.in_current_span());
-            }
-            // So is a peer dropped for a request it left unanswered: until
-            // the tracker hears it, it counts it as holding what it
-            // announced, and what only it holds starves every pull (the
-            // simulator's withholders found it).
-            for (peer, index) in t.take_silent_peers() {
-                let swarm = self.clone();
-                let task = async move { swarm.report_silent(&digest, &peer, index).await };
-                tokio::spawn(task.in_current_span());
-            }
+            self.spawn_reports(&digest, t);
             if t.blob().is_complete() {
                 return Ok(());
             }
