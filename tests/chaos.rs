@@ -51,6 +51,7 @@ fn two_hundred_seeds_of_faults_keep_every_invariant() {
         "registry-errors",
         "withholders",
         "accusers",
+        "tricklers",
     ] {
         assert!(classes.contains(&class), "{classes:?}");
     }

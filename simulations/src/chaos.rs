@@ -4,7 +4,8 @@
 //! Each seed makes one case: a cluster (16-64 nodes, 1-3 layers, 64-320 MiB,
 //! a registry of 1-4 Gbit/s) and one or two fault classes with their times,
 //! and on half the seeds with one fault an adversary more (liars, frozen
-//! peers, registry errors, withholders, accusers), all drawn from the seed. The case runs twice, with its faults and without
+//! peers, registry errors, withholders, accusers, tricklers), all drawn
+//! from the seed. The case runs twice, with its faults and without
 //! (the same seed otherwise), and these invariants are checked:
 //! - every node that stays completes (the simulated registry never fails
 //!   for longer than a request's retries, so a direct pull would have);
@@ -22,8 +23,9 @@
 //! simulated chunk's content is its hash) and a peer that fails it is
 //! banned from the pull, as the agent's lane does; a request to a frozen
 //! peer or a withholder waits out its deadline, or the request timeout
-//! without a byte (`dray_protocol::pull::deadline::silent_deadline`),
-//! and the asker reports the peer silent to the tracker, whose scheduler
+//! without a byte (`dray_protocol::pull::deadline::silent_deadline`), one
+//! to a trickler its deadline (`ChunkRates::deadline`, the agent's rule),
+//! and the asker reports the peer to the tracker, whose scheduler
 //! sends out what only reported peers hold as registry runs; a
 //! registry request refused with a server error is sent again after
 //! `dray_protocol::defaults::registry_retry_after`, and one whose last
@@ -35,9 +37,10 @@
 //! it exactly. Not modelled here: liars in DHT mode (claims of chunk hashes,
 //! the `Arbiter`), forged maps and false reports (`tests/hostile_swarm.rs`
 //! runs those against real agents; the simulated tracker hears no bad-chunk
-//! reports), truncated registry bodies, trickling peers and deadlines of
-//! live peers (a simulated flow always ends), the endgame's second
-//! requests (a chunk asked of a frozen peer waits its deadline), disk full.
+//! reports), truncated registry bodies, deadlines of honest peers (a
+//! simulated flow between them always ends in time), the endgame's second
+//! requests (a chunk asked of a frozen peer or a trickler waits its
+//! deadline), disk full.
 
 use crate::net::Rng;
 use crate::report::SimReport;
@@ -75,13 +78,17 @@ pub enum Class {
     /// A share of the nodes (at most a quarter) pull and serve honestly and
     /// report every peer named to them silent.
     Accusers,
+    /// A share of the nodes (at most a quarter) pull and announce as honest
+    /// nodes do, and answer every chunk request at 1 KiB/s: never silent,
+    /// always past the deadline.
+    Tricklers,
 }
 
 impl Class {
     /// Where the adversaries start in [`Class::ALL`].
     pub const ADVERSARIES: usize = 6;
 
-    pub const ALL: [Class; 11] = [
+    pub const ALL: [Class; 12] = [
         Class::TrackerHang,
         Class::TrackerCrash,
         Class::TrackerPartition,
@@ -93,6 +100,7 @@ impl Class {
         Class::RegistryErrors,
         Class::Withholders,
         Class::Accusers,
+        Class::Tricklers,
     ];
 
     pub fn name(self) -> &'static str {
@@ -108,6 +116,7 @@ impl Class {
             Class::RegistryErrors => "registry-errors",
             Class::Withholders => "withholders",
             Class::Accusers => "accusers",
+            Class::Tricklers => "tricklers",
         }
     }
 
@@ -194,6 +203,13 @@ impl Class {
             // accused peers hold goes out as runs, at most a quarter of a
             // swarm's members accused at once.
             Class::Accusers => (2.0, 0.0, grace_s()),
+            // A request to a trickler is given up at its deadline and the
+            // asker reports it, as it does a silent peer. The simulator
+            // sends no endgame second request, so a chunk asked of a
+            // trickler waits out the deadline, and a node with no chunk
+            // rate yet (its first deadline) may ask up to three tricklers
+            // in turn (the sweep found seeds past one and two).
+            Class::Tricklers => (2.0, 0.0, 3.0 * first_deadline_s() + grace_s()),
         }
     }
 }
@@ -352,6 +368,10 @@ pub fn case(seed: u64) -> Case {
             }
             Class::Accusers => {
                 sc.accusers = Some(fraction);
+                (0.0, fraction)
+            }
+            Class::Tricklers => {
+                sc.tricklers = Some(fraction);
                 (0.0, fraction)
             }
         };

@@ -154,13 +154,17 @@ pub struct Adversity {
     pub liars_banned: u32,
     /// Times a node banned or dropped a peer that neither lies nor froze.
     pub honest_dropped: u64,
-    /// Times a node dropped a frozen peer or a withholder past a request's
-    /// deadline.
+    /// Times a node dropped a frozen peer, a withholder or a trickler past
+    /// a request's deadline.
     pub frozen_dropped: u64,
     /// Nodes that pull and announce but answer no chunk request.
     pub withholders: u32,
     /// Nodes that report every peer named to them silent.
     pub accusers: u32,
+    /// Nodes that answer every chunk request too slowly for its deadline.
+    pub tricklers: u32,
+    /// Nodes that claim every chunk and answer no chunk request.
+    pub claimers: u32,
     /// Registry requests a server error failed, and pulls that failed as
     /// the last attempt did.
     pub registry_errors: u64,

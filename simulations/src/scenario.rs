@@ -139,6 +139,16 @@ pub struct Scenario {
     /// the tracker names to them silent, at each of its answers: the
     /// attack on the tracker's silent-peer rule.
     pub accusers: Option<f64>,
+    /// A fraction of nodes (chosen at random, none of them another
+    /// adversary) that trickle: they pull and announce as honest nodes do,
+    /// and answer every chunk request at 1 KiB/s, a byte now and then, so
+    /// that no request of theirs is ever silent; each misses its deadline.
+    pub tricklers: Option<f64>,
+    /// A fraction of nodes (chosen at random, none of them another
+    /// adversary) that claim every chunk of every blob, in their announces
+    /// and to their askers, from the start, and answer no chunk request;
+    /// they pull as honest nodes do.
+    pub claimers: Option<f64>,
     pub freeze: Option<Freeze>,
     /// The registry answers every request sent in `[at_s, at_s + for_s)`
     /// with a server error (a 5xx burst).
@@ -178,10 +188,14 @@ pub struct Scenario {
 }
 
 impl Scenario {
-    /// Whether a peer may leave a chunk request unanswered (frozen peers,
-    /// withholders): only then do requests carry the agent's deadlines.
+    /// Whether a peer may leave a chunk request unanswered or all but
+    /// (frozen peers, withholders, tricklers, claimers): only then do
+    /// requests carry the agent's deadlines.
     pub fn peers_may_hang(&self) -> bool {
-        self.freeze.is_some() || self.withholders.is_some()
+        self.freeze.is_some()
+            || self.withholders.is_some()
+            || self.tricklers.is_some()
+            || self.claimers.is_some()
     }
 
     fn base(name: &str, nodes: u32, layers: u32, image_bytes: u64) -> Self {
@@ -203,6 +217,8 @@ impl Scenario {
             liars: None,
             withholders: None,
             accusers: None,
+            tricklers: None,
+            claimers: None,
             freeze: None,
             registry_errors: None,
             max_downloads: DEFAULTS.max_downloads as u32,
@@ -315,9 +331,11 @@ impl Scenario {
             || self.liars.is_some_and(|f| !fraction_ok(f, 0.0))
             || self.withholders.is_some_and(|f| !fraction_ok(f, 0.0))
             || self.accusers.is_some_and(|f| !fraction_ok(f, 0.0))
+            || self.tricklers.is_some_and(|f| !fraction_ok(f, 0.0))
+            || self.claimers.is_some_and(|f| !fraction_ok(f, 0.0))
         {
             return bad(
-                "churn, late-joiner, freeze, liar, withholder and accuser fractions must be in 0..=1 at a time >= 0",
+                "churn, late-joiner, freeze, liar, withholder, accuser, trickler and claimer fractions must be in 0..=1 at a time >= 0",
             );
         }
         let window_ok =

@@ -249,7 +249,15 @@ fn unknown_names_and_bad_scenarios_are_typed_errors() {
         sc = small();
         sc.accusers = Some(bad);
         let err = run(&sc, Strategy::Dray, 1).unwrap_err();
-        assert!(err.to_string().contains("accuser fractions"), "{err}");
+        assert!(err.to_string().contains("accuser"), "{err}");
+        sc = small();
+        sc.tricklers = Some(bad);
+        let err = run(&sc, Strategy::Dray, 1).unwrap_err();
+        assert!(err.to_string().contains("trickler"), "{err}");
+        sc = small();
+        sc.claimers = Some(bad);
+        let err = run(&sc, Strategy::Dray, 1).unwrap_err();
+        assert!(err.to_string().contains("claimer fractions"), "{err}");
     }
 }
 
@@ -326,6 +334,58 @@ fn withholders_are_dropped_and_reported_and_nobody_starves_for_their_chunks() {
     assert_eq!((a.bad_chunks, a.honest_dropped), (0, 0), "{a:?}");
     assert_eq!(r.fallbacks, 0, "{:?}", r.fallback_rules);
     assert!(r.registry_egress_ratio <= 1.5, "{r:?}");
+}
+
+/// Tricklers (members that pull and announce, and answer every request at
+/// 1 KiB/s) are dropped at a request's deadline and reported as silent
+/// peers are: unreported, what only they held was starved for and fetched
+/// by each pull alone (this case: 2.31 copies; the chaos sweep: up to 9.25).
+#[test]
+fn tricklers_are_dropped_at_the_deadline_and_reported_and_nobody_starves_for_their_chunks() {
+    let mut sc = small();
+    sc.tricklers = Some(0.25);
+    let r = run(&sc, Strategy::Dray, 1).unwrap();
+    let a = &r.adversity;
+    assert_eq!(r.completed, 16, "tricklers pull too: {r:?}");
+    assert_eq!(a.tricklers, 4);
+    assert!(a.frozen_dropped > 0, "{a:?}");
+    assert_eq!((a.bad_chunks, a.honest_dropped), (0, 0), "{a:?}");
+    assert_eq!(r.fallback_rules.starved, 0, "{:?}", r.fallback_rules);
+    assert!(r.registry_egress_ratio <= 1.5, "{r:?}");
+}
+
+/// Claimers (members that say from the start they hold every chunk, and
+/// answer no request) cost no egress: their chunks count as unpublished
+/// until a registry run hashes them, and once asked they are reported as
+/// silent peers are. They cost time, a request timeout per claimer a pull
+/// asks (figures: `docs/results.md`, "Claimers"); not yet a chaos class.
+#[test]
+fn claimers_of_every_chunk_cost_no_egress() {
+    let mut sc = small();
+    sc.claimers = Some(0.25);
+    let r = run(&sc, Strategy::Dray, 1).unwrap();
+    assert_eq!(r.adversity.claimers, 4);
+    assert_eq!(r.completed, 16, "{r:?}");
+    assert!(r.adversity.frozen_dropped > 0, "{:?}", r.adversity);
+    assert!(r.registry_egress_ratio <= 1.1, "{r:?}");
+}
+
+/// Found by the chaos sweep on the way (seed 279 when it drew accusers),
+/// not fixed: two accusers among 46 nodes beside a registry at a tenth of
+/// its rate and no node completes; the registry sends 124.8 copies in
+/// 3,016 simulated seconds, every chunk's run taken back about 545 times.
+/// The same case without the accusers completes in 25.7 s at 1.00 copies.
+#[test]
+#[ignore = "issue 36 finding, not fixed yet: accusers beside a slow registry stop every pull"]
+fn accusers_beside_a_slow_registry_stop_no_pull() {
+    let mut sc = crate::chaos::case(279).scenario;
+    sc.withholders = None;
+    sc.accusers = Some(0.05);
+    let r = run(&sc, Strategy::Dray, 1).unwrap();
+    assert_eq!(r.adversity.accusers, 2);
+    let (done, copies) = (r.completed, r.registry_egress_ratio);
+    assert_eq!(done, sc.nodes, "{done} done, {copies:.2} copies");
+    assert!(copies <= 1.75, "{copies:.2} copies");
 }
 
 /// Accusers (members that pull and serve honestly and report every peer

@@ -10,7 +10,17 @@ impl World<'_> {
             return;
         }
         node.started = true;
-        if matches!(self.strategy, Strategy::Dray | Strategy::DrayDht) {
+        if node.claims {
+            // A claimer holds nothing and says it holds everything: as the
+            // tracker and its askers see it, a seed from the start.
+            for nb in &mut node.blobs {
+                fill(&mut nb.held);
+                nb.complete = true;
+                nb.picker = None;
+            }
+            node.done_at = Some(self.net.now());
+            self.pending -= 1;
+        } else if matches!(self.strategy, Strategy::Dray | Strategy::DrayDht) {
             let config = pull_config(sc, self.strategy);
             for nb in &mut node.blobs {
                 nb.pull = Some(PullMachine::new(instant, false, 0, config.clone()));

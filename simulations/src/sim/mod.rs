@@ -160,6 +160,13 @@ struct Node {
     withholds: bool,
     /// Reports every peer the tracker names to it silent.
     accuses: bool,
+    /// Alive, pulling and announcing, and answering every chunk request
+    /// too slowly to meet its deadline, never silent.
+    trickles: bool,
+    /// Claims every chunk of every blob from its start (announces and
+    /// bitfields: it counts as holding them) and answers no chunk request;
+    /// it pulls nothing.
+    claims: bool,
     /// Requests to frozen peers in flight.
     hung: Vec<Hung>,
 }
@@ -210,10 +217,11 @@ struct World<'a> {
 type Mark = fn(&mut Node);
 
 impl Node {
-    /// A frozen node or a withholder: a request to it is neither answered
-    /// nor refused (its upload slots do not fill: it never says BUSY).
+    /// A frozen node, a withholder or a trickler: a request to it is
+    /// neither answered in time nor refused (its upload slots do not fill:
+    /// it never says BUSY).
     fn hangs(&self) -> bool {
-        self.frozen || self.withholds
+        self.frozen || self.withholds || self.trickles || self.claims
     }
 }
 
@@ -498,6 +506,8 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             liar: false,
             withholds: false,
             accuses: false,
+            trickles: false,
+            claims: false,
             lied: false,
             caught: false,
             frozen: false,
@@ -561,11 +571,13 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
         }
         w.adversity.liars = count as u32;
     }
-    // Withholders, then accusers: a share of the nodes each, none of them
-    // an adversary already.
-    let adversaries: [(Option<f64>, Mark); 2] = [
+    // Withholders, accusers, tricklers, then claimers: a share of the
+    // nodes each, none of them an adversary already.
+    let adversaries: [(Option<f64>, Mark); 4] = [
         (sc.withholders, |node| node.withholds = true),
         (sc.accusers, |node| node.accuses = true),
+        (sc.tricklers, |node| node.trickles = true),
+        (sc.claimers, |node| node.claims = true),
     ];
     for (k, (fraction, mark)) in adversaries.into_iter().enumerate() {
         let Some(f) = fraction else {
@@ -578,7 +590,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             .copied()
             .filter(|&n| {
                 let node = &w.nodes[n as usize];
-                !(node.liar || node.withholds || node.accuses)
+                !(node.liar || node.withholds || node.accuses || node.trickles || node.claims)
             })
             .take(count)
             .collect();
@@ -588,7 +600,9 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
         let chosen = chosen.len() as u32;
         match k {
             0 => w.adversity.withholders = chosen,
-            _ => w.adversity.accusers = chosen,
+            1 => w.adversity.accusers = chosen,
+            2 => w.adversity.tricklers = chosen,
+            _ => w.adversity.claimers = chosen,
         }
     }
     if let Some(f) = &sc.freeze {

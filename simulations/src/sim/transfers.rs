@@ -138,11 +138,18 @@ impl World<'_> {
         u64::try_from(wait.as_nanos()).map_or(u64::MAX, |ns| now.saturating_add(ns))
     }
 
-    /// `n` asks frozen peer or withholder `p` for chunks of blob `b` in its free slots:
-    /// the requests go out and nothing comes back.
+    /// `n` asks frozen peer, withholder or trickler `p` for chunks of blob
+    /// `b` in its free slots: the requests go out and nothing comes back,
+    /// or from a trickler a byte now and then (the request ends at its
+    /// deadline, not after the request timeout, and is not silent).
     fn hang(&mut self, n: u32, b: usize, p: u32) {
+        let trickles = self.nodes[p as usize].trickles;
         while let Some(c) = self.take_request(n, b, p) {
-            let due_ns = self.silent_due_ns(self.deadline_ns(n, b, c));
+            let deadline_ns = self.deadline_ns(n, b, c);
+            let due_ns = match trickles {
+                true => deadline_ns,
+                false => self.silent_due_ns(deadline_ns),
+            };
             self.nodes[n as usize].hung.push(Hung {
                 blob: b as u16,
                 chunk: c,
