@@ -17,14 +17,12 @@
 
 use anyhow::{Context, Result, bail};
 use dray_agent::config::AgentConfig;
-use dray_agent::serving::local_api::{self, LocalApi};
 use dray_agent::serving::metrics::{AdminEndpoint, AgentMetrics};
-use dray_agent::serving::mirror::Mirror;
-use std::future::{Future, IntoFuture};
+use dray_agent::serving::surfaces::Surfaces;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::signal::unix::{SignalKind, signal};
-use tokio::sync::watch;
 
 /// How often the stop checks whether uploads have finished.
 const DRAIN_POLL: Duration = Duration::from_millis(50);
@@ -64,61 +62,27 @@ pub async fn run_agent(cfg: AgentConfig) -> Result<()> {
     let (preheats, preheat_tasks) = tokio::sync::mpsc::unbounded_channel();
     swarm.preheats().set_runner(preheats);
     agent.spawn_loops(true);
-    let listener = tokio::net::TcpListener::bind(cfg.mirror.listen)
-        .await
-        .with_context(|| format!("binding the mirror to {}", cfg.mirror.listen))?;
-    let mirror_addr = listener.local_addr()?;
-    let local = local_api::bind(&cfg.local_api.socket).with_context(|| {
-        format!(
-            "binding the local API to {}",
-            cfg.local_api.socket.display()
-        )
-    })?;
+    let mut surfaces = Surfaces::serve(
+        agent.pulls(),
+        cfg.mirror.clone(),
+        Some((&cfg.local_api, cfg.unpack.clone())),
+    )
+    .await?;
     let dht = match swarm.dht() {
         Some(dht) => format!(", DHT on {}", dht.listening().await?),
         None => String::new(),
     };
     eprintln!(
-        "dray agent {} serving peers on {} and the registry mirror on http://{mirror_addr} (metrics on http://{admin_addr}/metrics, local API on {}{dht})",
+        "dray agent {} serving peers on {} and the registry mirror on {} (metrics on http://{admin_addr}/metrics, local API on {}{dht})",
         node.peer_id(),
         node.local_addr()?,
+        surfaces.mirror_url(),
         cfg.local_api.socket.display()
     );
-    let api = LocalApi::new(
-        agent.pulls().clone(),
-        cfg.mirror.clone(),
-        &cfg.local_api,
-        cfg.unpack.clone(),
-    );
-    let preheat_task = tokio::spawn(api.clone().run_preheats(preheat_tasks));
-    let mirror = Mirror::new(agent.pulls().clone(), cfg.mirror.clone());
-    // Set at the stop: no new requests; those under way run to their end.
-    let (draining, drained) = watch::channel(false);
-    let until_draining = move || {
-        let mut rx = drained.clone();
-        async move {
-            let _ = rx.wait_for(|d| *d).await;
-        }
-    };
-    let mut mirror_task = tokio::spawn(
-        axum::serve(listener, mirror.router())
-            .with_graceful_shutdown(until_draining())
-            .into_future(),
-    );
-    let mut api_task = tokio::spawn(
-        axum::serve(local, api.router())
-            .with_graceful_shutdown(until_draining())
-            .into_future(),
-    );
+    let api = surfaces.local_api().expect("served above").clone();
+    let preheat_task = tokio::spawn(api.run_preheats(preheat_tasks));
     let signal = tokio::select! {
-        served = &mut mirror_task => {
-            served.context("mirror task")?.with_context(|| format!("serving the mirror on {mirror_addr}"))?;
-            bail!("the mirror on {mirror_addr} stopped serving")
-        }
-        served = &mut api_task => {
-            served.context("local API task")?.context("serving the local API")?;
-            bail!("the local API stopped serving")
-        }
+        e = surfaces.failed() => return Err(e.into()),
         served = admin_task => {
             served.context("admin endpoint task")?
                 .with_context(|| format!("serving the admin endpoint on {admin_addr}"))?;
@@ -134,15 +98,14 @@ pub async fn run_agent(cfg: AgentConfig) -> Result<()> {
     );
     // A second signal cuts the wait short (the store is still flushed).
     let again = shutdown_signal()?;
-    let _ = draining.send(true);
+    surfaces.drain();
     // No new preheat job starts; the pulls of those under way end with the process.
     preheat_task.abort();
     agent.stop_loops();
     let _ = tokio::time::timeout_at(deadline, swarm.leave()).await;
     node.drain();
     let finished = async {
-        let _ = (&mut mirror_task).await;
-        let _ = (&mut api_task).await;
+        surfaces.finished().await;
         while node.active_uploads() > 0 {
             tokio::time::sleep(DRAIN_POLL).await;
         }
@@ -153,16 +116,12 @@ pub async fn run_agent(cfg: AgentConfig) -> Result<()> {
         signal = again => Some(format!("{signal} again")),
     };
     if let Some(why) = cut_short {
-        let answering = [&mirror_task, &api_task]
-            .iter()
-            .filter(|t| !t.is_finished())
-            .count();
         eprintln!(
-            "dray agent: {why} with {} uploads under way and {answering} of the mirror and the local API still answering: stopping them",
-            node.active_uploads()
+            "dray agent: {why} with {} uploads under way and {} of the mirror and the local API still answering: stopping them",
+            node.active_uploads(),
+            surfaces.serving()
         );
-        mirror_task.abort();
-        api_task.abort();
+        surfaces.abort();
     }
     node.close();
     node.closed(CLOSE_WAIT).await;

@@ -112,7 +112,7 @@ async fn mirror_mode_stores_each_layer_twice_and_snapshotter_mode_once() {
         let dir = work.path().join("shim");
         let agent = Agent::alone("node-s", &dir);
         let mirror = MirrorProc::start(&agent, &upstreams).await;
-        let api = LocalApiProc::start(&agent, &dir.join("agent.sock"), &upstreams);
+        let api = LocalApiProc::start(&agent, &dir.join("agent.sock"), &upstreams).await;
         let shim = SnapshotterProc::start(&dir, &api.socket);
         let side_door = registry.side_door().await;
         let hosts = hosts_dir(&dir, &registry.host(), &side_door.url(), &mirror.url);

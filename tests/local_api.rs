@@ -149,7 +149,7 @@ async fn an_agent_unpack_past_the_shims_deadline_falls_back_to_containerds_own_p
     registry.throttle(1_000_000);
     let agent = Agent::alone("node-a", work);
     let upstreams = [(registry.host(), registry.url())];
-    let api = LocalApiProc::start(&agent, &work.join("agent.sock"), &upstreams);
+    let api = LocalApiProc::start(&agent, &work.join("agent.sock"), &upstreams).await;
     // A deadline of 1 s per layer whatever its size (1 GB/s on top of 1 s).
     let shim = SnapshotterProc::start_configured(
         work,

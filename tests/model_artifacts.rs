@@ -208,7 +208,8 @@ async fn the_local_api_refuses_to_unpack_an_artifacts_blob_and_fetches_none_of_i
         &agent,
         &work.join("agent.sock"),
         &[(registry.host(), registry.url())],
-    );
+    )
+    .await;
     dray_agent::pull::registry::install_crypto_provider();
     let image = format!("{}/models/small:v1", registry.host());
     let target = work.join("unpacked");

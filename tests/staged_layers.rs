@@ -38,7 +38,7 @@ async fn node(work: &Path) -> Node {
     let agent = Agent::alone("node-a", work);
     let upstreams = [(registry.host(), registry.url())];
     let mirror = MirrorProc::start(&agent, &upstreams).await;
-    let api = LocalApiProc::start(&agent, &work.join("agent.sock"), &upstreams);
+    let api = LocalApiProc::start(&agent, &work.join("agent.sock"), &upstreams).await;
     let shim = SnapshotterProc::start(work, &api.socket);
     let side_door = registry.side_door().await;
     let hosts = hosts_dir(work, &registry.host(), &side_door.url(), &mirror.url);

@@ -3,7 +3,9 @@
 //! the swarm and makes the one [`Pulls`] that the mirror and the local API
 //! share; [`Agent::spawn_loops`] starts the announcer and the garbage
 //! collector. `dray agent`, the in-process clusters of the benches and the
-//! tests all start agents here, so what they run is what ships.
+//! tests all start agents here, and serve the mirror and the local API of
+//! those [`Pulls`] through [`crate::serving::surfaces::Surfaces`], so what
+//! they run is what ships.
 
 use crate::config::AgentConfig;
 use crate::discovery::dht::Dht;

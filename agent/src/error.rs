@@ -19,6 +19,10 @@ pub enum Error {
     /// or was cancelled: a bug or a shutdown, not the database.
     #[error("agent task ended without finishing: {0}")]
     Task(#[from] tokio::task::JoinError),
+    /// The mirror or the local API stopped serving before the agent stopped
+    /// it (its task panicked, or its server returned).
+    #[error("{what} stopped serving: {detail}")]
+    Stopped { what: String, detail: String },
     #[error("configuration: {0}")]
     Config(String),
     #[error("TLS: {0}")]

@@ -32,7 +32,8 @@ use dray_agent::peer::PeerConfig;
 use dray_agent::pull::PullState;
 use dray_agent::pull::registry::RegistryClient;
 use dray_agent::pull::swarm::{PullReport, SwarmConfig};
-use dray_agent::serving::mirror::{Mirror, MirrorConfig};
+use dray_agent::serving::mirror::MirrorConfig;
+use dray_agent::serving::surfaces::Surfaces;
 use dray_protocol::{BlobDigest, DEFAULT_CHUNK_SIZE};
 use dray_testkit::cluster::LocalCluster;
 use futures_util::StreamExt;
@@ -230,17 +231,15 @@ async fn mirror_storm(
     let mut servers = Vec::new();
     let mut urls = Vec::new();
     for i in 0..nodes {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        urls.push(format!("http://{}", listener.local_addr()?));
         let config = MirrorConfig {
-            listen: listener.local_addr()?,
+            listen: "127.0.0.1:0".parse()?,
             upstreams: [(registry.host(), registry.url())].into_iter().collect(),
             default_registry: Some(registry.host()),
             ..Default::default()
         };
-        servers.push(tokio::spawn(
-            Mirror::new(cluster.pulls(i).clone(), config).serve(listener),
-        ));
+        let served = Surfaces::serve(cluster.pulls(i), config, None).await?;
+        urls.push(served.mirror_url());
+        servers.push(served);
     }
     let dir = tempfile::tempdir()?;
     let before = registry.egress();

@@ -287,7 +287,8 @@ struct MirrorResult {
 async fn mirror(b: MirrorBench) -> Result<()> {
     use dray_agent::config::AgentConfig;
     use dray_agent::pull::registry::RegistryClient;
-    use dray_agent::serving::mirror::{Mirror, MirrorConfig};
+    use dray_agent::serving::mirror::MirrorConfig;
+    use dray_agent::serving::surfaces::Surfaces;
     if b.size < 4 || b.rounds == 0 {
         bail!("--size must be at least 4 bytes and --rounds positive");
     }
@@ -314,15 +315,14 @@ async fn mirror(b: MirrorBench) -> Result<()> {
         ca.issue("bench-mirror")?,
         Arc::default(),
     )?;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let mirror_url = format!("http://{}", listener.local_addr()?);
     let config = MirrorConfig {
-        listen: listener.local_addr()?,
+        listen: "127.0.0.1:0".parse()?,
         upstreams: [(registry.host(), registry.url())].into_iter().collect(),
         default_registry: Some(registry.host()),
         ..Default::default()
     };
-    let server = tokio::spawn(Mirror::new(agent.pulls().clone(), config).serve(listener));
+    let server = Surfaces::serve(agent.pulls(), config, None).await?;
+    let mirror_url = server.mirror_url();
     let through_mirror = RegistryClient::new(&mirror_url, None)?;
     let direct = RegistryClient::new(&registry.url(), None)?;
     let out = dir.path().join("pulled");

@@ -14,6 +14,7 @@ use dray_agent::identity::ClusterCa;
 use dray_agent::peer::{PeerConfig, PeerNode};
 use dray_agent::pull::registry::{Credentials, RegistryClient};
 use dray_agent::pull::swarm::{Swarm, SwarmConfig};
+use dray_agent::serving::surfaces::Surfaces;
 use dray_agent::store::ChunkStore;
 use dray_tracker::{Tracker, TrackerConfig};
 use std::net::SocketAddr;
@@ -389,10 +390,11 @@ pub fn build_image(
     );
 }
 
-/// A registry mirror of `agent`, served from this process.
+/// A registry mirror of `agent`, served from this process as `dray agent`
+/// serves it.
 pub struct MirrorProc {
     pub url: String,
-    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    surfaces: Surfaces,
 }
 
 impl MirrorProc {
@@ -407,28 +409,22 @@ impl MirrorProc {
         pulls: &Arc<dray_agent::pull::Pulls>,
         upstreams: &[(String, String)],
     ) -> MirrorProc {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
         let config = dray_agent::serving::mirror::MirrorConfig {
-            listen: listener.local_addr().unwrap(),
+            listen: "127.0.0.1:0".parse().unwrap(),
             upstreams: upstreams.iter().cloned().collect(),
             default_registry: upstreams.first().map(|(n, _)| n.clone()),
             ..Default::default()
         };
-        let mirror = dray_agent::serving::mirror::Mirror::new(pulls.clone(), config);
-        let task = tokio::spawn(mirror.serve(listener));
-        MirrorProc { url, task }
+        let surfaces = Surfaces::serve(pulls, config, None).await.unwrap();
+        MirrorProc {
+            url: surfaces.mirror_url(),
+            surfaces,
+        }
     }
 
     /// Stops serving, as a stopped agent would.
     pub fn stop(&self) {
-        self.task.abort();
-    }
-}
-
-impl Drop for MirrorProc {
-    fn drop(&mut self) {
-        self.task.abort();
+        self.surfaces.abort();
     }
 }
 
@@ -701,15 +697,21 @@ pub fn http_get(addr: &str, path: &str) -> (u16, String) {
 }
 
 /// The local API of `agent` (what `dray agent` serves on its unix socket),
-/// served from this process on `socket`; registry names map to base URLs.
+/// served from this process on `socket` as `dray agent` serves it (beside a
+/// mirror on a free port); registry names map to base URLs.
 pub struct LocalApiProc {
     pub socket: PathBuf,
-    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    _surfaces: Surfaces,
 }
 
 impl LocalApiProc {
-    pub fn start(agent: &Agent, socket: &Path, upstreams: &[(String, String)]) -> LocalApiProc {
+    pub async fn start(
+        agent: &Agent,
+        socket: &Path,
+        upstreams: &[(String, String)],
+    ) -> LocalApiProc {
         let mirror = dray_agent::serving::mirror::MirrorConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
             upstreams: upstreams.iter().cloned().collect(),
             ..Default::default()
         };
@@ -719,16 +721,12 @@ impl LocalApiProc {
             // Tests unpack beside the socket (the snapshotter's root among them).
             unpack_roots: socket.parent().into_iter().map(Path::to_path_buf).collect(),
         };
-        let listener = dray_agent::serving::local_api::bind(socket).unwrap();
-        let api = dray_agent::serving::local_api::LocalApi::new(
-            agent.pulls().clone(),
-            mirror,
-            &config,
-            dray_agent::unpack::UnpackLimits::default(),
-        );
+        let limits = dray_agent::unpack::UnpackLimits::default();
         LocalApiProc {
             socket: socket.to_path_buf(),
-            task: tokio::spawn(api.serve(listener)),
+            _surfaces: Surfaces::serve(agent.pulls(), mirror, Some((&config, limits)))
+                .await
+                .unwrap(),
         }
     }
 
@@ -747,12 +745,6 @@ impl LocalApiProc {
             .await
             .unwrap();
         (resp.status().as_u16(), resp.json().await.unwrap())
-    }
-}
-
-impl Drop for LocalApiProc {
-    fn drop(&mut self) {
-        self.task.abort();
     }
 }
 

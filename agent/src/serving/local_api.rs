@@ -152,7 +152,7 @@ pub struct LocalApi {
 const RESOLVED_CACHE: usize = 256;
 
 impl LocalApi {
-    pub fn new(
+    pub(crate) fn new(
         pulls: Arc<Pulls>,
         mirror: MirrorConfig,
         config: &LocalApiConfig,
@@ -173,7 +173,7 @@ impl LocalApi {
         })
     }
 
-    pub fn router(self: &Arc<Self>) -> axum::Router {
+    pub(crate) fn router(self: &Arc<Self>) -> axum::Router {
         axum::Router::new()
             .route(UNPACK_PATH, axum::routing::post(unpack))
             .route(DESCRIBE_PATH, axum::routing::post(describe))
@@ -182,11 +182,6 @@ impl LocalApi {
             .route("/v1/gc", axum::routing::post(collect))
             .route("/v1/pins", axum::routing::get(pins).post(pin).delete(unpin))
             .with_state(self.clone())
-    }
-
-    /// Serves on `listener` until the task is dropped.
-    pub async fn serve(self: Arc<Self>, listener: tokio::net::UnixListener) -> std::io::Result<()> {
-        axum::serve(listener, self.router()).await
     }
 
     /// The registry client of an image reference, for a registry the
@@ -803,7 +798,7 @@ async fn pull(
 
 /// Binds the socket: creates its directory, replaces a stale socket file and
 /// restricts it to owner and group.
-pub fn bind(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
+pub(crate) fn bind(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }

@@ -394,12 +394,12 @@ async fn refused_upstream(resp: reqwest::Response, registry: &str, what: &str) -
 }
 
 impl Mirror {
-    pub fn new(pulls: Arc<Pulls>, config: MirrorConfig) -> Arc<Self> {
+    pub(crate) fn new(pulls: Arc<Pulls>, config: MirrorConfig) -> Arc<Self> {
         Arc::new(Self { pulls, config })
     }
 
     /// The router serving the pull API.
-    pub fn router(self: &Arc<Self>) -> axum::Router {
+    pub(crate) fn router(self: &Arc<Self>) -> axum::Router {
         axum::Router::new()
             .route("/v2/", axum::routing::get(ping))
             .route("/v2/{*rest}", axum::routing::get(get_or_head))
@@ -412,11 +412,6 @@ impl Mirror {
             .node()
             .metrics()
             .mirror_request(kind, resp.status());
-    }
-
-    /// Serves on `listener` until the task is dropped.
-    pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener) -> std::io::Result<()> {
-        axum::serve(listener, self.router()).await
     }
 
     /// The registry `ns` names (or the default one) and its shared upstream

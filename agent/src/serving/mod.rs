@@ -4,7 +4,9 @@
 //! snapshotter shim, `dray pull`, preheat and `dray status` ([`local_api`],
 //! resolving images with [`image`], answering status with [`status`]), and
 //! the admin listener with the Prometheus metrics and health checks
-//! ([`metrics`]). The peer plane's server is [`crate::peer`]'s.
+//! ([`metrics`]). [`surfaces`] binds and serves the mirror and the local
+//! API, the one way every agent serves them. The peer plane's server is
+//! [`crate::peer`]'s.
 
 pub mod containerd;
 pub mod image;
@@ -12,3 +14,4 @@ pub mod local_api;
 pub mod metrics;
 pub mod mirror;
 pub mod status;
+pub mod surfaces;
