@@ -2070,6 +2070,18 @@ impl Scheduler {
                 })
                 .map(|(&first, _)| first)
                 .collect();
+            // Runs taken back are evidence the pace is too quick for the
+            // registry as it is now: it doubles, once a tick, as a
+            // retransmission timer backs off. Without this, runs that
+            // finished at once (their chunks served by others) set a pace
+            // no registry run could keep, and every run was taken back
+            // before it could finish, for good (the chaos sweep's seed 279:
+            // accusers beside a slow registry, no node done, 124.8 copies).
+            if !late.is_empty()
+                && let Some(p) = &mut swarm.run_pace
+            {
+                *p *= 2.0;
+            }
             for first in late {
                 // Live runs always cover an unserved chunk: fully served ones
                 // are dropped as their last chunk is announced or hashed.
@@ -2533,6 +2545,41 @@ mod tests {
         late.sort();
         // b's and c's runs are past 60 s old; a's (3) only 41 s.
         assert_eq!(late, vec![("b".to_owned(), 1), ("c".to_owned(), 2)]);
+    }
+
+    #[test]
+    fn runs_taken_back_double_the_pace_so_one_quick_run_cannot_take_back_every_run() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            min_blob_runs: 0,
+            ..SchedulerConfig::default()
+        });
+        let t0 = Instant::now();
+        for peer in ["a", "b", "c"] {
+            s.announce(wants(peer, 8, &[]), t0);
+        }
+        // a's chunk 0 came in 1 s: the pace is 1 s a chunk, and a's next
+        // run is chunk 3 (deadline 6 s).
+        let at1 = t0 + Duration::from_secs(1);
+        let next = fetched(&mut s, "a", 8, vec![0], at1).assignments;
+        assert_eq!(chunks_of(&next), vec![3]);
+        let mut late = |halves: std::ops::RangeInclusive<u32>| {
+            let mut late: Vec<(String, u32)> = halves
+                .flat_map(|half| {
+                    s.tick(t0 + Duration::from_millis(500 * u64::from(half)))
+                        .reclaimed
+                })
+                .map(|(peer, a)| (peer, a.first))
+                .collect();
+            late.sort();
+            late
+        };
+        // b's and c's runs are past their 5 s deadlines and three paces.
+        assert_eq!(late(1..=11), vec![("b".to_owned(), 1), ("c".to_owned(), 2)]);
+        // That doubled the pace: a's run, 5.5 s old and past its deadline,
+        // is within three paces now (before, every run of a slow registry
+        // was taken back, for good, once a quick one set the pace).
+        assert!(late(12..=13).is_empty());
+        assert_eq!(late(14..=15), vec![("a".to_owned(), 3)]);
     }
 
     #[test]
