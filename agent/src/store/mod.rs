@@ -1608,6 +1608,25 @@ mod tests {
     use super::*;
     use dray_protocol::chunkmap::MIN_CHUNK_SIZE;
 
+    /// A store whose collector never counts the host's filesystem as full
+    /// (its watermarks at 1.0): with the defaults, a test here evicted the
+    /// blob under test whenever the machine's disk was past 80% used.
+    fn open(dir: &Path) -> ChunkStore {
+        let store = ChunkStore::open(dir).unwrap();
+        store.gc().configure(pinned(), false);
+        store
+    }
+
+    /// Collector settings that ignore the host's filesystem.
+    fn pinned() -> crate::store::gc::GcConfig {
+        crate::store::gc::GcConfig {
+            high_watermark: 1.0,
+            low_watermark: 1.0,
+            critical_watermark: 1.0,
+            ..Default::default()
+        }
+    }
+
     fn data(n: usize, seed: u8) -> Vec<u8> {
         (0..n)
             .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 9) as u8)
@@ -1617,7 +1636,7 @@ mod tests {
     #[test]
     fn an_image_of_more_blobs_than_overlayfs_stacks_is_refused_and_held_blobs_cost_nothing() {
         let dir = tempfile::tempdir().unwrap();
-        let store = ChunkStore::open(dir.path()).unwrap();
+        let store = open(dir.path());
         let blobs = |n: usize| -> Vec<(BlobDigest, u64)> {
             (0..n)
                 .map(|i| (BlobDigest::of(&i.to_le_bytes()), 1))
@@ -1659,7 +1678,7 @@ mod tests {
     #[test]
     fn stores_verified_chunks_and_completes_on_digest() {
         let dir = tempfile::tempdir().unwrap();
-        let store = ChunkStore::open(dir.path()).unwrap();
+        let store = open(dir.path());
         let bytes = data(5 * 65536 + 100, 1);
         let map = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
         let blob = store.blob(&map).unwrap();
@@ -1686,7 +1705,7 @@ mod tests {
     #[test]
     fn progress_counts_every_stored_chunk_not_only_the_prefix() {
         let dir = tempfile::tempdir().unwrap();
-        let store = ChunkStore::open(dir.path()).unwrap();
+        let store = open(dir.path());
         let bytes = data(3 * 65536, 8);
         let map = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
         let blob = store.blob(&map).unwrap();
@@ -1709,7 +1728,7 @@ mod tests {
         let map = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
         let chunks: Vec<&[u8]> = bytes.chunks(65536).collect();
         {
-            let store = ChunkStore::open(dir.path()).unwrap();
+            let store = open(dir.path());
             let blob = store.blob(&map).unwrap();
             blob.put_chunk(0, chunks[0]).unwrap();
             store.persist(&blob).unwrap();
@@ -1720,7 +1739,7 @@ mod tests {
                 .write_all_at(&chunks[3][..1000], map.offset(3))
                 .unwrap();
         }
-        let store = ChunkStore::open(dir.path()).unwrap();
+        let store = open(dir.path());
         let blob = store.blob(&map).unwrap();
         assert_eq!(blob.held().ones().collect::<Vec<_>>(), vec![0, 1]);
         blob.put_chunk(3, chunks[3]).unwrap();
@@ -1730,7 +1749,7 @@ mod tests {
     #[test]
     fn a_wrong_chunk_map_is_caught_by_the_blob_digest_and_the_wrong_chunk_replaced() {
         let dir = tempfile::tempdir().unwrap();
-        let store = ChunkStore::open(dir.path()).unwrap();
+        let store = open(dir.path());
         let bytes = data(2 * 65536, 3);
         let mut forged_bytes = bytes.clone();
         forged_bytes[10] ^= 1;
@@ -1763,10 +1782,7 @@ mod tests {
         // Another node's store, told of the replaced hash, drops its chunk
         // and takes a stale peer's copy for what it is, not for a lie.
         let dir2 = tempfile::tempdir().unwrap();
-        let other = ChunkStore::open(dir2.path())
-            .unwrap()
-            .blob(&forged)
-            .unwrap();
+        let other = open(dir2.path()).blob(&forged).unwrap();
         other.put_chunk(0, &forged_bytes[..65536]).unwrap();
         assert_eq!(other.adopt(&honest).unwrap(), (1, 1));
         assert!(!other.has(0));
@@ -1800,7 +1816,7 @@ mod tests {
         let bare = ChunkMap::unhashed(full.digest(), full.size(), full.chunk_size()).unwrap();
         let chunks: Vec<&[u8]> = bytes.chunks(65536).collect();
         {
-            let store = ChunkStore::open(dir.path()).unwrap();
+            let store = open(dir.path());
             let blob = store.blob(&bare).unwrap();
             assert!(matches!(
                 blob.put_chunk(0, chunks[0]),
@@ -1810,7 +1826,7 @@ mod tests {
             assert_eq!(blob.map().hashes()[1], full.hashes()[1]);
             store.persist(&blob).unwrap();
         }
-        let store = ChunkStore::open(dir.path()).unwrap();
+        let store = open(dir.path());
         let blob = store.blob(&bare).unwrap();
         assert_eq!(blob.held().ones().collect::<Vec<_>>(), vec![1]);
         assert_eq!(
@@ -1828,7 +1844,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (a, b) = (data(65536, 6), data(2 * 65536, 7));
         {
-            let store = ChunkStore::open(dir.path()).unwrap();
+            let store = open(dir.path());
             let full = ChunkMap::of_bytes(&a, MIN_CHUNK_SIZE).unwrap();
             store.blob(&full).unwrap().put_chunk(0, &a).unwrap();
             store.persist(&store.blob(&full).unwrap()).unwrap();
@@ -1837,7 +1853,7 @@ mod tests {
             blob.put_chunk(1, &b[65536..]).unwrap();
             store.persist(&blob).unwrap();
         }
-        let store = ChunkStore::open(dir.path()).unwrap();
+        let store = open(dir.path());
         assert!(store.open_blobs().is_empty());
         let mut held: Vec<(BlobDigest, Vec<u32>, bool, u64)> = store
             .holdings()
@@ -1874,7 +1890,7 @@ mod tests {
     #[test]
     fn idle_blobs_past_the_bound_are_closed_and_reopen_from_their_records() {
         let dir = tempfile::tempdir().unwrap();
-        let store = ChunkStore::open(&dir.path().join("s")).unwrap();
+        let store = open(&dir.path().join("s"));
         store.set_max_open_idle_blobs(4);
         let blobs = import_many(&store, dir.path(), 30);
         assert_eq!(
@@ -1933,7 +1949,7 @@ mod tests {
     #[test]
     fn a_closed_partial_blob_keeps_its_chunks_and_completes_after_reopening() {
         let dir = tempfile::tempdir().unwrap();
-        let store = ChunkStore::open(&dir.path().join("s")).unwrap();
+        let store = open(&dir.path().join("s"));
         store.set_max_open_idle_blobs(1);
         let bytes = data(3 * 65536, 50);
         let map = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
@@ -2094,7 +2110,7 @@ mod tests {
     #[test]
     fn a_complete_idle_blob_is_closed_before_a_partial_one() {
         let dir = tempfile::tempdir().unwrap();
-        let store = ChunkStore::open(&dir.path().join("s")).unwrap();
+        let store = open(&dir.path().join("s"));
         store.set_max_open_idle_blobs(2);
         let bytes = data(2 * 65536, 60);
         let map = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
@@ -2126,12 +2142,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let bytes = data(4 * 65536, 9);
         let digest = {
-            let store = ChunkStore::open(dir.path()).unwrap();
+            let store = open(dir.path());
             let src = dir.path().join("src");
             std::fs::write(&src, &bytes).unwrap();
             store.import(&src, MIN_CHUNK_SIZE).unwrap().digest()
         };
-        let store = ChunkStore::open(dir.path()).unwrap();
+        let store = open(dir.path());
         // A reader cutting it at today's (larger) chunk size.
         let asked = ChunkMap::unhashed(digest, bytes.len() as u64, 2 * MIN_CHUNK_SIZE).unwrap();
         let blob = store.blob(&asked).unwrap();
@@ -2143,7 +2159,7 @@ mod tests {
     #[test]
     fn an_empty_blob_takes_its_swarms_chunk_size_but_a_started_one_does_not() {
         let dir = tempfile::tempdir().unwrap();
-        let store = ChunkStore::open(dir.path()).unwrap();
+        let store = open(dir.path());
         let bytes = data(4 * 65536, 10);
         let swarm = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
         let ours = ChunkMap::unhashed(swarm.digest(), swarm.size(), 2 * MIN_CHUNK_SIZE).unwrap();
@@ -2159,7 +2175,7 @@ mod tests {
         let other = ChunkMap::of_bytes(&bytes, 2 * MIN_CHUNK_SIZE).unwrap();
         assert!(!blob.adopt_geometry(&other).unwrap());
         drop((blob, store));
-        let store = ChunkStore::open(dir.path()).unwrap();
+        let store = open(dir.path());
         assert_eq!(
             store.get(&swarm.digest()).unwrap().unwrap().chunk_size(),
             MIN_CHUNK_SIZE
@@ -2170,7 +2186,7 @@ mod tests {
     fn eviction_spares_blobs_in_use_and_a_crash_after_the_record_leaves_no_file() {
         let dir = tempfile::tempdir().unwrap();
         let (a, b) = (data(2 * 65536, 11), data(3 * 65536, 12));
-        let store = ChunkStore::open(dir.path()).unwrap();
+        let store = open(dir.path());
         let mut digests = Vec::new();
         for (n, bytes) in [&a, &b].into_iter().enumerate() {
             let src = dir.path().join(format!("src{n}"));
@@ -2186,7 +2202,7 @@ mod tests {
         // A crash between the record's removal and the file's.
         store.log.remove(&digests[1]).unwrap();
         drop(store);
-        let store = ChunkStore::open(dir.path()).unwrap();
+        let store = open(dir.path());
         assert!(!store.blob_path(&digests[1]).exists(), "swept at open");
         assert_eq!(store.usage().unwrap().store_blobs, 0);
         assert_eq!(
@@ -2198,7 +2214,7 @@ mod tests {
     #[test]
     fn a_vouched_size_admits_only_itself_and_never_fails_another_size() {
         let dir = tempfile::tempdir().unwrap();
-        let store = ChunkStore::open(dir.path()).unwrap();
+        let store = open(dir.path());
         store.set_max_blob_size(3 * 65536);
         let bytes = data(2 * 65536, 17);
         let map = ChunkMap::of_bytes(&bytes, MIN_CHUNK_SIZE).unwrap();
@@ -2228,7 +2244,7 @@ mod tests {
     #[test]
     fn a_blob_larger_than_the_budget_is_refused_before_any_disk_is_reserved() {
         let dir = tempfile::tempdir().unwrap();
-        let store = ChunkStore::open(dir.path()).unwrap();
+        let store = open(dir.path());
         store.gc().configure(
             crate::store::gc::GcConfig {
                 budget: Some(100_000),
@@ -2248,7 +2264,7 @@ mod tests {
     #[test]
     fn new_blobs_opened_at_once_each_make_room_and_the_budget_holds() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(ChunkStore::open(&dir.path().join("s")).unwrap());
+        let store = Arc::new(open(&dir.path().join("s")));
         // Ten idle blobs of 128 KiB fill the budget; eight threads then open
         // a new blob of that size each, at once. Each must make room for
         // itself: two counting the same free space, or both planning to
@@ -2321,7 +2337,7 @@ mod tests {
             .import(&src, MIN_CHUNK_SIZE)
             .unwrap();
         assert_eq!(map.digest(), BlobDigest::of(&bytes));
-        let store = ChunkStore::open(&dir.path().join("s")).unwrap();
+        let store = open(&dir.path().join("s"));
         let blob = store.get(&map.digest()).unwrap().unwrap();
         assert!(blob.is_complete());
         assert_eq!(blob.read_chunk(3).unwrap().unwrap(), &bytes[3 * 65536..]);
