@@ -147,7 +147,7 @@ pub struct Scenario {
     /// A fraction of nodes (chosen at random, none of them another
     /// adversary) that claim every chunk of every blob, in their announces
     /// and to their askers, from the start, and answer no chunk request;
-    /// they pull as honest nodes do.
+    /// they pull nothing.
     pub claimers: Option<f64>,
     pub freeze: Option<Freeze>,
     /// The registry answers every request sent in `[at_s, at_s + for_s)`

@@ -242,22 +242,18 @@ fn unknown_names_and_bad_scenarios_are_typed_errors() {
     sc.nodes = 0;
     assert!(run(&sc, Strategy::Direct, 1).is_err());
     for bad in [1.5, -0.1, f64::NAN] {
-        sc = small();
-        sc.withholders = Some(bad);
-        let err = run(&sc, Strategy::Dray, 1).unwrap_err();
-        assert!(err.to_string().contains("withholder"), "{err}");
-        sc = small();
-        sc.accusers = Some(bad);
-        let err = run(&sc, Strategy::Dray, 1).unwrap_err();
-        assert!(err.to_string().contains("accuser"), "{err}");
-        sc = small();
-        sc.tricklers = Some(bad);
-        let err = run(&sc, Strategy::Dray, 1).unwrap_err();
-        assert!(err.to_string().contains("trickler"), "{err}");
-        sc = small();
-        sc.claimers = Some(bad);
-        let err = run(&sc, Strategy::Dray, 1).unwrap_err();
-        assert!(err.to_string().contains("claimer fractions"), "{err}");
+        let shares: [(&str, fn(&mut Scenario) -> &mut Option<f64>); 4] = [
+            ("withholder", |s| &mut s.withholders),
+            ("accuser", |s| &mut s.accusers),
+            ("trickler", |s| &mut s.tricklers),
+            ("claimer fractions", |s| &mut s.claimers),
+        ];
+        for (named, share) in shares {
+            sc = small();
+            *share(&mut sc) = Some(bad);
+            let err = run(&sc, Strategy::Dray, 1).unwrap_err();
+            assert!(err.to_string().contains(named), "{err}");
+        }
     }
 }
 

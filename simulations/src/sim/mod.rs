@@ -215,11 +215,13 @@ struct World<'a> {
 
 /// Makes a node one kind of adversary.
 type Mark = fn(&mut Node);
+/// Where a run's count of one kind of adversary goes.
+type Tally = fn(&mut Adversity) -> &mut u32;
 
 impl Node {
-    /// A frozen node, a withholder or a trickler: a request to it is
-    /// neither answered in time nor refused (its upload slots do not fill:
-    /// it never says BUSY).
+    /// A frozen node, a withholder, a trickler or a claimer: a request to
+    /// it is neither answered in time nor refused (its upload slots do not
+    /// fill: it never says BUSY).
     fn hangs(&self) -> bool {
         self.frozen || self.withholds || self.trickles || self.claims
     }
@@ -573,13 +575,21 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
     }
     // Withholders, accusers, tricklers, then claimers: a share of the
     // nodes each, none of them an adversary already.
-    let adversaries: [(Option<f64>, Mark); 4] = [
-        (sc.withholders, |node| node.withholds = true),
-        (sc.accusers, |node| node.accuses = true),
-        (sc.tricklers, |node| node.trickles = true),
-        (sc.claimers, |node| node.claims = true),
+    let adversaries: [(Option<f64>, Mark, Tally); 4] = [
+        (
+            sc.withholders,
+            |node| node.withholds = true,
+            |a| &mut a.withholders,
+        ),
+        (sc.accusers, |node| node.accuses = true, |a| &mut a.accusers),
+        (
+            sc.tricklers,
+            |node| node.trickles = true,
+            |a| &mut a.tricklers,
+        ),
+        (sc.claimers, |node| node.claims = true, |a| &mut a.claimers),
     ];
-    for (k, (fraction, mark)) in adversaries.into_iter().enumerate() {
+    for (fraction, mark, tally) in adversaries {
         let Some(f) = fraction else {
             continue;
         };
@@ -597,13 +607,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
         for &n in &chosen {
             mark(&mut w.nodes[n as usize]);
         }
-        let chosen = chosen.len() as u32;
-        match k {
-            0 => w.adversity.withholders = chosen,
-            1 => w.adversity.accusers = chosen,
-            2 => w.adversity.tricklers = chosen,
-            _ => w.adversity.claimers = chosen,
-        }
+        *tally(&mut w.adversity) = chosen.len() as u32;
     }
     if let Some(f) = &sc.freeze {
         w.net.at_secs(f.at_s, Ev::Freeze);

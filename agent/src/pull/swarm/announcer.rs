@@ -393,7 +393,8 @@ impl Swarm {
 
     /// Reports, each in its own task (a hung tracker never holds a pull),
     /// the peers `transfer` found sending a chunk that failed its hash or
-    /// leaving a request unanswered since the last call. Until the tracker
+    /// leaving a request unanswered (or too slow for its deadline) since
+    /// the last call. Until the tracker
     /// hears it, it counts such a peer as holding what it announced and
     /// hands nobody a registry run of it, so every pull it lies to or
     /// ignores starves for those chunks and fetches them from the registry
