@@ -241,8 +241,10 @@ fn unknown_names_and_bad_scenarios_are_typed_errors() {
     sc = small();
     sc.nodes = 0;
     assert!(run(&sc, Strategy::Direct, 1).is_err());
+    /// Names a share of the scenario's adversaries and finds it in a scenario.
+    type Share = (&'static str, fn(&mut Scenario) -> &mut Option<f64>);
     for bad in [1.5, -0.1, f64::NAN] {
-        let shares: [(&str, fn(&mut Scenario) -> &mut Option<f64>); 4] = [
+        let shares: [Share; 4] = [
             ("withholder", |s| &mut s.withholders),
             ("accuser", |s| &mut s.accusers),
             ("trickler", |s| &mut s.tricklers),
