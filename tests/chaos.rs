@@ -52,6 +52,7 @@ fn two_hundred_seeds_of_faults_keep_every_invariant() {
         "withholders",
         "accusers",
         "tricklers",
+        "claimers",
     ] {
         assert!(classes.contains(&class), "{classes:?}");
     }

@@ -36,6 +36,11 @@ pub struct SwarmDefaults {
     pub max_uploads: usize,
     /// Peer chunk requests a node keeps in flight (`peer.max_downloads`).
     pub max_downloads: usize,
+    /// Chunk requests of one pull in flight to one peer at once: the
+    /// agent's lanes per peer. A peer that answers nothing (frozen,
+    /// withholding, trickling) holds at most this many of a node's
+    /// `max_downloads` until their deadlines.
+    pub depth_per_peer: usize,
     /// Peers a pull keeps per blob; the oldest goes when the tracker names
     /// another (`peer.max_peers_per_blob`).
     pub max_peers_per_blob: usize,
@@ -69,6 +74,7 @@ pub const DEFAULTS: SwarmDefaults = SwarmDefaults {
     run_chunks: 4,
     max_uploads: 8,
     max_downloads: 8,
+    depth_per_peer: 4,
     max_peers_per_blob: 16,
     max_watchers_per_blob: 256,
     busy_backoff_ms: 200,

@@ -140,6 +140,21 @@ impl<K: PartialEq + Clone, V> Roster<K, V> {
             })
     }
 
+    /// The value kept with `key`, live or retiring, to change.
+    pub fn get_mut<Q>(&mut self, key: &Q) -> Option<&mut V>
+    where
+        K: Borrow<Q>,
+        Q: PartialEq + ?Sized,
+    {
+        if let Some(m) = self.live.iter_mut().find(|m| m.key.borrow() == key) {
+            return Some(&mut m.value);
+        }
+        self.retiring
+            .iter_mut()
+            .find(|(k, _)| k.borrow() == key)
+            .map(|(_, v)| v)
+    }
+
     /// The retired peers whose requests are still ending.
     pub fn retiring(&self) -> impl Iterator<Item = &K> {
         self.retiring.iter().map(|(k, _)| k)

@@ -978,8 +978,11 @@ struct Record {
     /// Who reported its requests unanswered, and when: these lapse after
     /// `silent_window`.
     silent_reporters: BTreeMap<String, Instant>,
-    /// Whom it reported silent, and when (lapsing after `silent_window`).
-    reported_silent: BTreeMap<String, Instant>,
+    /// Whom it reported silent, in which blobs, and when (lapsing after
+    /// `silent_window`). Per blob: a peer that withholds one layer of an
+    /// image withholds the next, and its reporters' first report must not
+    /// stand for every layer (each swarm doubts it on its own).
+    reported_silent: BTreeMap<String, BTreeMap<BlobDigest, Instant>>,
     /// When it last reported a digest failure that counted: one per
     /// `report_window`, so that a few liars claiming failures cost the swarm
     /// at most a copy of a blob per window.
@@ -1014,7 +1017,10 @@ impl Record {
         self.accused.retain(|_, t| fresh(t));
         let recent = |t: &mut Instant| now.saturating_duration_since(*t) <= silence;
         self.silent_reporters.retain(|_, t| recent(t));
-        self.reported_silent.retain(|_, t| recent(t));
+        self.reported_silent.retain(|_, blobs| {
+            blobs.retain(|_, t| recent(t));
+            !blobs.is_empty()
+        });
         if self
             .reported_failure
             .is_some_and(|t| now.saturating_duration_since(t) > window)
@@ -1858,12 +1864,12 @@ impl Scheduler {
     /// them: a quorum of three silencing the offender, ranking it last, or
     /// giving it no runs; `docs/results.md`, "Withholders"). What a false
     /// report costs is bounded: each reporter's first report of an
-    /// offender within `silent_window` counts (repeats change nothing), of
-    /// at most `max_silent_per_reporter` offenders (further reports are
-    /// refused, and the reporter is not punished: a node cut off from many
-    /// peers is not lying), and each costs at most one more registry copy
-    /// of the chunks only that offender held then. Returns how many chunks
-    /// the report made owed.
+    /// offender in a blob within `silent_window` counts (repeats change
+    /// nothing), of at most `max_silent_per_reporter` offenders (further
+    /// reports are refused, and the reporter is not punished: a node cut off
+    /// from many peers is not lying), and each costs at most one more
+    /// registry copy of the chunks only that offender held of that blob
+    /// then. Returns how many chunks the report made owed.
     pub fn report_silent(&mut self, report: &Silent, now: Instant) -> Result<u32, ScheduleError> {
         let (_, offender) = self.check_report(
             &report.reporter,
@@ -1879,10 +1885,11 @@ impl Scheduler {
         );
         let reporter = self.records.entry(report.reporter.clone()).or_default();
         reporter.lapse(now, window, silence);
-        if reporter.reported_silent.contains_key(&report.offender) {
+        let blobs = reporter.reported_silent.get(&report.offender);
+        if blobs.is_some_and(|b| b.contains_key(&report.digest)) {
             return Ok(0);
         }
-        if reporter.reported_silent.len() >= cap {
+        if blobs.is_none() && reporter.reported_silent.len() >= cap {
             return Err(ScheduleError::SilenceReportLimit {
                 reporter: report.reporter.clone(),
                 reported: reporter.reported_silent.len(),
@@ -1891,7 +1898,9 @@ impl Scheduler {
         }
         reporter
             .reported_silent
-            .insert(report.offender.clone(), now);
+            .entry(report.offender.clone())
+            .or_default()
+            .insert(report.digest, now);
         let record = self.records.entry(report.offender.clone()).or_default();
         record.lapse(now, window, silence);
         record.silent_reporters.insert(report.reporter.clone(), now);
@@ -3397,5 +3406,50 @@ mod tests {
             s.report_silent(&silent("accuser", &honest[2]), later)
                 .is_ok()
         );
+    }
+
+    #[test]
+    fn a_peer_reported_silent_in_one_blob_is_doubted_in_the_next_one_reported() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            expiry_intervals: 1_000,
+            ..striped()
+        });
+        let t0 = Instant::now();
+        let other = BlobDigest::of(b"another layer");
+        let both = |peer: &str, full: bool, held: &dyn Fn() -> Held| {
+            let mut second = entry(8, held(), true);
+            second.digest = other;
+            announce(peer, full, vec![entry(8, held(), true), second])
+        };
+        let none = || Held::Bits(bits(8, []));
+        s.announce(both("w", true, &none), t0);
+        for c in 0..8 {
+            s.hash_settled(&blob(), c, t0);
+            s.hash_settled(&other, c, t0);
+        }
+        s.announce(both("w", false, &|| Held::Added((0..8).collect())), t0);
+        for r in ["r1", "r2", "r3", "r4"] {
+            s.announce(both(r, true, &none), t0);
+        }
+        // w withholds both layers: r1 asks it for the first and then, its
+        // first report taken, for the second. Each report makes what only w
+        // holds of that layer owed (the reporter's first report of w used to
+        // stand for every layer, and the second layer's chunks were owed
+        // nothing: every pull starved for them and fetched them alone).
+        assert_eq!(s.report_silent(&silent("r1", "w"), t0), Ok(8));
+        let second = Silent {
+            digest: other,
+            ..silent("r1", "w")
+        };
+        assert_eq!(s.report_silent(&second, t0), Ok(8));
+        // Repeats change nothing, and the reporter's cap counts w once.
+        assert_eq!(s.report_silent(&second, t0), Ok(0));
+        assert_eq!(s.standing("w").silent_reporters, 1);
+        let d = s.announce(both("r2", false, &|| Held::Added(vec![])), t0);
+        let mut fetching = d.fetching.clone();
+        fetching.sort();
+        let mut expected = vec![blob(), other];
+        expected.sort();
+        assert_eq!(fetching, expected, "{d:?}");
     }
 }

@@ -79,8 +79,6 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-/// Chunk requests in flight per peer.
-const DEPTH_PER_PEER: usize = 4;
 /// How often completed chunks are synced and recorded while a transfer runs.
 const PERSIST_EVERY: Duration = Duration::from_millis(100);
 /// How long a watcher lets a peer hold its bitfield answer when nothing
@@ -932,7 +930,7 @@ async fn run_peer(t: Arc<Transfer>, p: PeerAddr, retired: CancellationToken) {
         None => return forget(&t),
     };
     let mut lanes = tokio::task::JoinSet::new();
-    for _ in 0..DEPTH_PER_PEER {
+    for _ in 0..DEFAULTS.depth_per_peer {
         lanes.spawn(tracing::Instrument::in_current_span(lane(
             t.clone(),
             link.clone(),

@@ -72,6 +72,7 @@ impl World<'_> {
                     }
                 }
                 Purpose::PeerChunk => {
+                    self.request_ended(r, p.blob as usize, n);
                     let rn = &mut self.nodes[r as usize];
                     rn.downloads = rn.downloads.saturating_sub(1);
                     if let Some(picker) = rn.blobs[p.blob as usize].picker.as_mut() {

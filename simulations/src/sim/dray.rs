@@ -298,7 +298,7 @@ impl World<'_> {
     pub(super) fn add_peer(&mut self, n: u32, b: usize, p: u32) {
         self.nodes[p as usize].blobs[b].watchers.push(n);
         let nb = &mut self.nodes[n as usize].blobs[b];
-        if let Admit::Added { retired: Some(old) } = nb.peers.admit(p, false) {
+        if let Admit::Added { retired: Some(old) } = nb.peers.admit(p, PeerView::default()) {
             nb.peers.leave(&old);
             if let Some(picker) = nb.picker.as_mut() {
                 picker.remove_peer(&old);

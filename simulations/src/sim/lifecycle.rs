@@ -165,6 +165,7 @@ impl World<'_> {
                 self.nodes[to as usize].downloads -= 1;
                 let verified = match p.from {
                     Source::Peer(s) => {
+                        self.request_ended(to, p.blob as usize, s);
                         self.check_peer_chunk(to, p.blob as usize, p.chunk, s, p.asked_ns)
                     }
                     Source::Registry => true,

@@ -102,6 +102,16 @@ fn tick_s() -> f64 {
 /// The origin every announce names: a scenario has one registry.
 const REGISTRY_ORIGIN: &str = "registry";
 
+/// What a node keeps with a known peer of a blob.
+#[derive(Clone, Copy, Debug, Default)]
+struct PeerView {
+    /// The picker has a view of it.
+    looked: bool,
+    /// Chunk requests to it in flight: for dray at most
+    /// `DEFAULTS.depth_per_peer`, the agent's lanes per peer.
+    asked: u32,
+}
+
 struct NodeBlob {
     held: Bitfield,
     /// Chunks whose hashes this node has (its own, and what the tracker's map
@@ -116,7 +126,7 @@ struct NodeBlob {
     /// [`World::tell_watchers`] and [`World::learn_hashes`], as the agent's
     /// long-polled bitfields do). Rotated past `max_peers_per_blob` for dray
     /// as the agent's transfers do; the baselines keep every peer.
-    peers: Roster<u32, bool>,
+    peers: Roster<u32, PeerView>,
     /// Some peer in `peers` has not been looked at yet.
     unlooked: bool,
     /// Nodes that have this node as a known peer of the blob, and hear at
@@ -301,17 +311,13 @@ impl World<'_> {
 
     /// Gives `n`'s picker its first view of peer `p` (in `slot`).
     fn look(&mut self, n: u32, b: usize, slot: usize) {
-        let Member {
-            key: p,
-            value: looked,
-            ..
-        } = self.nodes[n as usize].blobs[b].peers.live()[slot];
-        if looked {
+        let Member { key: p, value } = self.nodes[n as usize].blobs[b].peers.live()[slot];
+        if value.looked {
             return;
         }
         let bits = self.usable(n, b, p);
         let nb = &mut self.nodes[n as usize].blobs[b];
-        nb.peers.live_mut()[slot].value = true;
+        nb.peers.live_mut()[slot].value.looked = true;
         if let Some(picker) = nb.picker.as_mut() {
             picker.set_peer(p, bits);
         }
@@ -322,12 +328,8 @@ impl World<'_> {
     fn learn_hashes(&mut self, n: u32, b: usize, chunks: &[u32]) {
         let nu = n as usize;
         for slot in 0..self.nodes[nu].blobs[b].peers.live().len() {
-            let Member {
-                key: p,
-                value: looked,
-                ..
-            } = self.nodes[nu].blobs[b].peers.live()[slot];
-            if !looked {
+            let Member { key: p, value } = self.nodes[nu].blobs[b].peers.live()[slot];
+            if !value.looked {
                 continue;
             }
             for &c in chunks {

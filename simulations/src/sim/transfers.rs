@@ -58,16 +58,16 @@ impl World<'_> {
                     continue;
                 }
                 if hangs {
-                    // It refuses nothing: the request goes out and hangs,
-                    // however many others do.
-                    self.hang(n, b, p);
+                    // It refuses nothing: the requests go out and hang, as
+                    // many as the agent's lanes for it send.
+                    self.hang(n, b, slot);
                     continue;
                 }
                 if !self.nodes[pu].alive {
                     gone.push(p);
                     continue;
                 }
-                while let Some(c) = self.take_request(n, b, p) {
+                while let Some(c) = self.take_request(n, b, slot) {
                     let bytes = self.chunk_bytes(b as u16, c);
                     let mut payload =
                         Payload::new(n, Source::Peer(p), b as u16, c, Purpose::PeerChunk);
@@ -101,17 +101,43 @@ impl World<'_> {
     /// A download slot of `n` and an upload slot of `p` taken for the next
     /// chunk of blob `b` that `p` offers and `n` lacks; none when either
     /// side has no slot free or the picker has nothing from `p`.
-    fn take_request(&mut self, n: u32, b: usize, p: u32) -> Option<u32> {
-        let (nu, pu) = (n as usize, p as usize);
+    fn take_request(&mut self, n: u32, b: usize, slot: usize) -> Option<u32> {
+        let depth = self.depth_per_peer();
+        let nu = n as usize;
+        let p = self.nodes[nu].blobs[b].peers.live()[slot].key;
+        let pu = p as usize;
         if self.nodes[nu].downloads >= self.sc.max_downloads
             || (self.uploads[pu] >= self.sc.max_uploads && !self.nodes[pu].hangs())
         {
             return None;
         }
-        let c = self.nodes[nu].blobs[b].picker.as_mut()?.pick(&p)?;
+        let nb = &mut self.nodes[nu].blobs[b];
+        let view = &mut nb.peers.live_mut()[slot].value;
+        if view.asked >= depth {
+            return None;
+        }
+        let c = nb.picker.as_mut()?.pick(&p)?;
+        view.asked += 1;
         self.nodes[nu].downloads += 1;
         self.uploads[pu] += 1;
         Some(c)
+    }
+
+    /// Requests one pull keeps in flight to one peer: for dray the agent's
+    /// lanes per peer; the baselines' nodes only by `max_downloads`.
+    fn depth_per_peer(&self) -> u32 {
+        match self.strategy {
+            Strategy::Dray | Strategy::DrayDht => DEFAULTS.depth_per_peer as u32,
+            _ => u32::MAX,
+        }
+    }
+
+    /// A request of `n` for a chunk of blob `b` to peer `p` ended (answered,
+    /// failed or cancelled): a lane for `p` is free again.
+    pub(super) fn request_ended(&mut self, n: u32, b: usize, p: u32) {
+        if let Some(view) = self.nodes[n as usize].blobs[b].peers.get_mut(&p) {
+            view.asked = view.asked.saturating_sub(1);
+        }
     }
 
     /// When a request `n` sends now for chunk `c` of blob `b` is past its
@@ -142,9 +168,10 @@ impl World<'_> {
     /// `b` in its free slots: the requests go out and nothing comes back,
     /// or from a trickler a byte now and then (the request ends at its
     /// deadline, not after the request timeout, and is not silent).
-    fn hang(&mut self, n: u32, b: usize, p: u32) {
+    fn hang(&mut self, n: u32, b: usize, slot: usize) {
+        let p = self.nodes[n as usize].blobs[b].peers.live()[slot].key;
         let trickles = self.nodes[p as usize].trickles;
-        while let Some(c) = self.take_request(n, b, p) {
+        while let Some(c) = self.take_request(n, b, slot) {
             let deadline_ns = self.deadline_ns(n, b, c);
             let due_ns = match trickles {
                 true => deadline_ns,
