@@ -935,6 +935,18 @@ fn sim_report(args: SimArgs) -> Result<()> {
     Ok(())
 }
 
+/// A class's time bound as `dray sim --chaos` prints it: `k,c,r`, and the
+/// seconds for each node hit in each layer where the class has them.
+fn time_bound(c: &dray_simulations::chaos::ClassSummary) -> String {
+    let (k, f, r) = c.time_bound;
+    let hit = c.time_bound_per_node_hit;
+    if hit > 0.0 {
+        format!("{k},{f},{r}+{hit}/hit/layer")
+    } else {
+        format!("{k},{f},{r}")
+    }
+}
+
 /// `dray sim --chaos`.
 fn chaos(args: SimArgs) -> Result<()> {
     use dray_protocol::planted::{self, Bug};
@@ -971,7 +983,7 @@ fn chaos(args: SimArgs) -> Result<()> {
     } else {
         writeln!(
             out,
-            "{:<18} {:>6} {:>11} {:>7} {:>13} {:>9} {:>11} {:>11}",
+            "{:<18} {:>6} {:>11} {:>7} {:>13} {:>9} {:>11} {:>18}",
             "fault class",
             "seeds",
             "max egress",
@@ -984,7 +996,7 @@ fn chaos(args: SimArgs) -> Result<()> {
         for c in &report.classes {
             writeln!(
                 out,
-                "{:<18} {:>6} {:>11.3} {:>7.3} {:>13} {:>9.3} {:>11.2} {:>11}",
+                "{:<18} {:>6} {:>11.3} {:>7.3} {:>13} {:>9.3} {:>11.2} {:>18}",
                 c.class,
                 c.seeds,
                 c.max_egress_copies,
@@ -992,7 +1004,7 @@ fn chaos(args: SimArgs) -> Result<()> {
                 format!("{}+{}/hit", c.egress_bound, c.egress_bound_per_node_hit),
                 c.max_egress_of_bound,
                 c.max_time_ratio,
-                format!("{},{},{}", c.time_bound.0, c.time_bound.1, c.time_bound.2)
+                time_bound(c)
             )?;
         }
         writeln!(

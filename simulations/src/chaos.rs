@@ -149,6 +149,26 @@ impl Class {
         }
     }
 
+    /// Seconds the last node may take longer for each node a fault of this
+    /// class hits, in each layer of the image. A claimer offers every chunk
+    /// from its start, and the tracker names it first (it holds the most):
+    /// each pull asks every claimer it is named, each for a request
+    /// timeout, and a node's pulls ask two at once between them
+    /// (`max_downloads` over `depth_per_peer`). A pull drops a silent peer
+    /// for good, but the node's other pulls find it silent on their own
+    /// (dropping it from all of them at once was tried: `docs/results.md`,
+    /// "Claimers").
+    pub fn time_per_node_hit(self) -> f64 {
+        match self {
+            Class::Claimers => {
+                let d = dray_protocol::defaults::DEFAULTS;
+                let at_once = d.max_downloads / d.depth_per_peer;
+                request_timeout_s() / at_once as f64
+            }
+            _ => 0.0,
+        }
+    }
+
     /// The bound with no node hit: the swarm's one copy with a margin for
     /// the chunks in flight when a fetcher went; for liars, issue 36's 1.5
     /// copies with at most a quarter of the nodes hostile and the tracker
@@ -160,9 +180,9 @@ impl Class {
             Class::RegistrySlow | Class::LateJoin | Class::RegistryErrors => 1.1,
             // The chunks only members reported silent hold go out again as
             // runs, and up to a quarter of a swarm's members may be so
-            // reported at once (withholders rightly, or honest nodes by
-            // accusers): a quarter of a copy more.
-            Class::Withholders | Class::Accusers => 1.75,
+            // reported at once (withholders and claimers rightly, or honest
+            // nodes by accusers): a quarter of a copy more.
+            Class::Withholders | Class::Accusers | Class::Claimers => 1.75,
             _ => 1.5,
         }
     }
@@ -204,15 +224,10 @@ impl Class {
             // only once a request to it timed out (the sweep found seeds
             // past one and two timeouts with a slow registry).
             Class::Withholders => (2.0, 0.0, 3.0 * request_timeout_s() + grace_s()),
-            // A claimer offers every chunk from its start, so the picker
-            // asks it before any chunk has spread: each claimer a pull is
-            // named costs its requests a request timeout, two claimers at
-            // once (`max_downloads` over `depth_per_peer`), and a node
-            // meets them afresh in each layer it pulls (it drops a silent
-            // peer from one transfer, not from its others). Four rounds:
-            // the sweep's worst seeds took 3.8 and 4.0 (`docs/results.md`,
-            // "Claimers"), a bound measured, not derived.
-            Class::Claimers => (2.0, 0.0, 4.0 * request_timeout_s() + grace_s()),
+            // A claimer costs each node that asks it a request timeout (see
+            // `time_per_node_hit`); the last round, and a grace for what only
+            // claimers were reported holding.
+            Class::Claimers => (2.0, 0.0, request_timeout_s() + grace_s()),
             // Accused peers stay named and keep their holdings; what only
             // accused peers hold goes out as runs, at most a quarter of a
             // swarm's members accused at once.
@@ -467,7 +482,12 @@ pub fn check(seed: u64) -> Result<SeedOutcome, SimError> {
     let (k, c, r) = case
         .classes
         .iter()
-        .map(|c| c.time_bound())
+        .zip(&case.faults)
+        .map(|(c, f)| {
+            let (k, c2, r) = c.time_bound();
+            let per_hit = c.time_per_node_hit() * f64::from(sc.layers);
+            (k, c2, r + per_hit * f64::from(hit(f)))
+        })
         .fold((0.0, 0.0, 0.0), |(k, c, r), (k2, c2, r2)| {
             (f64::max(k, k2), f64::max(c, c2), r + r2)
         });
@@ -565,8 +585,11 @@ pub struct ClassSummary {
     /// a sweep that passed.
     pub max_egress_of_bound: f64,
     pub max_time_ratio: f64,
-    /// `(k, c, r)`: within k x fault-free + c x the fault's duration + r s.
+    /// `(k, c, r)`: within k x fault-free + c x the fault's duration + r s,
+    /// plus `time_bound_per_node_hit` s for each node the fault hit in each
+    /// layer.
     pub time_bound: (f64, f64, f64),
+    pub time_bound_per_node_hit: f64,
 }
 
 /// A sweep's report: `dray sim --chaos --json` prints it.
@@ -616,6 +639,7 @@ pub fn sweep(
             max_egress_of_bound: 0.0,
             max_time_ratio: 0.0,
             time_bound: c.time_bound(),
+            time_bound_per_node_hit: c.time_per_node_hit(),
         })
         .collect();
     let mut failures = Vec::new();
