@@ -1864,8 +1864,9 @@ impl Scheduler {
     /// them: a quorum of three silencing the offender, ranking it last, or
     /// giving it no runs; `docs/results.md`, "Withholders"). What a false
     /// report costs is bounded: each reporter's first report of an
-    /// offender in a blob within `silent_window` counts (repeats change
-    /// nothing), of at most `max_silent_per_reporter` offenders (further
+    /// offender in a blob within `silent_window` counts (a repeat only
+    /// keeps the offender doubted: a pull repeats its reports while it
+    /// runs, `pull::silence`), of at most `max_silent_per_reporter` offenders (further
     /// reports are refused, and the reporter is not punished: a node cut off
     /// from many peers is not lying), and each costs at most one more
     /// registry copy of the chunks only that offender held of that blob
@@ -1887,7 +1888,13 @@ impl Scheduler {
         reporter.lapse(now, window, silence);
         let blobs = reporter.reported_silent.get(&report.offender);
         if blobs.is_some_and(|b| b.contains_key(&report.digest)) {
-            return Ok(0);
+            // A repeat keeps the offender doubted (the pull dropped it for
+            // good and still lacks what only it claims) and counts for
+            // nothing else.
+            return Ok(match (offender, self.swarms.get_mut(&report.digest)) {
+                (Some(key), Some(swarm)) => swarm.doubt(key, now),
+                _ => 0,
+            });
         }
         if blobs.is_none() && reporter.reported_silent.len() >= cap {
             return Err(ScheduleError::SilenceReportLimit {
@@ -3406,6 +3413,35 @@ mod tests {
             s.report_silent(&silent("accuser", &honest[2]), later)
                 .is_ok()
         );
+    }
+
+    #[test]
+    fn a_repeated_report_keeps_the_offender_doubted_past_the_window() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            expiry_intervals: 1_000,
+            ..striped()
+        });
+        let t0 = Instant::now();
+        let at = |secs| t0 + Duration::from_secs(secs);
+        s.announce(wants("w", 8, &[]), t0);
+        fetched(&mut s, "w", 8, (0..8).collect(), t0);
+        for r in ["r1", "r2", "r3", "r4"] {
+            s.announce(wants(r, 8, &[]), t0);
+        }
+        assert_eq!(s.report_silent(&silent("r1", "w"), t0), Ok(8));
+        // r1 dropped w for good and repeats its report while it pulls:
+        // counted once, it keeps w doubted.
+        assert_eq!(s.report_silent(&silent("r1", "w"), at(30)), Ok(0));
+        s.tick(at(61));
+        assert_eq!(
+            s.report_silent(&silent("r2", "w"), at(61)),
+            Ok(0),
+            "still doubted: nothing newly owed"
+        );
+        // Unrepeated, the doubt lapses with the window, and the next report
+        // owes w's chunks anew.
+        s.tick(at(122));
+        assert_eq!(s.report_silent(&silent("r3", "w"), at(122)), Ok(8));
     }
 
     #[test]

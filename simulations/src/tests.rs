@@ -352,6 +352,24 @@ fn tricklers_are_dropped_at_the_deadline_and_reported_and_nobody_starves_for_the
     assert!(r.registry_egress_ratio <= 1.5, "{r:?}");
 }
 
+/// A pull drops a trickler for good and reports it; once, the tracker's
+/// doubt lapsed a minute later while pulls still lacked what only
+/// tricklers claimed, and they starved for it (61 starved pulls, 2.17
+/// copies). Repeated while the pull runs (`pull::silence`), the report
+/// keeps the doubt alive.
+#[test]
+fn a_quarter_of_64_nodes_trickling_starve_no_pull_past_the_trackers_window() {
+    let mut sc = small();
+    sc.nodes = 64;
+    sc.tricklers = Some(0.25);
+    let r = run(&sc, Strategy::Dray, 1).unwrap();
+    assert_eq!(r.adversity.tricklers, 16);
+    assert_eq!(r.completed, 64, "{r:?}");
+    assert!(r.max_s > 60.0, "the storm outlasts the window: {r:?}");
+    assert_eq!(r.fallback_rules.starved, 0, "{:?}", r.fallback_rules);
+    assert!(r.registry_egress_ratio <= 1.5, "{r:?}");
+}
+
 /// Claimers (members that say from the start they hold every chunk, and
 /// answer no request) cost no egress: their chunks count as unpublished
 /// until a registry run hashes them, and once asked they are reported as

@@ -41,11 +41,12 @@
 //! for good (its other requests are cancelled at once). So does a request
 //! its peer left silent (no byte of the chunk by the deadline, or none for
 //! `peer.request_timeout`: [`Error::PeerSilent`]). The pull reports a peer
-//! so dropped, slow or silent, to the tracker at once
-//! ([`Transfer::take_silent_peers`]), which sends out what only such peers
-//! hold as registry runs: a peer trickling a byte now and then is as
-//! useless as a silent one, and unreported it starved every pull for what
-//! it alone held (the chaos sweep's `tricklers`: up to 9.25 copies).
+//! so dropped, slow or silent, to the tracker at once, and again while it
+//! runs ([`Transfer::take_silent_peers`]), so the tracker sends out what
+//! only such peers hold as registry runs: a peer trickling a byte now and
+//! then is as useless as a silent one, and unreported it starved every
+//! pull for what it alone held (the chaos sweep's `tricklers`: up to 9.25
+//! copies; reported once, the same once the tracker's doubt lapsed).
 //! Rescue and endgame: a lane with nothing left to pick asks its peer for a
 //! chunk already requested from another peer, when every missing chunk is in
 //! flight or that request has taken [`RESCUE_FACTOR`] times the median chunk
@@ -68,7 +69,7 @@ use dray_protocol::chunkmap::ChunkHash;
 use dray_protocol::defaults::DEFAULTS;
 use dray_protocol::peers::{Admit, Roster};
 use dray_protocol::picker::{ChunkPicker, DEFAULT_WINDOW};
-use dray_protocol::pull::{Arbiter, ChunkRates, Claim, Ruling};
+use dray_protocol::pull::{Arbiter, ChunkRates, Claim, Ruling, SilenceReports};
 use dray_protocol::{Bitfield, ChunkMap, VerifyError};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -160,9 +161,9 @@ struct Shared {
     /// [`Transfer::take_bad_chunks`].
     unreported: Vec<(String, u32)>,
     /// Peers dropped for a request they left unanswered or too slow for
-    /// its deadline, with its chunk, not yet taken by
+    /// its deadline, with its chunk, and when each was last taken by
     /// [`Transfer::take_silent_peers`].
-    unreported_silent: Vec<(String, u32)>,
+    silence: SilenceReports<String>,
 }
 
 /// One chunk request to one peer.
@@ -319,7 +320,7 @@ impl Transfer {
                 rates: ChunkRates::default(),
                 stopped: false,
                 unreported: Vec::new(),
-                unreported_silent: Vec::new(),
+                silence: SilenceReports::default(),
             }),
             blob,
             released: Notify::new(),
@@ -725,14 +726,16 @@ impl Transfer {
         std::mem::take(&mut self.lock().unreported)
     }
 
-    /// The peers dropped since the last call for a request they left
-    /// unanswered (not a byte, or none for the request timeout) or answered
-    /// too slowly for its deadline, each with the chunk asked: the pull
-    /// reports them to the tracker at once (silent, in the protocol's
-    /// word: no use to an asker), which
-    /// sends out what only such a peer holds as registry runs to others.
+    /// The peers this pull dropped for a request they left unanswered (not
+    /// a byte, or none for the request timeout) or answered too slowly for
+    /// its deadline, each with the chunk asked, that are due a report: the
+    /// pull reports them to the tracker at once (silent, in the protocol's
+    /// word: no use to an asker), which sends out what only such a peer
+    /// holds as registry runs to others, and again every
+    /// `pull::silence::REPORT_AGAIN` while it runs, so that the tracker's
+    /// doubt does not lapse while the pull still lacks what only they claim.
     pub fn take_silent_peers(&self) -> Vec<(String, u32)> {
-        std::mem::take(&mut self.lock().unreported_silent)
+        self.lock().silence.due(Instant::now())
     }
 
     /// Stops every lane and makes what was stored durable.
@@ -854,7 +857,7 @@ impl Transfer {
             sh.retire(peer);
             sh.picker.ban(&peer.to_string());
             sh.report.slow_peers.insert(peer.to_string(), index);
-            sh.unreported_silent.push((peer.to_string(), index));
+            sh.silence.dropped(peer.to_string(), index);
             for r in sh.requests.values().flatten().filter(|r| r.peer == peer) {
                 r.cancel.cancel();
             }
@@ -1464,10 +1467,12 @@ mod tests {
             report.bad_peers.is_empty(),
             "a slow peer is not a liar: {report:?}"
         );
-        // It answered, too slowly: reported all the same, once.
+        // It answered, too slowly: reported all the same, once until the
+        // report is due again.
         let reported = t.take_silent_peers();
         assert_eq!(reported.len(), 1, "{reported:?}");
         assert_eq!(reported[0].0, "slow", "{reported:?}");
+        assert!(t.take_silent_peers().is_empty());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,14 +11,17 @@
 //! [`fallback`] holds the rules that choose the fallback's mode;
 //! [`machine`] the run book and the choice of the fallback's runs;
 //! [`arbiter`] who decides a chunk's hash when no tracker vouches for it;
-//! [`deadline`] how long a chunk request to a peer is waited for.
+//! [`deadline`] how long a chunk request to a peer is waited for;
+//! [`silence`] when a peer dropped as silent is reported to the tracker.
 
 pub mod arbiter;
 pub mod deadline;
 pub mod fallback;
 pub mod machine;
+pub mod silence;
 
 pub use arbiter::{Arbiter, Claim, Ruling};
 pub use deadline::ChunkRates;
 pub use fallback::{Fallback, FallbackRule};
 pub use machine::{Action, News, PullConfig, PullMachine, RunId, RunKind};
+pub use silence::SilenceReports;

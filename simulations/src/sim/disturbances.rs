@@ -92,7 +92,8 @@ impl World<'_> {
             }
         }
         for (r, b, c) in unanswered {
-            self.report_silent(r, b, n, c);
+            self.nodes[r as usize].blobs[b].silence.dropped(n, c);
+            self.report_silent(r, b);
         }
         for r in receivers {
             self.try_fill(r);

@@ -71,6 +71,11 @@ impl World<'_> {
             full,
         };
         self.sched.announce(a, self.instant());
+        for b in 0..self.blobs.len() {
+            if !self.nodes[nu].blobs[b].complete {
+                self.report_silent(n, b);
+            }
+        }
         if full {
             // Calls reach the tracker in order: its swarms exist for
             // whatever is published after this.
@@ -151,8 +156,8 @@ impl World<'_> {
                     continue;
                 }
                 self.learn_peer(n, b as usize, p);
-                if self.nodes[n as usize].accuses {
-                    self.report_silent(n, b as usize, p, 0);
+                if self.nodes[n as usize].accuses && self.reaches_tracker(n) {
+                    self.send_silent(n, b as usize, p, 0);
                 }
             }
         }

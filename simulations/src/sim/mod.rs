@@ -37,7 +37,9 @@ use dray_protocol::chunkmap::ChunkHash;
 use dray_protocol::defaults::{DEFAULTS, announce_spread, secs};
 use dray_protocol::peers::{Admit, Member, Roster, may_watch};
 use dray_protocol::picker::{ChunkPicker, DEFAULT_WINDOW};
-use dray_protocol::pull::{Action, ChunkRates, News, PullConfig, PullMachine, RunId};
+use dray_protocol::pull::{
+    Action, ChunkRates, News, PullConfig, PullMachine, RunId, SilenceReports,
+};
 use dray_protocol::scheduler::{Announce, AnnounceDecision, BlobAnnounce, Held, SchedulerConfig};
 use dray_protocol::{Bitfield, BlobDigest};
 use std::collections::{BTreeMap, HashMap};
@@ -140,6 +142,9 @@ struct NodeBlob {
     bad: Bitfield,
     /// The rates of the last chunks from peers, for request deadlines.
     rates: ChunkRates,
+    /// Peers the pull dropped as silent or too slow, reported to the
+    /// tracker at once and again while the pull runs.
+    silence: SilenceReports<u32>,
 }
 
 struct Node {
@@ -496,6 +501,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
                     complete: false,
                     bad: Bitfield::new(chunks),
                     rates: ChunkRates::default(),
+                    silence: SilenceReports::default(),
                 })
                 .collect(),
             downloads: 0,

@@ -84,7 +84,8 @@ impl World<'_> {
                 self.drop_peer(n, b, p);
                 // Asked, a crashed peer answers nothing: reported as the
                 // agent's lane reports a request left unanswered.
-                self.report_silent(n, b, p, 0);
+                self.nodes[nu].blobs[b].silence.dropped(p, 0);
+                self.report_silent(n, b);
             }
         }
         if self.nodes[nu].downloads < max_down {
@@ -222,18 +223,28 @@ impl World<'_> {
                 picker.ban(&h.peer);
             }
             self.adversity.frozen_dropped += 1;
-            self.report_silent(n, b, h.peer, h.chunk);
+            self.nodes[nu].blobs[b].silence.dropped(h.peer, h.chunk);
+            self.report_silent(n, b);
         }
         self.try_fill(n);
     }
 
-    /// `n` dropped `p` for a request for chunk `c` of blob `b` that `p`
-    /// left unanswered, and tells the tracker at once, as the agent's pull
-    /// does.
-    pub(super) fn report_silent(&mut self, n: u32, b: usize, p: u32, c: u32) {
+    /// Tells the tracker about the peers `n`'s pull of blob `b` dropped
+    /// for requests they left unanswered: at once, and again while the
+    /// pull runs, as the agent's pull does (`pull::silence`).
+    pub(super) fn report_silent(&mut self, n: u32, b: usize) {
         if !self.reaches_tracker(n) {
             return;
         }
+        let at = self.instant();
+        for (p, c) in self.nodes[n as usize].blobs[b].silence.due(at) {
+            self.send_silent(n, b, p, c);
+        }
+    }
+
+    /// Sends the tracker `n`'s report that `p` left its request for chunk
+    /// `c` of blob `b` unanswered (an accuser sends it of anyone).
+    pub(super) fn send_silent(&mut self, n: u32, b: usize, p: u32, c: u32) {
         let report = dray_protocol::scheduler::Silent {
             reporter: self.names[n as usize].clone(),
             offender: self.names[p as usize].clone(),

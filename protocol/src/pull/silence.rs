@@ -1,0 +1,79 @@
+//! When a pull tells the tracker about a peer it dropped as silent or too
+//! slow: at once, and again every [`REPORT_AGAIN`] while the pull runs.
+//!
+//! The tracker doubts a reported peer for its `silent_window` (60 s) and
+//! owes a registry run for what only doubted peers hold. A pull drops such
+//! a peer for good, so it never asks it again and, reporting once, let the
+//! doubt lapse while it still lacked what only that peer claimed: the pull
+//! then starved for those chunks and fetched them alone (the simulator's
+//! `small` scenario with a quarter of 64 nodes trickling: 2.17 copies and 61
+//! starved pulls, 126.5 s into the storm). A report repeated within the
+//! window keeps the doubt alive without counting again against the
+//! reporter's cap (see `Scheduler::report_silent`). The agent's transfers
+//! and every simulated pull keep one of these.
+
+use std::time::{Duration, Instant};
+
+/// How often a pull repeats its report of a peer it dropped: half the
+/// tracker's `silent_window`, so a doubt never lapses while the pull runs.
+pub const REPORT_AGAIN: Duration = Duration::from_secs(30);
+
+/// The peers one pull dropped as silent or too slow, with the chunk each
+/// left unanswered and when the pull last reported it. At most the peers
+/// named to the pull: each is dropped once, for good.
+#[derive(Clone, Debug)]
+pub struct SilenceReports<P> {
+    dropped: Vec<(P, u32, Option<Instant>)>,
+}
+
+impl<P> Default for SilenceReports<P> {
+    fn default() -> Self {
+        Self {
+            dropped: Vec::new(),
+        }
+    }
+}
+
+impl<P: Clone + PartialEq> SilenceReports<P> {
+    /// The pull dropped `peer` for leaving chunk `index` unanswered.
+    pub fn dropped(&mut self, peer: P, index: u32) {
+        if !self.dropped.iter().any(|(p, _, _)| *p == peer) {
+            self.dropped.push((peer, index, None));
+        }
+    }
+
+    /// The reports due at `now`: each dropped peer at once, then every
+    /// [`REPORT_AGAIN`].
+    pub fn due(&mut self, now: Instant) -> Vec<(P, u32)> {
+        let mut due = Vec::new();
+        for (peer, index, last) in &mut self.dropped {
+            if last.is_none_or(|t| now.saturating_duration_since(t) >= REPORT_AGAIN) {
+                *last = Some(now);
+                due.push((peer.clone(), *index));
+            }
+        }
+        due
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::SchedulerConfig;
+
+    #[test]
+    fn a_dropped_peer_is_reported_at_once_and_again_within_the_trackers_window() {
+        assert!(REPORT_AGAIN < SchedulerConfig::default().silent_window);
+        let t0 = Instant::now();
+        let mut r = SilenceReports::default();
+        assert!(r.due(t0).is_empty());
+        r.dropped("w", 3);
+        r.dropped("w", 5);
+        assert_eq!(r.due(t0), vec![("w", 3)], "once, with its first chunk");
+        assert!(r.due(t0 + Duration::from_secs(29)).is_empty());
+        r.dropped("t", 1);
+        let later = t0 + REPORT_AGAIN;
+        assert_eq!(r.due(later), vec![("w", 3), ("t", 1)]);
+        assert!(r.due(later + Duration::from_secs(1)).is_empty());
+    }
+}
