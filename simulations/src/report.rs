@@ -65,6 +65,8 @@ pub struct SimReport {
     pub seed: u64,
     /// Nodes that pull (including those that left).
     pub nodes: u32,
+    /// Nodes that stayed and completed (claimers, which pull nothing, are
+    /// counted nowhere but in `adversity.claimers`).
     pub completed: u32,
     /// Nodes that left before or after completing; not in the percentiles.
     pub left: u32,
@@ -274,7 +276,7 @@ impl SimReport {
             nodes: sc.nodes,
             completed,
             left,
-            incomplete: sc.nodes - completed - left,
+            incomplete: sc.nodes - completed - left - adversity.claimers,
             image_bytes,
             layers: sc.layers,
             sim_chunk_bytes: sc.sim_chunk_bytes,

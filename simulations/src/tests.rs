@@ -384,7 +384,7 @@ fn claimers_of_every_chunk_cost_no_egress_and_hold_half_a_pulls_requests() {
     sc.claimers = Some(0.25);
     let r = run(&sc, Strategy::Dray, 1).unwrap();
     assert_eq!(r.adversity.claimers, 4);
-    assert_eq!(r.completed, 16, "{r:?}");
+    assert_eq!((r.completed, r.incomplete), (12, 0), "{r:?}");
     assert!(r.adversity.frozen_dropped > 0, "{:?}", r.adversity);
     assert!(r.registry_egress_ratio <= 1.1, "{r:?}");
     let timeout = dray_protocol::pull::deadline::REQUEST_TIMEOUT.as_secs_f64();

@@ -672,7 +672,9 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             .map(|b| u64::from(b.bad.count()))
             .sum::<u64>();
     }
-    for n in &w.nodes[..pullers as usize] {
+    // A claimer pulls nothing: neither a completion (nor one at its start
+    // in the percentiles) nor a node that left.
+    for n in w.nodes[..pullers as usize].iter().filter(|n| !n.claims) {
         if !n.alive {
             left += 1;
         } else if let Some(d) = n.done_at {
