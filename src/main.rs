@@ -939,7 +939,7 @@ fn sim_report(args: SimArgs) -> Result<()> {
 /// seconds for each node hit in each layer where the class has them.
 fn time_bound(c: &dray_simulations::chaos::ClassSummary) -> String {
     let (k, f, r) = c.time_bound;
-    let hit = c.time_bound_per_node_hit;
+    let hit = c.time_bound_per_node_hit_and_layer;
     if hit > 0.0 {
         format!("{k},{f},{r}+{hit}/hit/layer")
     } else {

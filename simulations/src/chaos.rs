@@ -157,8 +157,8 @@ impl Class {
     /// (`max_downloads` over `depth_per_peer`). A pull drops a silent peer
     /// for good, but the node's other pulls find it silent on their own
     /// (dropping it from all of them at once was tried: `docs/results.md`,
-    /// "Claimers").
-    pub fn time_per_node_hit(self) -> f64 {
+    /// "Lanes per peer, silence reports per blob and repeated").
+    pub fn time_per_node_hit_and_layer(self) -> f64 {
         match self {
             Class::Claimers => {
                 let d = dray_protocol::defaults::DEFAULTS;
@@ -225,7 +225,7 @@ impl Class {
             // past one and two timeouts with a slow registry).
             Class::Withholders => (2.0, 0.0, 3.0 * request_timeout_s() + grace_s()),
             // A claimer costs each node that asks it a request timeout (see
-            // `time_per_node_hit`); the last round, and a grace for what only
+            // `time_per_node_hit_and_layer`); the last round, and a grace for what only
             // claimers were reported holding.
             Class::Claimers => (2.0, 0.0, request_timeout_s() + grace_s()),
             // Accused peers stay named and keep their holdings; what only
@@ -486,7 +486,7 @@ pub fn check(seed: u64) -> Result<SeedOutcome, SimError> {
         .zip(&case.faults)
         .map(|(c, f)| {
             let (k, c2, r) = c.time_bound();
-            let per_hit = c.time_per_node_hit() * f64::from(sc.layers);
+            let per_hit = c.time_per_node_hit_and_layer() * f64::from(sc.layers);
             (k, c2, r + per_hit * f64::from(hit(f)))
         })
         .fold((0.0, 0.0, 0.0), |(k, c, r), (k2, c2, r2)| {
@@ -587,10 +587,10 @@ pub struct ClassSummary {
     pub max_egress_of_bound: f64,
     pub max_time_ratio: f64,
     /// `(k, c, r)`: within k x fault-free + c x the fault's duration + r s,
-    /// plus `time_bound_per_node_hit` s for each node the fault hit in each
+    /// plus `time_bound_per_node_hit_and_layer` s for each node the fault hit in each
     /// layer.
     pub time_bound: (f64, f64, f64),
-    pub time_bound_per_node_hit: f64,
+    pub time_bound_per_node_hit_and_layer: f64,
 }
 
 /// A sweep's report: `dray sim --chaos --json` prints it.
@@ -640,7 +640,7 @@ pub fn sweep(
             max_egress_of_bound: 0.0,
             max_time_ratio: 0.0,
             time_bound: c.time_bound(),
-            time_bound_per_node_hit: c.time_per_node_hit(),
+            time_bound_per_node_hit_and_layer: c.time_per_node_hit_and_layer(),
         })
         .collect();
     let mut failures = Vec::new();

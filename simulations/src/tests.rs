@@ -354,9 +354,9 @@ fn tricklers_are_dropped_at_the_deadline_and_reported_and_nobody_starves_for_the
 
 /// A pull drops a trickler for good and reports it; once, the tracker's
 /// doubt lapsed a minute later while pulls still lacked what only
-/// tricklers claimed, and they starved for it (61 starved pulls, 2.17
-/// copies). Repeated while the pull runs (`pull::silence`), the report
-/// keeps the doubt alive.
+/// tricklers claimed, and they starved for it (figures: `docs/results.md`,
+/// "Lanes per peer"). Repeated while the pull runs (`pull::silence`), the
+/// report keeps the doubt alive.
 #[test]
 fn a_quarter_of_64_nodes_trickling_starve_no_pull_past_the_trackers_window() {
     let mut sc = small();
@@ -376,8 +376,8 @@ fn a_quarter_of_64_nodes_trickling_starve_no_pull_past_the_trackers_window() {
 /// silent peers are. They cost time, a request timeout per claimer a pull
 /// asks, two at once: a pull keeps at most `depth_per_peer` requests on a
 /// peer, as the agent's lanes do (the simulator once let one silent peer
-/// hold all `max_downloads`, and this case took 101.8 s, not 66.3 s;
-/// figures: `docs/results.md`, "Claimers").
+/// hold all `max_downloads`, and this case took half again as long;
+/// figures: `docs/results.md`, "Lanes per peer").
 #[test]
 fn claimers_of_every_chunk_cost_no_egress_and_hold_half_a_pulls_requests() {
     let mut sc = small();

@@ -179,7 +179,7 @@ impl TrackerMetrics {
         );
         r.register(
             "silent_peer_reports",
-            "Reports of a peer leaving a chunk request unanswered, or too slow for its deadline",
+            "Reports of a peer leaving a chunk request unanswered, or too slow for its deadline (repeated every 30 s while the asker's pull runs)",
             m.silent_peer_reports.clone(),
         );
         r.register(

@@ -6,8 +6,8 @@
 //! a peer for good, so it never asks it again and, reporting once, let the
 //! doubt lapse while it still lacked what only that peer claimed: the pull
 //! then starved for those chunks and fetched them alone (the simulator's
-//! `small` scenario with a quarter of 64 nodes trickling: 2.17 copies and 61
-//! starved pulls, 126.5 s into the storm). A report repeated within the
+//! `small` scenario with a quarter of 64 nodes trickling; figures in
+//! `docs/results.md`, "Lanes per peer"). A report repeated within the
 //! window keeps the doubt alive without counting again against the
 //! reporter's cap (see `Scheduler::report_silent`). The agent's transfers
 //! and every simulated pull keep one of these.
