@@ -22,8 +22,7 @@ use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::AsyncBufReadExt;
 use tokio::process::{Child, Command};
@@ -114,6 +113,19 @@ struct StormResult {
     direct_bound_ratio: f64,
     /// Agents whose pull fell back to the registry for unclaimed chunks.
     fell_back: usize,
+    /// Peers the agents dropped as too slow or silent (their pull reports'
+    /// `slow_peers`, summed): in a storm of honest nodes, each is a false
+    /// alarm, reported to the tracker, whose chunks may then leave the
+    /// registry again.
+    peers_dropped: usize,
+    /// Chunk requests the agents waited for past their deadline, half there
+    /// by it, and got (summed): each a busy honest peer the deadline alone
+    /// would have dropped.
+    requests_extended: u64,
+    /// Chunks the agents fetched from the registry, summed, against
+    /// `chunks`, the blob's: what registry egress counts in bytes, counted.
+    registry_chunks: u64,
+    chunks: u64,
     /// The simulator's p50 and last-node times for this very cluster
     /// (`Scenario::emulated`; medians over seeds), to check the model
     /// against the emulation.
@@ -202,8 +214,13 @@ pub async fn run(b: StormBench) -> Result<()> {
             r.predicted_last_s / r.lower_bound_s
         );
         println!(
-            "registry copies in the swarm (headers cancelled): {:.3} · agents that fell back: {}",
-            r.registry_copies, r.fell_back
+            "registry copies in the swarm (headers cancelled): {:.3} · chunks from the registry: {} of {} · agents that fell back: {} · peers dropped as too slow: {} · requests waited for past their deadline: {}",
+            r.registry_copies,
+            r.registry_chunks,
+            r.chunks,
+            r.fell_back,
+            r.peers_dropped,
+            r.requests_extended
         );
         println!(
             "CPU time stolen by the hypervisor during the swarm run: {:.1}%",
@@ -333,7 +350,7 @@ async fn storm(
         .with_context(|| format!("writing {}/node.toml", node.display()))?;
     }
 
-    let (swarm, fell_back) = swarm_phase(b.nodes, exe, &dir, &digest, &egress, cluster).await?;
+    let (swarm, counts) = swarm_phase(b.nodes, exe, &dir, &digest, &egress, cluster).await?;
     let direct = direct_phase(b.nodes, b.size, &digest, &egress).await?;
 
     let bits = b.size as f64 * 8.0;
@@ -357,7 +374,11 @@ async fn storm(
         registry_copies: swarm.egress_bytes as f64 / (direct.egress_bytes as f64 / n),
         bound_ratio: last(&swarm.times) / lower_bound_s,
         direct_bound_ratio: last(&direct.times) / lower_bound_s,
-        fell_back,
+        fell_back: counts.fell_back,
+        peers_dropped: counts.peers_dropped,
+        requests_extended: counts.requests_extended,
+        registry_chunks: counts.registry_chunks,
+        chunks: counts.chunks,
         predicted_p50_s,
         predicted_last_s,
         swarm_cpu_steal: swarm.cpu_steal,
@@ -398,8 +419,33 @@ fn median(sorted: &[f64]) -> f64 {
     sorted[sorted.len() / 2]
 }
 
+/// What the agents' pull reports of one swarm run add up to.
+#[derive(Default)]
+struct PullCounts {
+    fell_back: usize,
+    peers_dropped: usize,
+    requests_extended: u64,
+    registry_chunks: u64,
+    /// The blob's chunks, as every report counts them.
+    chunks: u64,
+}
+
+impl PullCounts {
+    /// Adds one agent's pull report (`dray blob pull`'s JSON line).
+    fn add(&mut self, report: &serde_json::Value) {
+        let count = |key: &str| report[key].as_u64().unwrap_or(0);
+        self.fell_back += usize::from(report["fell_back"].as_bool() == Some(true));
+        self.peers_dropped += report["slow_peers"].as_array().map_or(0, Vec::len);
+        self.requests_extended += count("extended_requests");
+        self.registry_chunks += count("chunks_from_registry");
+        self.chunks = self.chunks.max(
+            count("chunks_from_registry") + count("chunks_from_peers") + count("resumed_chunks"),
+        );
+    }
+}
+
 /// Every node pulls the blob through the swarm at once; returns the phase and
-/// how many agents fell back to the registry. The agents keep serving until
+/// what the agents' pull reports add up to. The agents keep serving until
 /// the last one is done, then they are stopped.
 async fn swarm_phase(
     nodes: usize,
@@ -408,8 +454,8 @@ async fn swarm_phase(
     digest: &str,
     egress: &Egress,
     cluster: &mut Cluster,
-) -> Result<(Phase, usize)> {
-    let fell_back = Arc::new(AtomicUsize::new(0));
+) -> Result<(Phase, PullCounts)> {
+    let counts = Arc::new(Mutex::new(PullCounts::default()));
     let registry_url = format!("http://{REGISTRY_ADDR}");
     let mut tasks = JoinSet::new();
     let start = Instant::now();
@@ -440,7 +486,7 @@ async fn swarm_phase(
             .with_context(|| format!("starting `dray blob pull` in {}", node_ns(i)))?;
         let stdout = child.stdout.take().context("agent stdout")?;
         cluster.agents.push(child);
-        let fell_back = fell_back.clone();
+        let counts = counts.clone();
         tasks.spawn(async move {
             let mut lines = tokio::io::BufReader::new(stdout).lines();
             while let Some(line) = lines.next_line().await? {
@@ -448,9 +494,10 @@ async fn swarm_phase(
                     continue;
                 };
                 if report.get("seconds").is_some() {
-                    if report["fell_back"].as_bool() == Some(true) {
-                        fell_back.fetch_add(1, Ordering::Relaxed);
-                    }
+                    counts
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .add(&report);
                     return Ok(start.elapsed().as_secs_f64());
                 }
             }
@@ -465,7 +512,8 @@ async fn swarm_phase(
         .await
         .context("swarm run")?;
     cluster.stop_agents().await;
-    Ok((phase, fell_back.load(Ordering::Relaxed)))
+    let counts = std::mem::take(&mut *counts.lock().unwrap_or_else(|e| e.into_inner()));
+    Ok((phase, counts))
 }
 
 /// The baseline: every node downloads the blob straight from the registry at once.

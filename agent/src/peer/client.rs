@@ -4,7 +4,7 @@
 use super::*;
 use dray_protocol::framing::{MAX_BITFIELD_WAIT_MS, MAX_HASHES_PER_ANSWER};
 use dray_protocol::{Bitfield, ChunkMap};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 impl PeerNode {
     /// Dials `peer_id` at `addr`, checks its certificate names that peer id, and
@@ -207,21 +207,21 @@ impl PeerNode {
         map: &ChunkMap,
         index: u32,
     ) -> Result<Vec<u8>> {
-        self.fetch_chunk_noting(link, map, index, &AtomicBool::new(false))
+        self.fetch_chunk_noting(link, map, index, &AtomicUsize::new(0))
             .await
     }
 
-    /// [`PeerNode::fetch_chunk`], setting `answered` once a byte of the
-    /// chunk came (a header alone is not an answer: a withholder can send
-    /// one): a caller that gives up on the request earlier knows whether
-    /// the peer sent anything at all. A peer that answers nothing, or stops
-    /// sending, for `request_timeout` fails with [`Error::PeerSilent`].
+    /// [`PeerNode::fetch_chunk`], counting in `received` the chunk's bytes
+    /// as they come (a header alone is not an answer: a withholder can send
+    /// one): a caller past the request's deadline knows how far the peer
+    /// got (`pull::deadline::extension`). A peer that answers nothing, or
+    /// stops sending, for `request_timeout` fails with [`Error::PeerSilent`].
     pub async fn fetch_chunk_noting(
         &self,
         link: &PeerLink,
         map: &ChunkMap,
         index: u32,
-        answered: &AtomicBool,
+        received: &AtomicUsize,
     ) -> Result<Vec<u8>> {
         let peer = &link.peer_id;
         let idle = self.config.request_timeout;
@@ -286,10 +286,8 @@ impl PeerNode {
                     ));
                 }
                 Ok(Ok(Some(piece))) => {
-                    if !piece.bytes.is_empty() {
-                        answered.store(true, Ordering::Release);
-                    }
                     buf.extend_from_slice(&piece.bytes);
+                    received.store(buf.len(), Ordering::Release);
                 }
             }
         }

@@ -832,23 +832,27 @@ mod tests {
             }
         });
         let link = b.connect("a", addr).await.unwrap();
-        let answered = std::sync::atomic::AtomicBool::new(false);
+        let received = std::sync::atomic::AtomicUsize::new(0);
         let started = std::time::Instant::now();
         let err = b
-            .fetch_chunk_noting(&link, &map, 0, &answered)
+            .fetch_chunk_noting(&link, &map, 0, &received)
             .await
             .unwrap_err();
         assert!(matches!(err, Error::PeerSilent { .. }), "{err}");
         assert!(err.to_string().contains("no answer within"), "{err}");
-        assert!(!answered.load(std::sync::atomic::Ordering::Acquire));
+        assert_eq!(received.load(std::sync::atomic::Ordering::Acquire), 0);
         assert!(started.elapsed() >= Duration::from_millis(500));
         // The honest peer answers the same request at once.
         let link = b.connect("a", a.local_addr().unwrap()).await.unwrap();
-        let answered = std::sync::atomic::AtomicBool::new(false);
-        b.fetch_chunk_noting(&link, &map, 0, &answered)
+        let received = std::sync::atomic::AtomicUsize::new(0);
+        let bytes = b
+            .fetch_chunk_noting(&link, &map, 0, &received)
             .await
             .unwrap();
-        assert!(answered.load(std::sync::atomic::Ordering::Acquire));
+        assert_eq!(
+            received.load(std::sync::atomic::Ordering::Acquire),
+            bytes.len()
+        );
         server.abort();
     }
 

@@ -36,8 +36,10 @@
 //! CPU every chunk is slow, and a fixed 256 KiB/s dropped honest peers by
 //! the dozen (16 nodes on 2 busy cores). The only other limit, a request
 //! that moves no byte for `peer.request_timeout`, let a peer sending a byte
-//! every few seconds keep a chunk forever. A chunk past its deadline goes
-//! back to the picker, and a swarm transfer drops the peer that missed it
+//! every few seconds keep a chunk forever. A request past its deadline with
+//! half its bytes or more is waited for as long again (a busy honest peer
+//! serving its `max_uploads`; `pull::deadline::extension`); with less, its
+//! chunk goes back to the picker, and a swarm transfer drops the peer that missed it
 //! for good (its other requests are cancelled at once). So does a request
 //! its peer left silent (no byte of the chunk by the deadline, or none for
 //! `peer.request_timeout`: [`Error::PeerSilent`]). The pull reports a peer
@@ -56,7 +58,8 @@
 //! it fetches its own registry run), and dropping the overtaken peer, as
 //! the agent once did, left nodes of a four-node swarm with no peer at all
 //! and waiting `swarm.stall` (issue 36's "30 s hole"). Only a missed
-//! deadline, 8 times the swarm's median chunk time, drops a peer.
+//! deadline (8 times the swarm's median chunk time, extended for a
+//! request half there) drops a peer.
 //!
 //! The swarm engine adds registry fetches to a transfer; [`fetch_from_peers`]
 //! is the plain case of a known map and a fixed list of peers.
@@ -69,6 +72,7 @@ use dray_protocol::chunkmap::ChunkHash;
 use dray_protocol::defaults::DEFAULTS;
 use dray_protocol::peers::{Admit, Roster};
 use dray_protocol::picker::{ChunkPicker, DEFAULT_WINDOW};
+use dray_protocol::pull::deadline::{Deadline, extension};
 use dray_protocol::pull::{Arbiter, ChunkRates, Claim, Ruling, SilenceReports};
 use dray_protocol::{Bitfield, ChunkMap, VerifyError};
 use serde::Serialize;
@@ -132,6 +136,9 @@ pub struct FetchReport {
     /// Chunks requested from a second peer while the first request was
     /// still under way (the endgame).
     pub second_requests: u32,
+    /// Chunk requests answered in full after their deadline, half there by
+    /// it (`pull::deadline::extension`): each a busy peer kept, not dropped.
+    pub extended_requests: u32,
 }
 
 struct Shared {
@@ -278,7 +285,7 @@ pub struct Transfer {
     /// watchers take each peer's word for the hashes of the chunks it
     /// holds, through the arbiter; those chunks reach no reader until the
     /// registry or the blob's digest vouches for them.
-    peer_hashes: std::sync::atomic::AtomicBool,
+    peer_hashes: AtomicBool,
     /// Whose word each such hash is, and the disputes the registry settles;
     /// shared by the attempts of one pull (see [`Transfer::judged_by`]).
     arbiter: std::sync::OnceLock<Arc<Mutex<Arbiter<String>>>>,
@@ -329,7 +336,7 @@ impl Transfer {
             downloads: tokio::sync::Semaphore::new(node.config.max_downloads.max(1)),
             chunk_size: map.chunk_size(),
             storing: AtomicUsize::new(0),
-            peer_hashes: std::sync::atomic::AtomicBool::new(false),
+            peer_hashes: AtomicBool::new(false),
             arbiter: std::sync::OnceLock::new(),
         });
         t.spawn(persist_loop(t.clone()));
@@ -738,6 +745,15 @@ impl Transfer {
         self.lock().silence.due(Instant::now())
     }
 
+    /// The report of `peer` taken from [`Transfer::take_silent_peers`] did
+    /// not reach the tracker: it is due again at the next announce rather
+    /// than `REPORT_AGAIN` later (`pull::silence::SilenceReports::unsent`).
+    pub fn silent_report_unsent(&self, peer: &str) {
+        self.lock()
+            .silence
+            .unsent(&peer.to_string(), Instant::now());
+    }
+
     /// Stops every lane and makes what was stored durable.
     pub async fn finish(&self) -> Result<FetchReport> {
         self.lock().stopped = true;
@@ -804,7 +820,7 @@ impl Transfer {
 
     /// How long a request for a chunk of `len` bytes may take: see the
     /// module doc.
-    fn deadline(&self, len: usize) -> Duration {
+    fn deadline(&self, len: usize) -> Deadline {
         let rates = self.lock().rates.clone();
         rates.deadline(len, || self.node.first_chunk_deadline(len))
     }
@@ -864,6 +880,33 @@ impl Transfer {
         }
         self.released.notify_waiters();
     }
+}
+
+/// Runs a chunk request to its `deadline`, and past it for as long as
+/// `pull::deadline::extension` gives it for the bytes of `len` it has
+/// `received` by then. `Err` carries the deadline it missed, extension
+/// included.
+async fn within_deadline<F: std::future::Future>(
+    deadline: Deadline,
+    len: usize,
+    received: &AtomicUsize,
+    fetch: F,
+) -> std::result::Result<F::Output, Duration> {
+    tokio::pin!(fetch);
+    if let Ok(out) = tokio::time::timeout(deadline.wait, &mut fetch).await {
+        return Ok(out);
+    }
+    let got = received.load(Ordering::Acquire);
+    let more = extension(deadline, got, len).ok_or(deadline.wait)?;
+    tracing::debug!(
+        ?deadline,
+        ?more,
+        len,
+        "chunk request past its deadline, half there: waited for"
+    );
+    tokio::time::timeout(more, fetch)
+        .await
+        .map_err(|_| deadline.wait + more)
 }
 
 /// Fetches the blob of a complete `map` from a fixed list of peers.
@@ -1068,10 +1111,12 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
         let deadline = t.deadline(len);
         tracing::debug!(index, %peer, ?deadline, "requesting chunk");
         let started = Instant::now();
-        let answered = AtomicBool::new(false);
-        let fetch = tokio::time::timeout(
+        let received = AtomicUsize::new(0);
+        let fetch = within_deadline(
             deadline,
-            t.node.fetch_chunk_noting(&link, &map, index, &answered),
+            len,
+            &received,
+            t.node.fetch_chunk_noting(&link, &map, index, &received),
         );
         let bytes = match cancel.run_until_cancelled(fetch).await {
             // Another copy landed first, or the peer was dropped as too slow.
@@ -1079,11 +1124,11 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
                 t.end_request(index, &peer, Ended::Failed);
                 continue;
             }
-            Some(Err(_)) => {
+            Some(Err(missed)) => {
                 t.end_request(index, &peer, Ended::Failed);
-                let why = match answered.load(Ordering::Acquire) {
-                    false => format!("sent no byte within its deadline of {deadline:?}"),
-                    true => format!("missed its deadline of {deadline:?}"),
+                let why = match received.load(Ordering::Acquire) {
+                    0 => format!("sent no byte within its deadline of {missed:?}"),
+                    got => format!("missed its deadline of {missed:?} with {got} of {len} bytes"),
                 };
                 t.too_slow(&peer, index, &why);
                 continue;
@@ -1093,7 +1138,12 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
                 t.too_slow(&peer, index, &e.to_string());
                 continue;
             }
-            Some(Ok(Ok(b))) => b,
+            Some(Ok(Ok(b))) => {
+                if started.elapsed() > deadline.wait {
+                    t.lock().report.extended_requests += 1;
+                }
+                b
+            }
             Some(Ok(Err(e))) => {
                 tracing::warn!(error = %e, index, "chunk request failed");
                 t.end_request(index, &peer, Ended::Failed);
@@ -1211,6 +1261,62 @@ async fn persist_loop(t: Arc<Transfer>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A request moving at a busy honest peer's pace, half there or more at
+    /// its deadline, is waited for as long again; one with less (a
+    /// trickler) ends at the deadline. Paused time: exact, whatever the
+    /// machine's load.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_half_there_at_its_deadline_is_waited_for_and_a_trickle_is_not() {
+        let wait = Duration::from_secs(8);
+        let deadline = Deadline {
+            wait,
+            extendable: true,
+        };
+        let len = 4 << 20;
+        // Three quarters there at the deadline, done at 12 s.
+        let received = AtomicUsize::new(0);
+        let paced = async {
+            received.store(len * 3 / 4, Ordering::Release);
+            tokio::time::sleep(Duration::from_secs(12)).await;
+            len
+        };
+        let started = tokio::time::Instant::now();
+        assert_eq!(
+            within_deadline(deadline, len, &received, paced).await,
+            Ok(len)
+        );
+        assert_eq!(started.elapsed(), Duration::from_secs(12));
+        // A kilobyte a second: 8 KiB at the deadline.
+        let trickled = AtomicUsize::new(0);
+        let trickle = async {
+            trickled.store(8 << 10, Ordering::Release);
+            std::future::pending::<usize>().await
+        };
+        let started = tokio::time::Instant::now();
+        assert_eq!(
+            within_deadline(deadline, len, &trickled, trickle).await,
+            Err(wait)
+        );
+        assert_eq!(started.elapsed(), wait);
+        // Half there, and no further past twice the deadline.
+        let stuck = AtomicUsize::new(len / 2);
+        let pending = std::future::pending::<usize>();
+        assert_eq!(
+            within_deadline(deadline, len, &stuck, pending).await,
+            Err(2 * wait)
+        );
+        // A first deadline (no rate seen yet) is not extended.
+        let first = Deadline {
+            wait,
+            extendable: false,
+        };
+        let pending = std::future::pending::<usize>();
+        assert_eq!(
+            within_deadline(first, len, &stuck, pending).await,
+            Err(wait)
+        );
+    }
     use crate::identity::ClusterCa;
     use crate::peer::PeerConfig;
     use crate::store::ChunkStore;

@@ -18,9 +18,12 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 /// A chunk request's deadline, in multiples of the time the transfer's
-/// median peer rate needs for it. Generous: peers on a busy node, or on a
-/// link shared by many uploads, vary several-fold from chunk to chunk.
-pub const SLOW_FACTOR: f64 = 8.0;
+/// median peer rate needs for it: `max_uploads`. An honest peer serving its
+/// `max_uploads` chunks at once gives each that share of its link, and the
+/// median may have been set while it served one (the first chunks of a
+/// storm), so such a request ends near its deadline, before or after with
+/// the link's jitter: past it, [`extension`] decides.
+pub const SLOW_FACTOR: f64 = crate::defaults::DEFAULTS.max_uploads as f64;
 
 /// The shortest deadline a chunk request gets, whatever its size and rate:
 /// a round trip and the scheduling jitter of a busy node fit in it.
@@ -47,6 +50,32 @@ pub fn first_deadline(len: usize, slowest: u64, request_timeout: Duration) -> Du
         return Duration::MAX;
     }
     d
+}
+
+/// A chunk request's deadline ([`ChunkRates::deadline`]): how long it is
+/// waited for, and whether a request half there by then gets
+/// [`extension`]. One from the swarm's median rate does; the first, from
+/// the slowest rate waited for plus the request timeout, does not: a peer
+/// slower than that floor is too slow, whatever it sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Deadline {
+    pub wait: Duration,
+    pub extendable: bool,
+}
+
+/// A request past its `deadline` with `received` of its `len` bytes: how
+/// much longer it is waited for, if at all. One with an extendable
+/// deadline and half its bytes or more moves at no less than half the
+/// share its deadline allows and gets as long again; any other is dropped. An honest peer serving its
+/// `max_uploads` has most of the chunk by then; a trickler (a byte now and
+/// then) and a silent peer have next to nothing, and are dropped at the
+/// deadline as before. Without it the emulated storm dropped busy honest
+/// peers as too slow and, reported, their chunks left the registry again;
+/// a deadline twice as long for every request instead made withholders
+/// and tricklers hold requests twice as long (`docs/results.md`,
+/// "Deadlines and busy peers").
+pub fn extension(deadline: Deadline, received: usize, len: usize) -> Option<Duration> {
+    (deadline.extendable && received.saturating_mul(2) >= len).then_some(deadline.wait)
 }
 
 /// How long a request is waited for once its peer stops answering: its
@@ -85,14 +114,16 @@ impl ChunkRates {
 
     /// How long a request for `len` bytes may take; `first` is the
     /// deadline before any rate was seen ([`first_deadline`]).
-    pub fn deadline(&self, len: usize, first: impl FnOnce() -> Duration) -> Duration {
-        match self.median() {
-            _ if planted::is(Bug::NoDeadline) => Duration::MAX,
-            Some(rate) => {
-                Duration::from_secs_f64(SLOW_FACTOR * len as f64 / rate).max(MIN_CHUNK_DEADLINE)
-            }
-            None => first(),
-        }
+    pub fn deadline(&self, len: usize, first: impl FnOnce() -> Duration) -> Deadline {
+        let (wait, extendable) = match self.median() {
+            _ if planted::is(Bug::NoDeadline) => (Duration::MAX, false),
+            Some(rate) => (
+                Duration::from_secs_f64(SLOW_FACTOR * len as f64 / rate).max(MIN_CHUNK_DEADLINE),
+                true,
+            ),
+            None => (first(), false),
+        };
+        Deadline { wait, extendable }
     }
 }
 
@@ -106,16 +137,52 @@ mod tests {
     fn the_deadline_is_eight_times_the_median_rate_at_least_two_seconds() {
         let mut r = ChunkRates::default();
         let first = || first_deadline(4 * MIB, MIN_CHUNK_BYTES_PER_S, REQUEST_TIMEOUT);
-        assert_eq!(r.deadline(4 * MIB, first), Duration::from_secs(36));
+        let wait = |r: &ChunkRates| r.deadline(4 * MIB, first).wait;
+        assert_eq!(
+            r.deadline(4 * MIB, first),
+            Deadline {
+                wait: Duration::from_secs(36),
+                extendable: false
+            }
+        );
         // 4 MiB at 16 MiB/s is 0.25 s: 2 s, not 8 x 0.25.
         r.record(16.0 * MIB as f64);
-        assert_eq!(r.deadline(4 * MIB, first), MIN_CHUNK_DEADLINE);
+        assert_eq!(wait(&r), MIN_CHUNK_DEADLINE);
         // The median of the last 16: one slow chunk moves nothing.
         for _ in 0..20 {
             r.record(MIB as f64);
         }
         r.record(1.0);
-        assert_eq!(r.deadline(4 * MIB, first), Duration::from_secs(32));
+        assert_eq!(wait(&r), Duration::from_secs(32));
         assert_eq!(r.rates.len(), RATE_SAMPLES);
+    }
+
+    /// The storm's first chunks come from peers serving one request each;
+    /// later a peer serves `max_uploads` at once and each gets that share
+    /// of its link, give or take the link's jitter (here a third less).
+    /// Such a peer is honest, and dropping it (and reporting it) sent its
+    /// chunks to the registry again; a trickler is not.
+    #[test]
+    fn an_honest_peer_serving_its_most_uploads_is_waited_for_and_a_trickler_is_not() {
+        let mut r = ChunkRates::default();
+        let idle = 11.0 * MIB as f64;
+        for _ in 0..RATE_SAMPLES {
+            r.record(idle);
+        }
+        let len = 4 * MIB;
+        let first = || first_deadline(len, MIN_CHUNK_BYTES_PER_S, REQUEST_TIMEOUT);
+        let deadline = r.deadline(len, first);
+        let uploads = crate::defaults::DEFAULTS.max_uploads as f64;
+        let shared = 2.0 / 3.0 * idle / uploads;
+        let took = Duration::from_secs_f64(len as f64 / shared);
+        assert!(took > deadline.wait, "the case the extension is for");
+        let received = (shared * deadline.wait.as_secs_f64()) as usize;
+        let more = extension(deadline, received, len).expect("an honest peer is waited for");
+        assert!(deadline.wait + more > took);
+        let trickled = (1024.0 * deadline.wait.as_secs_f64()) as usize;
+        assert_eq!(extension(deadline, trickled, len), None);
+        // Before any rate, the floor rate decides alone.
+        let first = ChunkRates::default().deadline(len, first);
+        assert_eq!(extension(first, len - 1, len), None);
     }
 }

@@ -18,9 +18,15 @@ use std::time::{Duration, Instant};
 /// tracker's `silent_window`, so a doubt never lapses while the pull runs.
 pub const REPORT_AGAIN: Duration = Duration::from_secs(30);
 
+/// How soon a report that did not reach the tracker is due again: the
+/// announce period, as the simulator's pulls, which report only while
+/// they reach the tracker, try again at their next announce.
+pub const RETRY_UNSENT: Duration =
+    Duration::from_millis(crate::defaults::DEFAULTS.pull_announce_ms);
+
 /// The peers one pull dropped as silent or too slow, with the chunk each
-/// left unanswered and when the pull last reported it. At most the peers
-/// named to the pull: each is dropped once, for good.
+/// left unanswered and when its report is due next (`None`: at once). At
+/// most the peers named to the pull: each is dropped once, for good.
 #[derive(Clone, Debug)]
 pub struct SilenceReports<P> {
     dropped: Vec<(P, u32, Option<Instant>)>,
@@ -46,13 +52,23 @@ impl<P: Clone + PartialEq> SilenceReports<P> {
     /// [`REPORT_AGAIN`].
     pub fn due(&mut self, now: Instant) -> Vec<(P, u32)> {
         let mut due = Vec::new();
-        for (peer, index, last) in &mut self.dropped {
-            if last.is_none_or(|t| now.saturating_duration_since(t) >= REPORT_AGAIN) {
-                *last = Some(now);
+        for (peer, index, next) in &mut self.dropped {
+            if next.is_none_or(|t| now >= t) {
+                *next = now.checked_add(REPORT_AGAIN);
                 due.push((peer.clone(), *index));
             }
         }
         due
+    }
+
+    /// The report of `peer` taken at `now` did not reach the tracker (it
+    /// is down, hung or unreachable): due again after [`RETRY_UNSENT`],
+    /// not a whole [`REPORT_AGAIN`] later, as the tracker's doubt is what
+    /// sends out the chunks only that peer holds.
+    pub fn unsent(&mut self, peer: &P, now: Instant) {
+        if let Some((_, _, next)) = self.dropped.iter_mut().find(|(p, _, _)| p == peer) {
+            *next = now.checked_add(RETRY_UNSENT);
+        }
     }
 }
 
@@ -75,5 +91,22 @@ mod tests {
         let later = t0 + REPORT_AGAIN;
         assert_eq!(r.due(later), vec![("w", 3), ("t", 1)]);
         assert!(r.due(later + Duration::from_secs(1)).is_empty());
+    }
+
+    #[test]
+    fn a_report_that_did_not_reach_the_tracker_is_due_again_at_the_next_announce() {
+        let t0 = Instant::now();
+        let mut r = SilenceReports::default();
+        r.dropped("w", 3);
+        assert_eq!(r.due(t0), vec![("w", 3)]);
+        let failed = t0 + Duration::from_secs(10);
+        r.unsent(&"w", failed);
+        r.unsent(&"never dropped", failed);
+        assert!(r.due(failed).is_empty(), "not at once: the tracker is down");
+        assert_eq!(r.due(failed + RETRY_UNSENT), vec![("w", 3)]);
+        assert!(
+            r.due(failed + RETRY_UNSENT + Duration::from_secs(29))
+                .is_empty()
+        );
     }
 }

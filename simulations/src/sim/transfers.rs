@@ -5,9 +5,13 @@
 
 use super::*;
 use dray_protocol::pull::deadline::{
-    MIN_CHUNK_BYTES_PER_S, REQUEST_TIMEOUT, first_deadline, silent_deadline,
+    Deadline, MIN_CHUNK_BYTES_PER_S, REQUEST_TIMEOUT, extension, first_deadline, silent_deadline,
 };
 use std::time::Duration;
+
+/// What a trickler sends of a chunk it was asked for: a byte now and then,
+/// 1 KiB/s.
+const TRICKLE_BYTES_PER_S: f64 = 1024.0;
 
 impl World<'_> {
     /// Fills `n`'s free download slots with chunks its picker chooses from
@@ -141,16 +145,23 @@ impl World<'_> {
         }
     }
 
-    /// When a request `n` sends now for chunk `c` of blob `b` is past its
-    /// deadline, by the agent's rule.
-    fn deadline_ns(&self, n: u32, b: usize, c: u32) -> u64 {
+    /// The deadline of a request `n` sends now for chunk `c` of blob `b`,
+    /// by the agent's rule.
+    fn deadline(&self, n: u32, b: usize, c: u32) -> Deadline {
         let len = self.chunk_bytes(b as u16, c) as usize;
         let first = || first_deadline(len, MIN_CHUNK_BYTES_PER_S, REQUEST_TIMEOUT);
-        let d = self.nodes[n as usize].blobs[b].rates.deadline(len, first);
-        match u64::try_from(d.as_nanos()) {
-            Ok(ns) => self.net.now_ns().saturating_add(ns),
-            Err(_) => u64::MAX,
-        }
+        self.nodes[n as usize].blobs[b].rates.deadline(len, first)
+    }
+
+    /// When a request `n` sends now for chunk `c` of blob `b` is past its
+    /// deadline.
+    fn deadline_ns(&self, n: u32, b: usize, c: u32) -> u64 {
+        self.after_ns(self.deadline(n, b, c).wait)
+    }
+
+    /// `wait` from now, in the simulation's nanoseconds.
+    fn after_ns(&self, wait: Duration) -> u64 {
+        u64::try_from(wait.as_nanos()).map_or(u64::MAX, |ns| self.net.now_ns().saturating_add(ns))
     }
 
     /// When a request `n` sent for chunk `c` of blob `b`, deadline
@@ -165,6 +176,17 @@ impl World<'_> {
         u64::try_from(wait.as_nanos()).map_or(u64::MAX, |ns| now.saturating_add(ns))
     }
 
+    /// When a request sent now to a trickler, with `deadline`, for a chunk
+    /// of `len` bytes is given up on: at its deadline, unless what it
+    /// trickled by then earns it the agent's extension
+    /// (`pull::deadline::extension`; at [`TRICKLE_BYTES_PER_S`] it never
+    /// does for a chunk of a few KiB or more).
+    fn trickled_due_ns(&self, deadline: Deadline, len: f64) -> u64 {
+        let received = (TRICKLE_BYTES_PER_S * deadline.wait.as_secs_f64()) as usize;
+        let more = extension(deadline, received, len as usize).unwrap_or_default();
+        self.after_ns(deadline.wait.saturating_add(more))
+    }
+
     /// `n` asks frozen peer, withholder or trickler `p` for chunks of blob
     /// `b` in its free slots: the requests go out and nothing comes back,
     /// or from a trickler a byte now and then (the request ends at its
@@ -173,10 +195,10 @@ impl World<'_> {
         let p = self.nodes[n as usize].blobs[b].peers.live()[slot].key;
         let trickles = self.nodes[p as usize].trickles;
         while let Some(c) = self.take_request(n, b, slot) {
-            let deadline_ns = self.deadline_ns(n, b, c);
+            let deadline = self.deadline(n, b, c);
             let due_ns = match trickles {
-                true => deadline_ns,
-                false => self.silent_due_ns(deadline_ns),
+                true => self.trickled_due_ns(deadline, self.chunk_bytes(b as u16, c)),
+                false => self.silent_due_ns(self.after_ns(deadline.wait)),
             };
             self.nodes[n as usize].hung.push(Hung {
                 blob: b as u16,

@@ -399,15 +399,21 @@ impl Swarm {
     /// hands nobody a registry run of it, so every pull it lies to or
     /// ignores starves for those chunks and fetches them from the registry
     /// on its own (the chaos sweep's `liars` and `withholders` found it).
-    pub(super) fn spawn_reports(self: &Arc<Self>, digest: &BlobDigest, transfer: &Transfer) {
+    /// A silence report that does not reach the tracker goes back to the
+    /// transfer, due again at the next announce.
+    pub(super) fn spawn_reports(self: &Arc<Self>, digest: &BlobDigest, transfer: &Arc<Transfer>) {
         for (peer, index) in transfer.take_bad_chunks() {
             let (swarm, digest) = (self.clone(), *digest);
             let task = async move { swarm.report_bad_chunk(&digest, &peer, index).await };
             tokio::spawn(task.in_current_span());
         }
         for (peer, index) in transfer.take_silent_peers() {
-            let (swarm, digest) = (self.clone(), *digest);
-            let task = async move { swarm.report_silent(&digest, &peer, index).await };
+            let (swarm, digest, transfer) = (self.clone(), *digest, transfer.clone());
+            let task = async move {
+                if !swarm.report_silent(&digest, &peer, index).await {
+                    transfer.silent_report_unsent(&peer);
+                }
+            };
             tokio::spawn(task.in_current_span());
         }
     }
@@ -422,20 +428,26 @@ impl Swarm {
         self.report(digest, body, "a bad chunk").await;
     }
 
-    async fn report_silent(&self, digest: &BlobDigest, offender: &str, index: u32) {
+    /// Whether the report reached the tracker.
+    async fn report_silent(&self, digest: &BlobDigest, offender: &str, index: u32) -> bool {
         let body = Body::SilentPeer(pb::SilentPeerReport {
             reporter: self.node.peer_id().to_string(),
             offender: offender.to_string(),
             digest: digest.to_string(),
             index,
         });
-        self.report(digest, body, "a silent peer").await;
+        self.report(digest, body, "a silent peer").await
     }
 
-    /// Sends a report about `what` to the replica of `digest`.
-    async fn report(&self, digest: &BlobDigest, body: Body, what: &str) {
-        if let Err(e) = self.tracker.send_for(digest, body).await {
-            tracing::warn!(error = %e, "could not report {what}");
+    /// Sends a report about `what` to the replica of `digest`; whether it
+    /// reached it.
+    async fn report(&self, digest: &BlobDigest, body: Body, what: &str) -> bool {
+        match self.tracker.send_for(digest, body).await {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not report {what}");
+                false
+            }
         }
     }
 }

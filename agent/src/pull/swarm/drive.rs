@@ -129,6 +129,7 @@ impl Swarm {
                 );
             }
             report.slow_peers.extend(fetched.slow_peers.into_keys());
+            report.extended_requests += fetched.extended_requests;
             report.liars.extend(fetched.liars);
             report.checks += fetched.checks;
             self.spawn_reports(&digest, &transfer);

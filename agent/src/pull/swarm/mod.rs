@@ -150,6 +150,9 @@ pub struct PullReport {
     pub bad_peers: Vec<String>,
     /// Peers dropped for missing a chunk's deadline (see `fetch`).
     pub slow_peers: Vec<String>,
+    /// Chunk requests waited for past their deadline, half there by it,
+    /// and answered (see `fetch`).
+    pub extended_requests: u32,
     /// Times the assembled blob failed its digest and was pulled again.
     pub map_failures: u32,
     /// Bytes held here as verified that turned out wrong and were thrown
