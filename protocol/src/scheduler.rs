@@ -1866,9 +1866,9 @@ impl Scheduler {
     /// report costs is bounded: each reporter's first report of an
     /// offender in a blob within `silent_window` counts (a repeat only
     /// keeps the offender doubted: a pull repeats its reports while it
-    /// runs, `pull::silence`), of at most `max_silent_per_reporter` offenders (further
-    /// reports are refused, and the reporter is not punished: a node cut off
-    /// from many peers is not lying), and each costs at most one more
+    /// runs, `pull::silence`), of at most `max_silent_per_reporter`
+    /// offenders (further reports are refused, and the reporter is not
+    /// punished: a node cut off from many peers is not lying), and each costs at most one more
     /// registry copy of the chunks only that offender held of that blob
     /// then. Returns how many chunks the report made owed.
     pub fn report_silent(&mut self, report: &Silent, now: Instant) -> Result<u32, ScheduleError> {

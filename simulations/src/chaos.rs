@@ -225,8 +225,8 @@ impl Class {
             // past one and two timeouts with a slow registry).
             Class::Withholders => (2.0, 0.0, 3.0 * request_timeout_s() + grace_s()),
             // A claimer costs each node that asks it a request timeout (see
-            // `time_per_node_hit_and_layer`); the last round, and a grace for what only
-            // claimers were reported holding.
+            // `time_per_node_hit_and_layer`); the last round, and a grace
+            // for what only claimers were reported holding.
             Class::Claimers => (2.0, 0.0, request_timeout_s() + grace_s()),
             // Accused peers stay named and keep their holdings; what only
             // accused peers hold goes out as runs, at most a quarter of a
@@ -587,8 +587,8 @@ pub struct ClassSummary {
     pub max_egress_of_bound: f64,
     pub max_time_ratio: f64,
     /// `(k, c, r)`: within k x fault-free + c x the fault's duration + r s,
-    /// plus `time_bound_per_node_hit_and_layer` s for each node the fault hit in each
-    /// layer.
+    /// plus `time_bound_per_node_hit_and_layer` s for each node the fault
+    /// hit in each layer.
     pub time_bound: (f64, f64, f64),
     pub time_bound_per_node_hit_and_layer: f64,
 }

@@ -1261,6 +1261,10 @@ async fn persist_loop(t: Arc<Transfer>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::identity::ClusterCa;
+    use crate::peer::PeerConfig;
+    use crate::store::ChunkStore;
+    use dray_protocol::chunkmap::MIN_CHUNK_SIZE;
 
     /// A request moving at a busy honest peer's pace, half there or more at
     /// its deadline, is waited for as long again; one with less (a
@@ -1317,10 +1321,6 @@ mod tests {
             Err(wait)
         );
     }
-    use crate::identity::ClusterCa;
-    use crate::peer::PeerConfig;
-    use crate::store::ChunkStore;
-    use dray_protocol::chunkmap::MIN_CHUNK_SIZE;
 
     /// A transfer's live and retiring peers, each sorted.
     fn peers(t: &Transfer) -> (Vec<String>, Vec<String>) {

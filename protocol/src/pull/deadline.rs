@@ -66,10 +66,10 @@ pub struct Deadline {
 /// A request past its `deadline` with `received` of its `len` bytes: how
 /// much longer it is waited for, if at all. One with an extendable
 /// deadline and half its bytes or more moves at no less than half the
-/// share its deadline allows and gets as long again; any other is dropped. An honest peer serving its
-/// `max_uploads` has most of the chunk by then; a trickler (a byte now and
-/// then) and a silent peer have next to nothing, and are dropped at the
-/// deadline as before. Without it the emulated storm dropped busy honest
+/// share its deadline allows and gets as long again; any other is
+/// dropped. An honest peer serving its `max_uploads` has most of the chunk
+/// by then; a trickler (a byte now and then) and a silent peer have next
+/// to nothing, and are dropped at the deadline as before. Without it the emulated storm dropped busy honest
 /// peers as too slow and, reported, their chunks left the registry again;
 /// a deadline twice as long for every request instead made withholders
 /// and tricklers hold requests twice as long (`docs/results.md`,

@@ -92,8 +92,7 @@ impl World<'_> {
             }
         }
         for (r, b, c) in unanswered {
-            self.nodes[r as usize].blobs[b].silence.dropped(n, c);
-            self.report_silent(r, b);
+            self.silenced(r, b, n, c);
         }
         for r in receivers {
             self.try_fill(r);

@@ -88,8 +88,7 @@ impl World<'_> {
                 self.drop_peer(n, b, p);
                 // Asked, a crashed peer answers nothing: reported as the
                 // agent's lane reports a request left unanswered.
-                self.nodes[nu].blobs[b].silence.dropped(p, 0);
-                self.report_silent(n, b);
+                self.silenced(n, b, p, 0);
             }
         }
         if self.nodes[nu].downloads < max_down {
@@ -172,8 +171,7 @@ impl World<'_> {
     pub(super) fn silent_due_ns(&self, deadline_ns: u64) -> u64 {
         let now = self.net.now_ns();
         let left = Duration::from_nanos(deadline_ns.saturating_sub(now));
-        let wait = silent_deadline(left, REQUEST_TIMEOUT);
-        u64::try_from(wait.as_nanos()).map_or(u64::MAX, |ns| now.saturating_add(ns))
+        self.after_ns(silent_deadline(left, REQUEST_TIMEOUT))
     }
 
     /// When a request sent now to a trickler, with `deadline`, for a chunk
@@ -245,10 +243,16 @@ impl World<'_> {
                 picker.ban(&h.peer);
             }
             self.adversity.frozen_dropped += 1;
-            self.nodes[nu].blobs[b].silence.dropped(h.peer, h.chunk);
-            self.report_silent(n, b);
+            self.silenced(n, b, h.peer, h.chunk);
         }
         self.try_fill(n);
+    }
+
+    /// `n`'s pull of blob `b` dropped `p`, which left its request for chunk
+    /// `c` unanswered: recorded for the pull's reports, and reported now.
+    pub(super) fn silenced(&mut self, n: u32, b: usize, p: u32, c: u32) {
+        self.nodes[n as usize].blobs[b].silence.dropped(p, c);
+        self.report_silent(n, b);
     }
 
     /// Tells the tracker about the peers `n`'s pull of blob `b` dropped
