@@ -118,6 +118,69 @@ pub struct RegistryClient {
     readers: Option<Arc<Readers>>,
     /// How fast range reads must go.
     config: RegistryConfig,
+    /// Whole-blob answers to range requests, left open where the last read
+    /// stopped (see [`OpenBodies`]).
+    open: Mutex<OpenBodies>,
+}
+
+/// The whole-blob answers (200) a registry that ignores `Range` gave to
+/// range reads, each left open where its read stopped, at most
+/// [`OpenBodies::MAX`]: the next range of the blob at or past that point
+/// continues the stream instead of asking again, which would read the
+/// blob from its first byte once more. A registry run reads its chunks in
+/// order, so a blob fetched by runs of consecutive chunks costs about one
+/// copy per run under way at once, where a request per chunk cost a copy
+/// of the blob's prefix per chunk (quadratic in its chunks). Each client
+/// has its own (a pull's client carries its readers' credentials): a
+/// stream opened with one client's credentials is never read for another.
+#[derive(Default)]
+struct OpenBodies(Vec<OpenBody>);
+
+/// What a whole-blob answer has not yet used: bytes read from it and not
+/// taken, then the rest of its body.
+type Rest = (Bytes, reqwest::Response);
+
+struct OpenBody {
+    repo: String,
+    digest: BlobDigest,
+    /// The blob offset of the rest's first byte.
+    at: u64,
+    rest: Rest,
+}
+
+impl OpenBodies {
+    /// Open answers kept at most; beyond, the oldest is dropped (and its
+    /// connection closed).
+    const MAX: usize = 8;
+
+    /// The open answer for the blob that has read the most without passing
+    /// `start`, and where it is.
+    fn take(&mut self, repo: &str, digest: &BlobDigest, start: u64) -> Option<(Rest, u64)> {
+        let k = (0..self.0.len())
+            .filter(|&k| {
+                let b = &self.0[k];
+                b.repo == repo && b.digest == *digest && b.at <= start
+            })
+            .max_by_key(|&k| self.0[k].at)?;
+        let b = self.0.remove(k);
+        Some((b.rest, b.at))
+    }
+
+    fn keep(&mut self, repo: &str, digest: &BlobDigest, at: u64, rest: Rest) {
+        // At the body's end: nothing left to continue.
+        if rest.0.is_empty() && rest.1.content_length() == Some(0) {
+            return;
+        }
+        if self.0.len() == Self::MAX {
+            self.0.remove(0);
+        }
+        self.0.push(OpenBody {
+            repo: repo.into(),
+            digest: *digest,
+            at,
+            rest,
+        });
+    }
 }
 
 /// How reading a body went wrong.
@@ -196,6 +259,7 @@ impl RegistryClient {
             relay_challenges: false,
             readers: None,
             config: RegistryConfig::default(),
+            open: Mutex::default(),
         })
     }
 
@@ -225,9 +289,10 @@ impl RegistryClient {
 
     /// Bytes `[start, start + len)` of a blob, read as they stream in: a
     /// registry that ignores the range (200, the whole blob) is read only up
-    /// to the range's end and the connection dropped; a 206 longer than the
-    /// range, or for another range, is refused. At most `len` bytes are held,
-    /// and the whole read, retries included, ends within the range deadline
+    /// to the range's end, and that answer is kept open for the blob's next
+    /// range ([`OpenBodies`]); a 206 longer than the range, or for another
+    /// range, is refused. At most `len` bytes are held, and the whole read,
+    /// retries included, ends within the range deadline
     /// ([`RegistryConfig::range_deadline`]).
     pub async fn blob_range(
         &self,
@@ -247,6 +312,10 @@ impl RegistryClient {
         })
     }
 
+    fn open_bodies(&self) -> std::sync::MutexGuard<'_, OpenBodies> {
+        self.open.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     async fn blob_range_unbounded(
         &self,
         repo: &str,
@@ -258,30 +327,46 @@ impl RegistryClient {
         let what = format!("{digest} {range}");
         let mut attempt = 0;
         loop {
-            attempt += 1;
-            let resp = self
-                .send(repo, digest, reqwest::Method::GET, Some(&range))
-                .await?;
-            let status = resp.status();
-            let skip = match status {
-                StatusCode::PARTIAL_CONTENT => {
-                    self.check_partial(&resp, start, len, &what)?;
-                    0
-                }
-                StatusCode::OK => {
-                    tracing::debug!(registry = %self.base, %what, "the registry ignored the range; reading its whole-blob answer up to the range");
-                    start
-                }
-                _ => {
-                    return Err(RegistryError::Status {
-                        registry: self.base.clone(),
-                        status,
-                        what,
-                    });
+            let open = self.open_bodies().take(repo, digest, start);
+            let reused = open.is_some();
+            let (rest, skip) = match open {
+                Some((rest, at)) => (rest, start - at),
+                None => {
+                    attempt += 1;
+                    let resp = self
+                        .send(repo, digest, reqwest::Method::GET, Some(&range))
+                        .await?;
+                    let status = resp.status();
+                    let skip = match status {
+                        StatusCode::PARTIAL_CONTENT => {
+                            self.check_partial(&resp, start, len, &what)?;
+                            0
+                        }
+                        StatusCode::OK => {
+                            tracing::debug!(registry = %self.base, %what, "the registry ignored the range; reading its whole-blob answer up to the range, and keeping it open for the next");
+                            start
+                        }
+                        _ => {
+                            return Err(RegistryError::Status {
+                                registry: self.base.clone(),
+                                status,
+                                what,
+                            });
+                        }
+                    };
+                    ((Bytes::new(), resp), skip)
                 }
             };
-            let body = match self.read_span(resp, skip, len, &what).await {
-                Ok(b) => b,
+            let body = match self.read_span(rest, skip, len, &what).await {
+                Ok((b, Some(rest))) if b.len() as u64 == len => {
+                    self.open_bodies().keep(repo, digest, start + len, rest);
+                    b
+                }
+                // A kept answer that ended early or broke (the registry
+                // closed an idle connection, say) is no failure of this
+                // read: it asks the registry afresh.
+                Ok(_) | Err(Read::Cut(_)) if reused => continue,
+                Ok((b, _)) => b,
                 Err(Read::Cut(e)) => match registry_retry_after(attempt) {
                     Some(wait) => {
                         tracing::debug!(error = %e, attempt, "registry body cut short; retrying");
@@ -341,27 +426,32 @@ impl RegistryClient {
         Ok(())
     }
 
-    /// Reads `len` bytes of a body after skipping `skip`, then drops the
-    /// rest (and the connection); more than `skip + len` bytes from a 206
-    /// is refused. A broken connection is worth a retry; a refusal is not.
+    /// Reads `len` bytes of a body after skipping `skip`, starting with
+    /// `first` (bytes of it read earlier); a whole-blob answer (200) is
+    /// handed back as a [`Rest`] with what it has not used, a 206 is read to
+    /// its end and more than `skip + len` bytes from it refused. A broken
+    /// connection is worth a retry; a refusal is not.
     async fn read_span(
         &self,
-        mut resp: reqwest::Response,
+        (first, mut resp): (Bytes, reqwest::Response),
         mut skip: u64,
         len: u64,
         what: &str,
-    ) -> Result<Bytes, Read> {
+    ) -> Result<(Bytes, Option<Rest>), Read> {
         let partial = resp.status() == StatusCode::PARTIAL_CONTENT;
         let mut buf = bytes::BytesMut::with_capacity(len as usize);
+        let mut first = Some(first).filter(|f| !f.is_empty());
         loop {
-            let piece = match resp.chunk().await {
-                Ok(Some(p)) => p,
-                Ok(None) => break,
-                Err(e) => return Err(Read::Cut(self.http_err(what, e))),
+            let mut piece = match first.take() {
+                Some(f) => f,
+                None => match resp.chunk().await {
+                    Ok(Some(p)) => p,
+                    Ok(None) => break,
+                    Err(e) => return Err(Read::Cut(self.http_err(what, e))),
+                },
             };
-            let mut piece = &piece[..];
             let skipped = skip.min(piece.len() as u64);
-            piece = &piece[skipped as usize..];
+            let _ = piece.split_to(skipped as usize);
             skip -= skipped;
             let room = (len - buf.len() as u64) as usize;
             if piece.len() > room && partial {
@@ -371,12 +461,12 @@ impl RegistryClient {
                     limit: len,
                 }));
             }
-            buf.extend_from_slice(&piece[..piece.len().min(room)]);
+            buf.extend_from_slice(&piece.split_to(piece.len().min(room)));
             if buf.len() as u64 == len && !partial {
-                break;
+                return Ok((buf.freeze(), Some((piece, resp))));
             }
         }
-        Ok(buf.freeze())
+        Ok((buf.freeze(), None))
     }
 
     /// Downloads a whole blob to `path` in one GET, as a client without dray
@@ -668,6 +758,7 @@ impl RegistryClient {
             relay_challenges: true,
             readers: None,
             config: self.config.clone(),
+            open: Mutex::default(),
         }
     }
 
@@ -684,6 +775,7 @@ impl RegistryClient {
             relay_challenges: false,
             readers: Some(readers),
             config: self.config.clone(),
+            open: Mutex::default(),
         }
     }
 
@@ -967,6 +1059,81 @@ fn parse_challenge(h: &str) -> (String, HashMap<String, String>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A registry that answers every GET with the whole blob (200), the
+    /// first answer cut off after `cut` bytes; counts requests and bytes sent.
+    async fn ignoring_ranges(
+        blob: Arc<Vec<u8>>,
+        cut: usize,
+    ) -> (
+        String,
+        Arc<std::sync::atomic::AtomicUsize>,
+        Arc<std::sync::atomic::AtomicUsize>,
+    ) {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let (requests, sent) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (r, s) = (requests.clone(), sent.clone());
+        tokio::spawn(async move {
+            loop {
+                let (mut conn, _) = listener.accept().await.unwrap();
+                let (blob, r, s) = (blob.clone(), r.clone(), s.clone());
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    while !head.ends_with(b"\r\n\r\n") {
+                        let mut b = [0u8; 1];
+                        if conn.read(&mut b).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        head.push(b[0]);
+                    }
+                    let end = match r.fetch_add(1, Ordering::SeqCst) {
+                        0 => cut,
+                        _ => blob.len(),
+                    };
+                    let answer = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                        blob.len()
+                    );
+                    conn.write_all(answer.as_bytes()).await.unwrap();
+                    for piece in blob[..end].chunks(100_000) {
+                        if conn.write_all(piece).await.is_err() {
+                            return;
+                        }
+                        s.fetch_add(piece.len(), Ordering::SeqCst);
+                    }
+                });
+            }
+        });
+        (base, requests, sent)
+    }
+
+    #[tokio::test]
+    async fn a_registry_that_ignores_ranges_is_read_once_not_once_per_chunk() {
+        use std::sync::atomic::Ordering;
+        const CHUNK: usize = 256 << 10;
+        let blob: Arc<Vec<u8>> = Arc::new((0..64 * CHUNK).map(|i| (i % 251) as u8).collect());
+        let digest = BlobDigest::of(&blob);
+        // The first answer breaks off inside chunk 20: the next read asks afresh.
+        let (base, requests, sent) = ignoring_ranges(blob.clone(), 20 * CHUNK + 12_345).await;
+        let client = RegistryClient::new(&base, None).unwrap();
+        for i in 0..64 {
+            let got = client
+                .blob_range("r", &digest, (i * CHUNK) as u64, CHUNK as u64)
+                .await
+                .unwrap();
+            assert!(got[..] == blob[i * CHUNK..(i + 1) * CHUNK], "chunk {i}");
+        }
+        // A read past a chunk the swarm gave continues the same answer.
+        assert_eq!(requests.load(Ordering::SeqCst), 2);
+        // Every chunk asked afresh read the blob from its first byte: 64 chunks
+        // cost 32.5 copies of it. Now about one and a fifth (the cut answer),
+        // plus what the kernel's buffers took of the answer left open.
+        let copies = sent.load(Ordering::SeqCst) as f64 / blob.len() as f64;
+        assert!(copies < 2.0, "{copies} copies of the blob sent");
+    }
 
     #[test]
     fn a_range_read_gets_the_floor_plus_its_length_at_the_slowest_rate() {
