@@ -268,6 +268,16 @@ pub struct BadChunk {
     pub confirmed: bool,
 }
 
+/// What a silence report did ([`Scheduler::report_silent`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Doubt {
+    /// Chunks it made owed a registry run.
+    pub owed: u32,
+    /// The reporter had reported the offender in this blob already (within
+    /// `silent_window`): it only keeps the offender doubted.
+    pub repeat: bool,
+}
+
 /// A peer left a request for one of its chunks unanswered past the
 /// request's deadline: not a byte of it came.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -1870,8 +1880,9 @@ impl Scheduler {
     /// offenders (further reports are refused, and the reporter is not
     /// punished: a node cut off from many peers is not lying), and each costs at most one more
     /// registry copy of the chunks only that offender held of that blob
-    /// then. Returns how many chunks the report made owed.
-    pub fn report_silent(&mut self, report: &Silent, now: Instant) -> Result<u32, ScheduleError> {
+    /// then. Says how many chunks the report made owed, and whether it
+    /// repeated one already counted.
+    pub fn report_silent(&mut self, report: &Silent, now: Instant) -> Result<Doubt, ScheduleError> {
         let (_, offender) = self.check_report(
             &report.reporter,
             &report.offender,
@@ -1891,10 +1902,11 @@ impl Scheduler {
             // A repeat keeps the offender doubted (the pull dropped it for
             // good and still lacks what only it claims) and counts for
             // nothing else.
-            return Ok(match (offender, self.swarms.get_mut(&report.digest)) {
+            let owed = match (offender, self.swarms.get_mut(&report.digest)) {
                 (Some(key), Some(swarm)) => swarm.doubt(key, now),
                 _ => 0,
-            });
+            };
+            return Ok(Doubt { owed, repeat: true });
         }
         if blobs.is_none() && reporter.reported_silent.len() >= cap {
             return Err(ScheduleError::SilenceReportLimit {
@@ -1911,10 +1923,14 @@ impl Scheduler {
         let record = self.records.entry(report.offender.clone()).or_default();
         record.lapse(now, window, silence);
         record.silent_reporters.insert(report.reporter.clone(), now);
-        let (Some(key), Some(swarm)) = (offender, self.swarms.get_mut(&report.digest)) else {
-            return Ok(0);
+        let owed = match (offender, self.swarms.get_mut(&report.digest)) {
+            (Some(key), Some(swarm)) => swarm.doubt(key, now),
+            _ => 0,
         };
-        Ok(swarm.doubt(key, now))
+        Ok(Doubt {
+            owed,
+            repeat: false,
+        })
     }
 
     /// Drops a banned peer's holdings and runs; it stays a member where it
@@ -3327,7 +3343,10 @@ mod tests {
             assert!(d.assignments.is_empty(), "every chunk is held: {d:?}");
             assert!(d.fetching.is_empty(), "{d:?}");
         }
-        assert_eq!(s.report_silent(&silent("r1", "w"), t0), Ok(4));
+        assert_eq!(
+            s.report_silent(&silent("r1", "w"), t0).map(|d| d.owed),
+            Ok(4)
+        );
         // Nothing else changes: w stays named and keeps its holdings.
         assert_eq!((s.holders(&blob(), 0), s.holders(&blob(), 7)), (2, 1));
         let st = s.standing("w");
@@ -3342,22 +3361,34 @@ mod tests {
             .collect();
         assert_eq!(runs, vec![4, 5, 6, 7], "w's own chunks go out: {d:?}");
         // A repeat of the same report changes nothing.
-        assert_eq!(s.report_silent(&silent("r1", "w"), t0), Ok(0));
+        assert_eq!(
+            s.report_silent(&silent("r1", "w"), t0).map(|d| d.owed),
+            Ok(0)
+        );
         // Fetched by r2: two holders, nothing is owed any more, and a
         // second report finds nothing only w holds.
         fetched(&mut s, "r2", 8, vec![4, 5, 6, 7], t0);
         assert!(s.announce(added("r1", 8, vec![]), t0).fetching.is_empty());
-        assert_eq!(s.report_silent(&silent("r2", "w"), t0), Ok(0));
+        assert_eq!(
+            s.report_silent(&silent("r2", "w"), t0).map(|d| d.owed),
+            Ok(0)
+        );
         assert_eq!(s.standing("w").silent_reporters, 2);
         // h reported too: the chunks only w and h hold would be owed, but
         // at most a quarter of the members (one of four) are doubted at once.
-        assert_eq!(s.report_silent(&silent("r1", "h"), t0), Ok(0));
+        assert_eq!(
+            s.report_silent(&silent("r1", "h"), t0).map(|d| d.owed),
+            Ok(0)
+        );
         for r in ["r3", "r4", "r5", "r6"] {
             s.announce(wants(r, 8, &[]), t0);
         }
         // Eight members: two may be doubted. Reported again, h is, and the
         // chunks only w and h hold are owed now.
-        assert_eq!(s.report_silent(&silent("r2", "h"), t0), Ok(4));
+        assert_eq!(
+            s.report_silent(&silent("r2", "h"), t0).map(|d| d.owed),
+            Ok(4)
+        );
         assert_eq!(
             s.announce(added("r1", 8, vec![]), t0).fetching,
             vec![blob()]
@@ -3387,23 +3418,33 @@ mod tests {
         }
         s.announce(wants("accuser", 8, &[]), now);
         assert!(matches!(
-            s.report_silent(&silent("accuser", "stranger"), now),
+            s.report_silent(&silent("accuser", "stranger"), now)
+                .map(|d| d.owed),
             Err(ScheduleError::NotNamed { .. })
         ));
         assert_eq!(
-            s.report_silent(&silent("accuser", "accuser"), now),
+            s.report_silent(&silent("accuser", "accuser"), now)
+                .map(|d| d.owed),
             Err(ScheduleError::SelfReport("accuser".into()))
         );
         // Three holders of each chunk: none is one's alone, none owed.
         for h in &honest[..2] {
-            assert_eq!(s.report_silent(&silent("accuser", h), now), Ok(0));
+            assert_eq!(
+                s.report_silent(&silent("accuser", h), now).map(|d| d.owed),
+                Ok(0)
+            );
         }
         assert!(matches!(
-            s.report_silent(&silent("accuser", &honest[2]), now),
+            s.report_silent(&silent("accuser", &honest[2]), now)
+                .map(|d| d.owed),
             Err(ScheduleError::SilenceReportLimit { reported: 2, .. })
         ));
         // A repeat of a peer already reported is taken, and changes nothing.
-        assert_eq!(s.report_silent(&silent("accuser", &honest[0]), now), Ok(0));
+        assert_eq!(
+            s.report_silent(&silent("accuser", &honest[0]), now)
+                .map(|d| d.owed),
+            Ok(0)
+        );
         assert!(!s.standing("accuser").banned);
         assert_eq!(s.standing(&honest[2]).silent_reporters, 0);
         // The cap lapses with the reports.
@@ -3411,6 +3452,7 @@ mod tests {
         s.announce(wants("accuser", 8, &[]), later);
         assert!(
             s.report_silent(&silent("accuser", &honest[2]), later)
+                .map(|d| d.owed)
                 .is_ok()
         );
     }
@@ -3428,20 +3470,29 @@ mod tests {
         for r in ["r1", "r2", "r3", "r4"] {
             s.announce(wants(r, 8, &[]), t0);
         }
-        assert_eq!(s.report_silent(&silent("r1", "w"), t0), Ok(8));
+        assert_eq!(
+            s.report_silent(&silent("r1", "w"), t0).map(|d| d.owed),
+            Ok(8)
+        );
         // r1 dropped w for good and repeats its report while it pulls:
         // counted once, it keeps w doubted.
-        assert_eq!(s.report_silent(&silent("r1", "w"), at(30)), Ok(0));
+        assert_eq!(
+            s.report_silent(&silent("r1", "w"), at(30)).map(|d| d.owed),
+            Ok(0)
+        );
         s.tick(at(61));
         assert_eq!(
-            s.report_silent(&silent("r2", "w"), at(61)),
+            s.report_silent(&silent("r2", "w"), at(61)).map(|d| d.owed),
             Ok(0),
             "still doubted: nothing newly owed"
         );
         // Unrepeated, the doubt lapses with the window, and the next report
         // owes w's chunks anew.
         s.tick(at(122));
-        assert_eq!(s.report_silent(&silent("r3", "w"), at(122)), Ok(8));
+        assert_eq!(
+            s.report_silent(&silent("r3", "w"), at(122)).map(|d| d.owed),
+            Ok(8)
+        );
     }
 
     #[test]
@@ -3472,14 +3523,17 @@ mod tests {
         // holds of that layer owed (the reporter's first report of w used to
         // stand for every layer, and the second layer's chunks were owed
         // nothing: every pull starved for them and fetched them alone).
-        assert_eq!(s.report_silent(&silent("r1", "w"), t0), Ok(8));
+        assert_eq!(
+            s.report_silent(&silent("r1", "w"), t0).map(|d| d.owed),
+            Ok(8)
+        );
         let second = Silent {
             digest: other,
             ..silent("r1", "w")
         };
-        assert_eq!(s.report_silent(&second, t0), Ok(8));
+        assert_eq!(s.report_silent(&second, t0).map(|d| d.owed), Ok(8));
         // Repeats change nothing, and the reporter's cap counts w once.
-        assert_eq!(s.report_silent(&second, t0), Ok(0));
+        assert_eq!(s.report_silent(&second, t0).map(|d| d.owed), Ok(0));
         assert_eq!(s.standing("w").silent_reporters, 1);
         let d = s.announce(both("r2", false, &|| Held::Added(vec![])), t0);
         let mut fetching = d.fetching.clone();

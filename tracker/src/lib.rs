@@ -545,16 +545,24 @@ impl Tracker {
                     digest: digest(&r.digest)?,
                     index: r.index,
                 };
-                let (owed, reporters) = {
+                let (doubt, reporters) = {
                     let mut st = self.lock();
-                    let owed = st.scheduler.report_silent(&report, now)?;
+                    let doubt = st.scheduler.report_silent(&report, now)?;
                     let standing = st.scheduler.standing(&report.offender);
-                    (owed, standing.silent_reporters)
+                    (doubt, standing.silent_reporters)
                 };
+                let owed = doubt.owed;
                 self.metrics.silent_peer_reported(owed);
-                tracing::info!(offender = %report.offender, reporter = %report.reporter, digest = %report.digest,
-                    index = report.index, owed, reporters,
-                    "silent peer reported; the chunks only it holds go out as registry runs");
+                // A pull repeats its report while it runs (every 30 s): said
+                // once at info, the repeats only at debug.
+                if doubt.repeat {
+                    tracing::debug!(offender = %report.offender, reporter = %report.reporter, digest = %report.digest,
+                        index = report.index, owed, reporters, "silent peer reported again");
+                } else {
+                    tracing::info!(offender = %report.offender, reporter = %report.reporter, digest = %report.digest,
+                        index = report.index, owed, reporters,
+                        "silent peer reported; the chunks only it holds go out as registry runs");
+                }
                 Ok(None)
             }
             Some(Body::DigestFailed(f)) => {
