@@ -166,7 +166,7 @@ struct Shared {
     stopped: bool,
     /// Chunks that failed their hash, with their senders, not yet taken by
     /// [`Transfer::take_bad_chunks`].
-    unreported: Vec<(String, u32)>,
+    unreported: Vec<(String, u32, Option<Instant>)>,
     /// Peers dropped for a request they left unanswered or too slow for
     /// its deadline, with its chunk, and when each was last taken by
     /// [`Transfer::take_silent_peers`].
@@ -730,7 +730,15 @@ impl Transfer {
     /// tracker at once, so that it stops counting the sender as a holder
     /// of those chunks while the pull runs.
     pub fn take_bad_chunks(&self) -> Vec<(String, u32)> {
-        std::mem::take(&mut self.lock().unreported)
+        let now = Instant::now();
+        let mut sh = self.lock();
+        let (due, later) = std::mem::take(&mut sh.unreported)
+            .into_iter()
+            .partition(|&(_, _, at)| at.is_none_or(|at| now >= at));
+        sh.unreported = later;
+        due.into_iter()
+            .map(|(peer, index, _)| (peer, index))
+            .collect()
     }
 
     /// The peers this pull dropped for a request they left unanswered (not
@@ -752,6 +760,15 @@ impl Transfer {
         self.lock()
             .silence
             .unsent(&peer.to_string(), Instant::now());
+    }
+
+    /// The report of a bad chunk taken from [`Transfer::take_bad_chunks`]
+    /// did not reach the tracker: it is due again at the next announce
+    /// (`pull::silence::RETRY_UNSENT`); unheard, the tracker goes on
+    /// counting the sender as a holder.
+    pub fn bad_chunk_unsent(&self, peer: String, index: u32) {
+        let due = Instant::now().checked_add(dray_protocol::pull::silence::RETRY_UNSENT);
+        self.lock().unreported.push((peer, index, due));
     }
 
     /// Stops every lane and makes what was stored durable.
@@ -1211,7 +1228,7 @@ async fn lane(t: Arc<Transfer>, link: PeerLink) {
                     let mut sh = t.lock();
                     sh.picker.ban(&peer);
                     sh.report.bad_peers.insert(peer.clone(), index);
-                    sh.unreported.push((peer.clone(), index));
+                    sh.unreported.push((peer.clone(), index, None));
                 }
                 t.end_request(index, &peer, Ended::Failed);
                 return;
@@ -1415,6 +1432,24 @@ mod tests {
         }
         let any = "127.0.0.1:0".parse().unwrap();
         PeerNode::bind(ca.issue("liar").unwrap(), store, any, PeerConfig::default()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_bad_chunk_report_the_tracker_did_not_hear_is_due_again_at_the_next_announce() {
+        let dir = tempfile::tempdir().unwrap();
+        let nodes = fast_and_slow(dir.path(), PeerConfig::default());
+        let t = Transfer::start(&nodes.leech, &nodes.map, true)
+            .await
+            .unwrap();
+        t.bad_chunk_unsent("liar".into(), 3);
+        assert!(
+            t.take_bad_chunks().is_empty(),
+            "due only after a retry period"
+        );
+        tokio::time::sleep(dray_protocol::pull::silence::RETRY_UNSENT + Duration::from_millis(50))
+            .await;
+        assert_eq!(t.take_bad_chunks(), [("liar".to_string(), 3)]);
+        assert!(t.take_bad_chunks().is_empty(), "taken once");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -73,6 +73,7 @@ impl World<'_> {
         self.sched.announce(a, self.instant());
         for b in 0..self.blobs.len() {
             if !self.nodes[nu].blobs[b].complete {
+                self.report_bad_chunks(n, b);
                 self.report_silent(n, b);
             }
         }

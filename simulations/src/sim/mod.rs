@@ -145,6 +145,10 @@ struct NodeBlob {
     /// Peers the pull dropped as silent or too slow, reported to the
     /// tracker at once and again while the pull runs.
     silence: SilenceReports<u32>,
+    /// Chunks that failed their hash, with their senders, not yet heard by
+    /// the tracker (it could not be reached): sent at the next announce
+    /// that reaches it, as the agent's transfers send them again.
+    unreported: Vec<(u32, u32)>,
 }
 
 struct Node {
@@ -502,6 +506,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
                     bad: Bitfield::new(chunks),
                     rates: ChunkRates::default(),
                     silence: SilenceReports::default(),
+                    unreported: Vec::new(),
                 })
                 .collect(),
             downloads: 0,

@@ -268,6 +268,26 @@ impl World<'_> {
         }
     }
 
+    /// Tells the tracker about the chunks `n`'s pull of blob `b` found
+    /// failing their hash, if it reaches it; those it does not hear wait
+    /// for the next announce.
+    pub(super) fn report_bad_chunks(&mut self, n: u32, b: usize) {
+        if !self.reaches_tracker(n) {
+            return;
+        }
+        let at = self.instant();
+        for (p, c) in std::mem::take(&mut self.nodes[n as usize].blobs[b].unreported) {
+            let report = dray_protocol::scheduler::BadChunk {
+                reporter: self.names[n as usize].clone(),
+                offender: self.names[p as usize].clone(),
+                digest: self.blobs[b].digest,
+                index: c,
+                confirmed: false,
+            };
+            self.sched.report_bad_chunk(report, at);
+        }
+    }
+
     /// Sends the tracker `n`'s report that `p` left its request for chunk
     /// `c` of blob `b` unanswered (an accuser sends it of anyone).
     pub(super) fn send_silent(&mut self, n: u32, b: usize, p: u32, c: u32) {
@@ -314,17 +334,8 @@ impl World<'_> {
             picker.failed(c);
         }
         // Reported to the tracker at once, as the agent's pull does.
-        if self.reaches_tracker(n) {
-            let report = dray_protocol::scheduler::BadChunk {
-                reporter: self.names[nu].clone(),
-                offender: self.names[pu].clone(),
-                digest: self.blobs[b].digest,
-                index: c,
-                confirmed: false,
-            };
-            let at = self.instant();
-            self.sched.report_bad_chunk(report, at);
-        }
+        self.nodes[nu].blobs[b].unreported.push((p, c));
+        self.report_bad_chunks(n, b);
         self.drop_peer(n, b, p);
         if let Some(picker) = self.nodes[nu].blobs[b].picker.as_mut()
             && !picker.is_banned(&p)

@@ -399,12 +399,16 @@ impl Swarm {
     /// hands nobody a registry run of it, so every pull it lies to or
     /// ignores starves for those chunks and fetches them from the registry
     /// on its own (the chaos sweep's `liars` and `withholders` found it).
-    /// A silence report that does not reach the tracker goes back to the
+    /// A report that does not reach the tracker goes back to the
     /// transfer, due again at the next announce.
     pub(super) fn spawn_reports(self: &Arc<Self>, digest: &BlobDigest, transfer: &Arc<Transfer>) {
         for (peer, index) in transfer.take_bad_chunks() {
-            let (swarm, digest) = (self.clone(), *digest);
-            let task = async move { swarm.report_bad_chunk(&digest, &peer, index).await };
+            let (swarm, digest, transfer) = (self.clone(), *digest, transfer.clone());
+            let task = async move {
+                if !swarm.report_bad_chunk(&digest, &peer, index).await {
+                    transfer.bad_chunk_unsent(peer, index);
+                }
+            };
             tokio::spawn(task.in_current_span());
         }
         for (peer, index) in transfer.take_silent_peers() {
@@ -418,14 +422,15 @@ impl Swarm {
         }
     }
 
-    async fn report_bad_chunk(&self, digest: &BlobDigest, offender: &str, index: u32) {
+    /// Whether the report reached the tracker.
+    async fn report_bad_chunk(&self, digest: &BlobDigest, offender: &str, index: u32) -> bool {
         let body = Body::BadChunk(pb::BadChunkReport {
             reporter: self.node.peer_id().to_string(),
             offender: offender.to_string(),
             digest: digest.to_string(),
             index,
         });
-        self.report(digest, body, "a bad chunk").await;
+        self.report(digest, body, "a bad chunk").await
     }
 
     /// Whether the report reached the tracker.
