@@ -1119,18 +1119,19 @@ mod tests {
         // The first answer breaks off inside chunk 20: the next read asks afresh.
         let (base, requests, sent) = ignoring_ranges(blob.clone(), 20 * CHUNK + 12_345).await;
         let client = RegistryClient::new(&base, None).unwrap();
-        for i in 0..64 {
+        // Chunks 40-43 came from peers: the run skips them.
+        for i in (0..64).filter(|i| !(40..44).contains(i)) {
             let got = client
                 .blob_range("r", &digest, (i * CHUNK) as u64, CHUNK as u64)
                 .await
                 .unwrap();
             assert!(got[..] == blob[i * CHUNK..(i + 1) * CHUNK], "chunk {i}");
         }
-        // A read past a chunk the swarm gave continues the same answer.
+        // The read past the skipped chunks continued the same answer.
         assert_eq!(requests.load(Ordering::SeqCst), 2);
-        // Every chunk asked afresh read the blob from its first byte: 64 chunks
-        // cost 32.5 copies of it. Now about one and a fifth (the cut answer),
-        // plus what the kernel's buffers took of the answer left open.
+        // Every chunk asked afresh read the blob from its first byte: 60
+        // chunks cost about 30 copies of it. Now 1.3: the cut answer (20 chunks) and one
+        // whole answer, read from its start to chunk 20 and on to the end.
         let copies = sent.load(Ordering::SeqCst) as f64 / blob.len() as f64;
         assert!(copies < 2.0, "{copies} copies of the blob sent");
     }
