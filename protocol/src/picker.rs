@@ -181,7 +181,8 @@ impl<P: Clone + Eq + std::hash::Hash> ChunkPicker<P> {
         self.spent.swap_remove(k);
     }
 
-    /// A peer sent a chunk that failed its hash: never ask it again.
+    /// A peer sent a chunk that failed its hash, or missed its deadline:
+    /// never ask it again.
     pub fn ban(&mut self, peer: &P) {
         self.remove_peer(peer);
         self.banned.insert(peer.clone());
@@ -189,6 +190,11 @@ impl<P: Clone + Eq + std::hash::Hash> ChunkPicker<P> {
 
     pub fn is_banned(&self, peer: &P) -> bool {
         self.banned.contains(peer)
+    }
+
+    /// Some peer was dropped for good (it lied, froze or trickled).
+    pub fn banned_any(&self) -> bool {
+        !self.banned.is_empty()
     }
 
     /// The first chunk not yet held: where an in-order reader waits.

@@ -11,8 +11,9 @@ pub enum Bug {
     /// The tracker-silence rule never fires: a pull waits out a hung or
     /// unreachable tracker until the stall rule.
     SilenceIgnored,
-    /// The starvation rule also takes chunks nobody has published (the bug
-    /// the simulator found in the rule as first written).
+    /// The starvation rule as first written: it also takes chunks nobody
+    /// has published (the bug the simulator found in it), and fires for a
+    /// pull that dropped no peer.
     StarveUnpublished,
     /// The scheduler never takes back a run past its deadline, so a crashed
     /// fetcher's chunks wait until its announces expire.

@@ -17,9 +17,20 @@
 //!   under way, and yet nothing arrived and nothing was in flight for
 //!   `tracker_grace`, while the pull lacks chunks whose hashes are published
 //!   (so somebody holds them, and the tracker will not assign them to a
-//!   registry run) that none of its peers can give it (their holders dropped
-//!   from this transfer, say). Those chunks, and only those, come from the
-//!   registry, to the end of the pull. A chunk nobody published is one the
+//!   registry run) that none of its peers can give it, and it dropped a
+//!   peer for good (one that lied, froze or trickled: its holders may be
+//!   gone from this transfer). A pull that dropped nobody waits for the
+//!   tracker's next peers instead: in a storm of 50,000 nodes and more the
+//!   newest chunks take longer than the grace to reach every node's
+//!   peers, and pulls starved for them by the dozen (`storm-100k`,
+//!   docs/results.md); the stall rule stays its backstop. Those chunks, and only those, come from the
+//!   registry; once each is held or offered by a peer the rule lapses and
+//!   the pull is back on the swarm, to fire again only after another quiet
+//!   `tracker_grace`. A pull that stayed starved to its end took every
+//!   published chunk its peers lacked at any moment after, and in a
+//!   100,000-node storm, where a node's peers often lag the swarm, that
+//!   multiplied the registry's copies (`storm-100k`, docs/results.md).
+//!   A chunk nobody published is one the
 //!   tracker has yet to hand out (it may be fetching another layer of the
 //!   image first, as its registry budget allows): waiting on it is not
 //!   starving, and taking it sent every node of a two-layer storm to the
@@ -38,8 +49,8 @@ use std::time::{Duration, Instant};
 pub enum Fallback {
     /// Only the tracker's runs.
     Off,
-    /// The tracker answers but nothing comes: chunks no live peer can give,
-    /// to the end of the pull.
+    /// The tracker answers but nothing comes: the chunks no live peer could
+    /// give when the rule fired, until each is held or offered.
     Starved,
     /// The tracker is silent: chunks no known peer can give, until it answers.
     Unavailable,
@@ -105,6 +116,15 @@ impl FallbackRule {
             self.mode = Fallback::Off;
         }
         ended
+    }
+
+    /// The chunks a starved pull wanted are held or offered by a peer: the
+    /// pull is back on the swarm, and the rule fires again only after
+    /// another quiet `tracker_grace`.
+    pub fn starvation_over(&mut self) {
+        if self.mode == Fallback::Starved {
+            self.mode = Fallback::Off;
+        }
     }
 
     /// An update from the tracker client that is not an answer (it is

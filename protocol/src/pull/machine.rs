@@ -144,6 +144,9 @@ pub struct PullMachine {
     quiet: bool,
     /// The tracker failed or fell silent since its last answer.
     missed: bool,
+    /// A starved pull's chunks: those no peer could give when the rule
+    /// fired and not held or offered since, ascending.
+    starved: Vec<u32>,
 }
 
 impl PullMachine {
@@ -166,6 +169,7 @@ impl PullMachine {
             held,
             quiet: false,
             missed: false,
+            starved: Vec::new(),
         }
     }
 
@@ -234,7 +238,8 @@ impl PullMachine {
     /// say so, and plans registry runs into free slots for the chunks the
     /// fallback wants (none in flight, none in a live run): every chunk not
     /// held after a stall, those no usable peer holds while the tracker is
-    /// silent, and those of them that are published when the pull is starved.
+    /// silent, and those of them that were published when the pull starved,
+    /// until each is held or offered by a peer (the starvation is then over).
     pub fn poll<P: Clone + Eq + std::hash::Hash>(
         &mut self,
         now: Instant,
@@ -259,25 +264,51 @@ impl PullMachine {
         }
         let published = |c| published(c) || planted::is(Bug::StarveUnpublished);
         let starvable = || {
-            picker
-                .unavailable()
-                .any(|c| picker.is_unclaimed(c) && published(c))
+            (picker.banned_any() || planted::is(Bug::StarveUnpublished))
+                && picker
+                    .unavailable()
+                    .any(|c| picker.is_unclaimed(c) && published(c))
         };
         if let Some(mode) = self.rule.escalate(now, starvable) {
             if mode == Fallback::All && failed {
                 out.push(Action::RecheckStalled);
                 return;
             }
+            if mode == Fallback::Starved {
+                self.starved = picker
+                    .unavailable()
+                    .filter(|&c| picker.is_unclaimed(c) && published(c))
+                    .collect();
+            }
             out.push(Action::FellBack(mode));
         }
-        self.plan(picker, published, out);
+        if self.rule.mode() == Fallback::Starved {
+            self.starved_still_wanted(picker);
+        }
+        self.plan(picker, out);
+    }
+
+    /// Keeps the starved chunks that are neither held nor offered by a peer;
+    /// with none left, the starvation is over.
+    fn starved_still_wanted<P: Clone + Eq + std::hash::Hash>(&mut self, picker: &ChunkPicker<P>) {
+        let mut wanted = self.starved.iter().copied().peekable();
+        let mut kept = Vec::with_capacity(self.starved.len());
+        for c in picker.unavailable() {
+            while wanted.next_if(|&w| w < c).is_some() {}
+            if wanted.next_if_eq(&c).is_some() {
+                kept.push(c);
+            }
+        }
+        self.starved = kept;
+        if self.starved.is_empty() {
+            self.rule.starvation_over();
+        }
     }
 
     /// Starts fallback runs into free registry slots.
     fn plan<P: Clone + Eq + std::hash::Hash>(
         &mut self,
         picker: &ChunkPicker<P>,
-        published: impl Fn(u32) -> bool,
         out: &mut Vec<Action>,
     ) {
         let kind = match self.rule.mode() {
@@ -291,10 +322,15 @@ impl PullMachine {
         let mode = self.rule.mode();
         let wanted: Vec<u32> = match mode {
             Fallback::All => picker.unclaimed().collect(),
+            Fallback::Starved => self
+                .starved
+                .iter()
+                .copied()
+                .filter(|&c| picker.is_unclaimed(c))
+                .collect(),
             _ => picker
                 .unavailable()
                 .filter(|&c| picker.is_unclaimed(c))
-                .filter(|&c| mode != Fallback::Starved || published(c))
                 .collect(),
         };
         let wanted: Vec<u32> = wanted
@@ -522,7 +558,7 @@ mod tests {
     fn a_starved_pull_takes_only_published_chunks_no_peer_gives() {
         let t0 = Instant::now();
         let mut m = PullMachine::new(t0, false, 0, config());
-        let p = picker(12, &[]);
+        let mut p = picker(12, &[]);
         let mut out = Vec::new();
         // Nothing published: the tracker has yet to hand those chunks out.
         for at in 1..=10 {
@@ -530,14 +566,62 @@ mod tests {
             m.poll(t0 + s(at), (0, false), &p, |_| false, &mut out);
         }
         assert!(out.is_empty(), "{out:?}");
-        // Chunks 2, 3 and 9 are published (held somewhere), and no peer gives them.
+        // Chunks 2, 3 and 9 are published (held somewhere), and no peer
+        // gives them: while the pull dropped no peer, the tracker's next
+        // peers may (in a large storm the newest chunks take a while to
+        // spread), and the pull waits.
         let published = |c| [2, 3, 9].contains(&c);
         m.answered(t0 + s(11), news(&[], true), &mut out);
+        m.poll(t0 + s(11), (0, false), &p, published, &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        // Once it dropped one, they come from the registry.
+        p.ban(&1);
         m.poll(t0 + s(11), (0, false), &p, published, &mut out);
         assert_eq!(out[0], Action::FellBack(Fallback::Starved));
         assert_eq!(
             starts(&out),
             [(2, 2, RunKind::Fallback), (9, 1, RunKind::Fallback)]
+        );
+    }
+
+    #[test]
+    fn a_starvation_ends_once_its_chunks_are_held_or_offered() {
+        let t0 = Instant::now();
+        let mut m = PullMachine::new(t0, false, 0, config());
+        let mut p = picker(12, &[]);
+        p.ban(&1);
+        let mut out = Vec::new();
+        m.answered(t0 + s(4), news(&[], true), &mut out);
+        m.poll(t0 + s(4), (0, false), &p, |c| [2, 3].contains(&c), &mut out);
+        assert_eq!(out[0], Action::FellBack(Fallback::Starved));
+        let run = run_ids(&out)[0];
+        assert_eq!(starts(&out), [(2, 2, RunKind::Fallback)]);
+        // The run fetches chunk 2; a peer joins with chunk 3.
+        out.clear();
+        assert!(p.claim(2));
+        p.completed(2);
+        m.poll(t0 + s(5), (1, false), &p, all, &mut out);
+        assert_eq!(m.mode(), Fallback::Starved, "chunk 3 is still wanted");
+        p.set_peer(7, {
+            let mut b = Bitfield::new(12);
+            b.set(3);
+            b
+        });
+        m.poll(t0 + s(5), (1, false), &p, all, &mut out);
+        assert_eq!(m.mode(), Fallback::Off, "back on the swarm");
+        m.run_ended(run);
+        // Every other chunk is published now, and no peer gives it: the
+        // pull starves again only after another quiet `tracker_grace`.
+        for at in 6..=8 {
+            m.answered(t0 + s(at), news(&[], true), &mut out);
+            m.poll(t0 + s(at), (1, false), &p, all, &mut out);
+        }
+        assert!(out.is_empty(), "{out:?}");
+        m.poll(t0 + s(9), (1, false), &p, all, &mut out);
+        assert_eq!(out[0], Action::FellBack(Fallback::Starved));
+        assert_eq!(
+            starts(&out),
+            [(0, 2, RunKind::Fallback), (4, 4, RunKind::Fallback)]
         );
     }
 

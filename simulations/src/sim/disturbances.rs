@@ -75,14 +75,18 @@ impl World<'_> {
                     self.request_ended(r, p.blob as usize, n);
                     let rn = &mut self.nodes[r as usize];
                     rn.downloads = rn.downloads.saturating_sub(1);
+                    // A crashed peer says nothing more: its askers drop it
+                    // for good and report it silent, as the agent's lanes
+                    // do once the request goes unanswered; one that left
+                    // closed its connections, and is only forgotten.
                     if let Some(picker) = rn.blobs[p.blob as usize].picker.as_mut() {
                         picker.failed(p.chunk);
-                        picker.remove_peer(&n);
+                        match how {
+                            Exit::Crash => picker.ban(&n),
+                            _ => picker.remove_peer(&n),
+                        }
                     }
                     receivers.push(r);
-                    // A crashed peer says nothing more: its askers report
-                    // it silent, as the agent's lanes do once the request
-                    // goes unanswered.
                     if how == Exit::Crash {
                         unanswered.push((r, p.blob as usize, p.chunk));
                     }
