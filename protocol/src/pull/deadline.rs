@@ -69,8 +69,9 @@ pub struct Deadline {
 /// share its deadline allows and gets as long again; any other is
 /// dropped. An honest peer serving its `max_uploads` has most of the chunk
 /// by then; a trickler (a byte now and then) and a silent peer have next
-/// to nothing, and are dropped at the deadline as before. Without it the emulated storm dropped busy honest
-/// peers as too slow and, reported, their chunks left the registry again;
+/// to nothing, and are dropped at the deadline as before. Without it the
+/// emulated storm dropped busy honest peers as too slow and, reported,
+/// their chunks left the registry again;
 /// a deadline twice as long for every request instead made withholders
 /// and tricklers hold requests twice as long (`docs/results.md`,
 /// "Deadlines and busy peers").

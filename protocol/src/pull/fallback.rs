@@ -19,24 +19,20 @@
 //!   (so somebody holds them, and the tracker will not assign them to a
 //!   registry run) that none of its peers can give it, and it dropped a
 //!   peer for good (one that lied, froze or trickled: its holders may be
-//!   gone from this transfer). A pull that dropped nobody waits for the
-//!   tracker's next peers instead: in a storm of 50,000 nodes and more the
-//!   newest chunks take longer than the grace to reach every node's
-//!   peers, and pulls starved for them by the dozen (`storm-100k`,
-//!   docs/results.md); the stall rule stays its backstop. Those chunks, and only those, come from the
+//!   gone from this transfer). Those chunks, and only those, come from the
 //!   registry; once each is held or offered by a peer the rule lapses and
 //!   the pull is back on the swarm, to fire again only after another quiet
-//!   `tracker_grace`. A pull that stayed starved to its end took every
-//!   published chunk its peers lacked at any moment after, and in a
-//!   100,000-node storm, where a node's peers often lag the swarm, that
-//!   multiplied the registry's copies (`storm-100k`, docs/results.md).
-//!   A chunk nobody published is one the
+//!   `tracker_grace`. A pull that dropped nobody waits for the tracker's
+//!   next peers instead, the stall rule its backstop: in a storm of 50,000
+//!   nodes and more the newest chunks take longer than the grace to reach
+//!   every node's peers, and pulls starved for them by the dozen
+//!   (`storm-100k`, docs/results.md). A chunk nobody published is one the
 //!   tracker has yet to hand out (it may be fetching another layer of the
 //!   image first, as its registry budget allows): waiting on it is not
 //!   starving, and taking it sent every node of a two-layer storm to the
 //!   registry for the second layer (the simulator found it once it ran
-//!   this rule per blob, as the agent does: 104 copies in `outage-1k`). Without
-//!   this rule such a pull waited the whole `stall` (30 s) and then fetched
+//!   this rule per blob, as the agent does: 104 copies in `outage-1k`).
+//!   Without this rule such a pull waited the whole `stall` (30 s) and then fetched
 //!   everything it lacked: the "30 s hole" of issue 36, where a node that
 //!   dropped its peers early sat idle while a direct pull takes a second.
 //!   It costs at most the chunks the pull cannot get from a live peer.

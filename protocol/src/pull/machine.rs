@@ -263,11 +263,15 @@ impl PullMachine {
             out.push(Action::Quiet);
         }
         let published = |c| published(c) || planted::is(Bug::StarveUnpublished);
+        // Published chunks no peer gives and nothing claims.
+        let starving = || {
+            picker
+                .unavailable()
+                .filter(|&c| picker.is_unclaimed(c) && published(c))
+        };
         let starvable = || {
             (picker.banned_any() || planted::is(Bug::StarveUnpublished))
-                && picker
-                    .unavailable()
-                    .any(|c| picker.is_unclaimed(c) && published(c))
+                && starving().next().is_some()
         };
         if let Some(mode) = self.rule.escalate(now, starvable) {
             if mode == Fallback::All && failed {
@@ -275,10 +279,7 @@ impl PullMachine {
                 return;
             }
             if mode == Fallback::Starved {
-                self.starved = picker
-                    .unavailable()
-                    .filter(|&c| picker.is_unclaimed(c) && published(c))
-                    .collect();
+                self.starved = starving().collect();
             }
             out.push(Action::FellBack(mode));
         }
