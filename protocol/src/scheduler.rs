@@ -480,9 +480,10 @@ struct Run {
     timeout: Duration,
 }
 
-/// At most this share (1/n) of a swarm's members are doubted (reported
-/// silent) at once.
-const DOUBTED_SHARE: usize = 4;
+/// The share (1/n) of a swarm's members that may be hostile: at most so
+/// many are doubted (reported silent or corrupt) at once, and a ban on
+/// unconfirmed reports takes more distinct reporters than that.
+const HOSTILE_SHARE: usize = 4;
 
 /// A recheck fetches at most this share (1/n) of a blob's chunks at once.
 const RECHECK_SHARE: u32 = 8;
@@ -685,7 +686,7 @@ impl Swarm {
         }
         // At most a quarter of the members at once: members reporting every
         // peer named to them as silent doubt no more than that.
-        if self.doubted.len() >= (self.members.len() / DOUBTED_SHARE).max(1) {
+        if self.doubted.len() >= (self.members.len() / HOSTILE_SHARE).max(1) {
             return 0;
         }
         self.doubted.insert(key, now);
@@ -1755,11 +1756,18 @@ impl Scheduler {
         }
     }
 
-    /// A peer sent a chunk that failed its hash. The offender no longer counts
-    /// as holding that chunk; reported by `reports_to_ban` distinct peers it
-    /// was named to for the blob, within `report_window`, it is banned for a
-    /// while (`ban`, doubling on each repeat). A reporter accusing more than
-    /// `max_accused_per_reporter` peers in that window is banned instead.
+    /// A peer sent a chunk that failed its hash. Reported by `reports_to_ban`
+    /// distinct peers it was named to for the blob, within `report_window`,
+    /// it is banned for a while (`ban`, doubling on each repeat), and its
+    /// holdings go. Before that one reporter's word is doubt, as a silence
+    /// report is: the offender keeps its holdings, and what only doubted
+    /// members hold is owed a registry run. A report the tracker confirmed
+    /// itself also takes the chunk from the offender's holdings. (Taking
+    /// it on one unconfirmed report let a false accuser make the tracker
+    /// forget honest holders of a chunk one by one, each time sending the
+    /// chunk out again: `docs/results.md`, "False corruption reports".)
+    /// A reporter accusing more than `max_accused_per_reporter` peers in
+    /// that window is banned instead.
     pub fn report_bad_chunk(
         &mut self,
         report: &BadChunk,
@@ -1785,7 +1793,13 @@ impl Scheduler {
             self.ban(reporter);
             return Err(ScheduleError::ReporterBanned(report.reporter.clone()));
         }
-        let threshold = self.config.reports_to_ban.max(1);
+        // More reporters than the share of members that may be hostile, so
+        // that colluding accusers cannot ban an honest member between them.
+        let members = self
+            .swarms
+            .get(&report.digest)
+            .map_or(0, |s| s.members.len());
+        let threshold = self.config.reports_to_ban.max(members / HOSTILE_SHARE + 1);
         let record = self.records.entry(report.offender.clone()).or_default();
         record.lapse(now, window, self.config.silent_window);
         let was_banned = record.banned;
@@ -1799,7 +1813,12 @@ impl Scheduler {
         let standing = record.standing();
         if let Some(key) = offender {
             if let Some(swarm) = self.swarms.get_mut(&report.digest) {
-                swarm.remove_chunk(key, report.index);
+                match report.confirmed {
+                    true => swarm.remove_chunk(key, report.index),
+                    false => {
+                        swarm.doubt(key, now);
+                    }
+                }
             }
             if standing.banned && !was_banned {
                 self.ban(key);
@@ -2738,7 +2757,7 @@ mod tests {
                 .reporters,
             1
         );
-        assert_eq!(s.holders(&blob(), 5), 0, "the bad chunk no longer counts");
+        assert_eq!(s.holders(&blob(), 5), 1, "one reporter's word is doubt");
         assert!(
             s.report_bad_chunk(&report("same", true), now)
                 .unwrap()
@@ -2775,18 +2794,28 @@ mod tests {
         assert_eq!(rest, vec!["empty1".to_owned(), "empty2".to_owned()]);
     }
 
+    /// A ban takes three distinct reporters, and more than the quarter of
+    /// the swarm's members that may be hostile.
     #[test]
-    fn three_distinct_reporters_ban_an_offender() {
-        let mut s = Scheduler::new(striped());
-        let now = Instant::now();
-        for p in ["r1", "r2", "r3", "bad"] {
-            s.announce(wants(p, 8, &[0]), now);
-        }
-        for (i, r) in ["r1", "r2", "r3"].into_iter().enumerate() {
-            // Each is told of "bad" before it can report it.
-            s.announce(added(r, 8, vec![]), now);
-            let st = s.report_bad_chunk(&bad_chunk(r, "bad"), now).unwrap();
-            assert_eq!(st.banned, i == 2);
+    fn a_ban_takes_three_reporters_and_more_than_a_quarter_of_the_swarm() {
+        for (members, needed) in [(4, 3), (12, 4), (16, 5)] {
+            let mut s = Scheduler::new(SchedulerConfig {
+                peers_per_blob: 32,
+                ..striped()
+            });
+            let now = Instant::now();
+            let reporters: Vec<String> = (1..members).map(|i| format!("r{i}")).collect();
+            s.announce(wants("bad", 8, &[0]), now);
+            for r in &reporters {
+                s.announce(wants(r, 8, &[]), now);
+            }
+            for (i, r) in reporters[..needed].iter().enumerate() {
+                // Each is told of "bad" before it can report it.
+                s.announce(added(r, 8, vec![]), now);
+                let st = s.report_bad_chunk(&bad_chunk(r, "bad"), now).unwrap();
+                assert_eq!(st.banned, i + 1 == needed, "{members} members: {st:?}");
+                assert!(st.banned || st.reporters == i + 1, "{st:?}");
+            }
         }
     }
 
@@ -2914,11 +2943,7 @@ mod tests {
             s.report_bad_chunk(&bad_chunk("liar", &honest[4]), now),
             Err(ScheduleError::ReporterBanned("liar".into()))
         );
-        assert_eq!(
-            s.holders(&blob(), 0),
-            5 - 3,
-            "the three accused chunks no longer count"
-        );
+        assert_eq!(s.holders(&blob(), 0), 5, "no accused holding forgotten");
     }
 
     #[test]
@@ -3327,6 +3352,54 @@ mod tests {
     }
 
     #[test]
+    fn one_member_reporting_corruption_forgets_no_holding_and_what_only_the_offender_holds_goes_out()
+     {
+        let mut s = Scheduler::new(SchedulerConfig {
+            expiry_intervals: 1_000,
+            ..striped()
+        });
+        let t0 = Instant::now();
+        s.announce(wants("w", 8, &[]), t0);
+        fetched(&mut s, "w", 8, (0..8).collect(), t0);
+        for h in ["h", "k"] {
+            s.announce(wants(h, 8, &[]), t0);
+            fetched(&mut s, h, 8, vec![0, 1, 2, 3], t0);
+        }
+        for r in ["r1", "r2", "r3", "r4", "r5", "r6"] {
+            let d = s.announce(wants(r, 8, &[]), t0);
+            assert!(d.assignments.is_empty(), "every chunk is held: {d:?}");
+        }
+        let report = |reporter: &str, offender: &str, index, confirmed| BadChunk {
+            reporter: reporter.to_owned(),
+            offender: offender.to_owned(),
+            digest: blob(),
+            index,
+            confirmed,
+        };
+        // A false accuser repeating itself: h keeps chunk 0, which others
+        // hold too, so nothing goes out again.
+        for _ in 0..3 {
+            s.report_bad_chunk(&report("r1", "h", 0, false), t0)
+                .unwrap();
+        }
+        assert_eq!(s.holders(&blob(), 0), 3);
+        let d = s.announce(added("r2", 8, vec![]), t0);
+        assert!(d.assignments.is_empty() && d.fetching.is_empty(), "{d:?}");
+        // Reported, w keeps its holdings and stays named, and the chunks
+        // only it holds are sent out (it may be the liar).
+        s.report_bad_chunk(&report("r2", "w", 6, false), t0)
+            .unwrap();
+        assert_eq!(s.holders(&blob(), 6), 1);
+        let d = s.announce(added("r3", 8, vec![]), t0);
+        assert!(d.peers.values().flatten().any(|p| p.peer == "w"), "{d:?}");
+        let runs = chunks_of(&d.assignments);
+        assert_eq!(runs, vec![4, 5, 6, 7], "w's own chunks go out: {d:?}");
+        // A report the tracker confirmed takes the chunk at once.
+        s.report_bad_chunk(&report("r4", "h", 1, true), t0).unwrap();
+        assert_eq!(s.holders(&blob(), 1), 2);
+    }
+
+    #[test]
     fn what_only_peers_reported_silent_hold_is_owed_a_run_until_another_member_holds_it() {
         let mut s = Scheduler::new(SchedulerConfig {
             expiry_intervals: 1_000,
@@ -3354,11 +3427,7 @@ mod tests {
         let d = s.announce(added("r2", 8, vec![]), t0);
         assert!(d.peers.values().flatten().any(|p| p.peer == "w"), "{d:?}");
         assert_eq!(d.fetching, vec![blob()], "{d:?}");
-        let runs: Vec<u32> = d
-            .assignments
-            .iter()
-            .flat_map(|a| a.first..a.first + a.count)
-            .collect();
+        let runs = chunks_of(&d.assignments);
         assert_eq!(runs, vec![4, 5, 6, 7], "w's own chunks go out: {d:?}");
         // A repeat of the same report changes nothing.
         assert_eq!(

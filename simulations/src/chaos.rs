@@ -15,7 +15,8 @@
 //!   plus the time the faults themselves last ([`Class::time_bound`]).
 //!
 //! - no node that does not lie holds a chunk whose bytes fail its hash;
-//!   every liar that sent a chunk was banned, and no other peer was;
+//!   every liar that sent a chunk was banned, and no other peer was, by a
+//!   node or by the tracker;
 //! - no pull failed on registry errors (they last less than the retries).
 //!
 //! The adversaries run the agent's rules through shared code: a chunk's
@@ -35,9 +36,8 @@
 //! (the simulator's clock is simulated and its randomness seeded), so a
 //! failing seed's line `dray sim --chaos --seed-from S --seeds 1` reproduces
 //! it exactly. Not modelled here: liars in DHT mode (claims of chunk hashes,
-//! the `Arbiter`), forged maps and false reports (`tests/hostile_swarm.rs`
-//! runs those against real agents; the simulated tracker hears no bad-chunk
-//! reports), truncated registry bodies, deadlines of honest peers (a
+//! the `Arbiter`), forged maps (`tests/hostile_swarm.rs` runs those
+//! against real agents), truncated registry bodies, deadlines of honest peers (a
 //! simulated flow between them always ends in time), the endgame's second
 //! requests (a chunk asked of a frozen peer or a trickler waits its
 //! deadline), disk full.
@@ -76,7 +76,8 @@ pub enum Class {
     /// announce as honest nodes do, and answer no chunk request.
     Withholders,
     /// A share of the nodes (at most a quarter) pull and serve honestly and
-    /// report every peer named to them silent.
+    /// report every peer named to them silent, and as having sent a chunk
+    /// whose bytes fail its hash.
     Accusers,
     /// A share of the nodes (at most a quarter) pull and announce as honest
     /// nodes do, and answer every chunk request at 1 KiB/s: never silent,
@@ -524,6 +525,12 @@ fn adversity_violations(a: &crate::Adversity) -> Vec<String> {
         v.push(format!(
             "{} bans of peers that neither lie nor froze",
             a.honest_dropped
+        ));
+    }
+    if a.honest_banned > 0 {
+        v.push(format!(
+            "{} nodes that do not lie banned by the tracker on bad-chunk reports",
+            a.honest_banned
         ));
     }
     if a.failed_pulls > 0 {

@@ -156,6 +156,8 @@ pub struct Adversity {
     pub liars_banned: u32,
     /// Times a node banned or dropped a peer that neither lies nor froze.
     pub honest_dropped: u64,
+    /// Nodes the tracker banned on bad-chunk reports that do not lie.
+    pub honest_banned: u32,
     /// Times a node dropped a frozen peer, a withholder or a trickler past
     /// a request's deadline.
     pub frozen_dropped: u64,

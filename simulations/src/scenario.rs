@@ -136,8 +136,9 @@ pub struct Scenario {
     pub withholders: Option<f64>,
     /// A fraction of nodes (chosen at random, none of them liars or
     /// withholders) that pull and serve honestly, and report every peer
-    /// the tracker names to them silent, at each of its answers: the
-    /// attack on the tracker's silent-peer rule.
+    /// the tracker names to them silent, and as having sent chunk 0 with
+    /// bytes that fail its hash, at each of its answers: the attack on the
+    /// tracker's silent-peer and bad-chunk rules (false corruption reports).
     pub accusers: Option<f64>,
     /// A fraction of nodes (chosen at random, none of them another
     /// adversary) that trickle: they pull and announce as honest nodes do,

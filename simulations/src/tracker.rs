@@ -12,8 +12,9 @@
 
 use dray_protocol::BlobDigest;
 use dray_protocol::scheduler::{
-    Announce, AnnounceDecision, BadChunk, Scheduler, SchedulerConfig, Silent,
+    Announce, AnnounceDecision, BadChunk, ScheduleError, Scheduler, SchedulerConfig, Silent,
 };
+use std::collections::BTreeSet;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -30,6 +31,8 @@ enum Call {
     Silent(Box<Silent>, Instant),
     /// The tracker restarts empty.
     Restart,
+    /// Which peers bad-chunk reports have banned so far.
+    Banned(Sender<Vec<String>>),
 }
 
 /// Calls sent to the thread together: each send may wake it, and a wake-up
@@ -55,6 +58,7 @@ impl Tracker {
             .name("sim-tracker".into())
             .spawn(move || {
                 let mut sched = Scheduler::new(config.clone());
+                let mut banned = BTreeSet::new();
                 for call in inbox.into_iter().flatten() {
                     match call {
                         Call::Announce(a, at) => {
@@ -67,9 +71,16 @@ impl Tracker {
                         Call::Leave(peer) => _ = sched.leave(&peer),
                         Call::HashSettled(d, i, at) => sched.hash_settled(&d, i, at),
                         // Refused reports (an unknown peer, say) change nothing.
-                        Call::BadChunk(r, at) => _ = sched.report_bad_chunk(&r, at),
+                        Call::BadChunk(r, at) => match sched.report_bad_chunk(&r, at) {
+                            Ok(standing) if standing.banned => _ = banned.insert(r.offender),
+                            Err(ScheduleError::ReporterBanned(reporter)) => {
+                                _ = banned.insert(reporter)
+                            }
+                            _ => {}
+                        },
                         Call::Silent(r, at) => _ = sched.report_silent(&r, at),
                         Call::Restart => sched = Scheduler::new(config.clone()),
+                        Call::Banned(reply) => _ = reply.send(banned.iter().cloned().collect()),
                     }
                 }
             })
@@ -125,6 +136,17 @@ impl Tracker {
 
     pub fn report_silent(&mut self, report: Silent, at: Instant) {
         self.send(Call::Silent(Box::new(report), at));
+    }
+
+    /// The peers bad-chunk reports have banned (offenders, or reporters
+    /// accusing too many), after every call sent so far.
+    pub fn banned(&mut self) -> Vec<String> {
+        let (reply, answer) = channel();
+        self.send(Call::Banned(reply));
+        self.flush();
+        answer
+            .recv()
+            .expect("the simulated tracker answers every question")
     }
 
     pub fn restart(&mut self) {

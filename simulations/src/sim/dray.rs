@@ -159,6 +159,7 @@ impl World<'_> {
                 self.learn_peer(n, b as usize, p);
                 if self.nodes[n as usize].accuses && self.reaches_tracker(n) {
                     self.send_silent(n, b as usize, p, 0);
+                    self.send_bad_chunk(n, b as usize, p, 0);
                 }
             }
         }

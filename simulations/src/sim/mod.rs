@@ -238,6 +238,11 @@ type Mark = fn(&mut Node);
 type Tally = fn(&mut Adversity) -> &mut u32;
 
 impl Node {
+    /// An adversary of any class (a frozen node is none: it is stopped).
+    fn hostile(&self) -> bool {
+        self.liar || self.accuses || self.withholds || self.trickles || self.claims
+    }
+
     /// A frozen node, a withholder, a trickler or a claimer: a request to
     /// it is neither answered in time nor refused (its upload slots do not
     /// fill: it never says BUSY).
@@ -670,6 +675,13 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
 
     let mut times: Vec<f64> = Vec::new();
     let mut left = 0;
+    let banned = w.sched.banned();
+    w.adversity.honest_banned = w
+        .names
+        .iter()
+        .zip(&w.nodes)
+        .filter(|(name, n)| !n.hostile() && banned.contains(name))
+        .count() as u32;
     for n in w.nodes[..pullers as usize].iter().filter(|n| !n.liar) {
         w.adversity.bad_chunks += n
             .blobs

@@ -275,17 +275,24 @@ impl World<'_> {
         if !self.reaches_tracker(n) {
             return;
         }
-        let at = self.instant();
         for (p, c) in std::mem::take(&mut self.nodes[n as usize].blobs[b].unreported) {
-            let report = dray_protocol::scheduler::BadChunk {
-                reporter: self.names[n as usize].clone(),
-                offender: self.names[p as usize].clone(),
-                digest: self.blobs[b].digest,
-                index: c,
-                confirmed: false,
-            };
-            self.sched.report_bad_chunk(report, at);
+            self.send_bad_chunk(n, b, p, c);
         }
+    }
+
+    /// Sends the tracker `n`'s report that `p` sent chunk `c` of blob `b`
+    /// with bytes that fail its hash (an accuser sends it of anyone: the
+    /// tracker cannot tell it from a true one).
+    pub(super) fn send_bad_chunk(&mut self, n: u32, b: usize, p: u32, c: u32) {
+        let report = dray_protocol::scheduler::BadChunk {
+            reporter: self.names[n as usize].clone(),
+            offender: self.names[p as usize].clone(),
+            digest: self.blobs[b].digest,
+            index: c,
+            confirmed: false,
+        };
+        let at = self.instant();
+        self.sched.report_bad_chunk(report, at);
     }
 
     /// Sends the tracker `n`'s report that `p` left its request for chunk
