@@ -86,13 +86,24 @@ pub enum Class {
     /// A share of the nodes (at most a quarter) announce every chunk from
     /// their start, and answer no chunk request.
     Claimers,
+    /// The registry cuts every body it sends half-way for up to 2.5 s (a
+    /// proxy dropping connections; shorter than the agent's retries).
+    RegistryCuts,
+    /// Every registry token expires at once: each node's next request is
+    /// refused and sent again with a fresh token.
+    TokenExpiry,
+    /// The registry ignores `Range`: every request is answered with the
+    /// whole blob, from its first byte.
+    RangesIgnored,
 }
 
 impl Class {
     /// Where the adversaries start in [`Class::ALL`].
     pub const ADVERSARIES: usize = 6;
+    /// Where the registry's answer faults start in [`Class::ALL`].
+    pub const ANSWERS: usize = 13;
 
-    pub const ALL: [Class; 13] = [
+    pub const ALL: [Class; 16] = [
         Class::TrackerHang,
         Class::TrackerCrash,
         Class::TrackerPartition,
@@ -106,6 +117,9 @@ impl Class {
         Class::Accusers,
         Class::Tricklers,
         Class::Claimers,
+        Class::RegistryCuts,
+        Class::TokenExpiry,
+        Class::RangesIgnored,
     ];
 
     pub fn name(self) -> &'static str {
@@ -123,6 +137,9 @@ impl Class {
             Class::Accusers => "accusers",
             Class::Tricklers => "tricklers",
             Class::Claimers => "claimers",
+            Class::RegistryCuts => "registry-cuts",
+            Class::TokenExpiry => "token-expiry",
+            Class::RangesIgnored => "ranges-ignored",
         }
     }
 
@@ -145,7 +162,8 @@ impl Class {
             | Class::TrackerCrash
             | Class::TrackerPartition
             | Class::PeerCrash
-            | Class::PeerFreeze => 1.0,
+            | Class::PeerFreeze
+            | Class::RangesIgnored => 1.0,
             _ => 0.0,
         }
     }
@@ -178,7 +196,15 @@ impl Class {
     /// withholders and accusers a quarter of a copy more.
     fn egress_base(self) -> f64 {
         match self {
-            Class::RegistrySlow | Class::LateJoin | Class::RegistryErrors => 1.1,
+            Class::RegistrySlow | Class::LateJoin | Class::RegistryErrors | Class::TokenExpiry => {
+                1.1
+            }
+            // Each registry request of the window sends half a chunk for
+            // nothing, up to five times.
+            Class::RegistryCuts => 1.5,
+            // Never worse than direct pulls: one copy per node hit, all of
+            // them (each run reads the blob from its first byte).
+            Class::RangesIgnored => 0.0,
             // The chunks only members reported silent hold go out again as
             // runs, and up to a quarter of a swarm's members may be so
             // reported at once (withholders and claimers rightly, or honest
@@ -215,7 +241,11 @@ impl Class {
             Class::PeerFreeze => (2.0, 0.0, expiry_s() + first_deadline_s()),
             // Each request is sent again until the burst ends, plus the
             // last backoff.
-            Class::RegistryErrors => (2.0, 1.0, retries_s()),
+            Class::RegistryErrors | Class::RegistryCuts => (2.0, 1.0, retries_s()),
+            // Two round trips for each node's next request: within k.
+            Class::TokenExpiry => (2.0, 0.0, 0.0),
+            // The registry sends more: bounded by direct pulls (see `check`).
+            Class::RangesIgnored => (2.0, 0.0, 0.0),
             // A request to a withholder is given up after the request
             // timeout at most, and the asker reports it: the tracker then
             // sends others for what only withholders hold. A withholder
@@ -317,7 +347,8 @@ pub fn case(seed: u64) -> Case {
     let calm = sc.clone();
     let mut classes: Vec<Class> = Vec::new();
     let count = 1 + rng.below(2);
-    let (faults, adversaries) = Class::ALL.split_at(Class::ADVERSARIES);
+    let (faults, rest) = Class::ALL.split_at(Class::ADVERSARIES);
+    let (adversaries, answers) = rest.split_at(Class::ANSWERS - Class::ADVERSARIES);
     while classes.len() < count {
         let c = faults[rng.below(faults.len())];
         // Two tracker faults at once are one longer fault.
@@ -337,6 +368,12 @@ pub fn case(seed: u64) -> Case {
     let mut adversary = Rng::new(seed.wrapping_mul(0xd1b5_4a32_d192_ed03) ^ 0xad5e_5a21);
     if count == 1 && adversary.below(2) == 1 {
         classes.push(adversaries[adversary.below(adversaries.len())]);
+    }
+    // The registry's answer faults too, on a third of the seeds left with
+    // one class (they sort last: the other classes keep their draws).
+    let mut answer = Rng::new(seed.wrapping_mul(0xa076_1d64_78bd_642f) ^ 0x0b0d_1e5);
+    if classes.len() == 1 && answer.below(3) == 0 {
+        classes.push(answers[answer.below(answers.len())]);
     }
     classes.sort();
     let mut faults = Vec::new();
@@ -407,6 +444,20 @@ pub fn case(seed: u64) -> Case {
             Class::Claimers => {
                 sc.claimers = Some(fraction);
                 (0.0, fraction)
+            }
+            Class::RegistryCuts => {
+                // 0.5-2.5 s, as registry errors.
+                let for_s = 0.5 + 2.0 * (for_s - 2.0) / 13.0;
+                sc.registry_cuts = Some(Outage { at_s, for_s });
+                (for_s, 1.0)
+            }
+            Class::TokenExpiry => {
+                sc.token_expiry = Some(at_s);
+                (0.0, 1.0)
+            }
+            Class::RangesIgnored => {
+                sc.ranges_ignored = true;
+                (0.0, 1.0)
             }
         };
         faults.push(Fault {

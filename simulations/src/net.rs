@@ -77,6 +77,8 @@ pub(crate) enum Purpose {
     PeerChunk,
     /// One chunk of a registry run a node's pull machine started.
     RunChunk,
+    /// The same, its body cut short by the registry.
+    RunChunkCut,
     /// A whole blob (direct and spegel-like baselines, kraken-like origins).
     Whole,
 }

@@ -154,6 +154,15 @@ pub struct Scenario {
     /// The registry answers every request sent in `[at_s, at_s + for_s)`
     /// with a server error (a 5xx burst).
     pub registry_errors: Option<Outage>,
+    /// The registry cuts every body it sends in `[at_s, at_s + for_s)`
+    /// half-way (a proxy dropping connections): the half sent is egress.
+    pub registry_cuts: Option<Outage>,
+    /// Every registry token expires at this time: each node's next registry
+    /// request is refused (401) and sent again with a fresh token.
+    pub token_expiry: Option<f64>,
+    /// The registry ignores `Range` and answers each request with the whole
+    /// blob (200), sent from its first byte.
+    pub ranges_ignored: bool,
     /// Concurrent peer chunk downloads per node.
     pub max_downloads: u32,
     /// Concurrent chunk uploads per node.
@@ -222,6 +231,9 @@ impl Scenario {
             claimers: None,
             freeze: None,
             registry_errors: None,
+            registry_cuts: None,
+            token_expiry: None,
+            ranges_ignored: false,
             max_downloads: DEFAULTS.max_downloads as u32,
             max_uploads: DEFAULTS.max_uploads as u32,
             max_peers_per_blob: DEFAULTS.max_peers_per_blob,
@@ -341,17 +353,23 @@ impl Scenario {
         }
         let window_ok =
             |at: f64, for_s: f64| at.is_finite() && at >= 0.0 && for_s.is_finite() && for_s >= 0.0;
-        if [&self.outage, &self.hang, &self.registry_errors]
-            .into_iter()
-            .flatten()
-            .any(|o| !window_ok(o.at_s, o.for_s))
+        if [
+            &self.outage,
+            &self.hang,
+            &self.registry_errors,
+            &self.registry_cuts,
+        ]
+        .into_iter()
+        .flatten()
+        .any(|o| !window_ok(o.at_s, o.for_s))
+            || self.token_expiry.is_some_and(|at| !window_ok(at, 0.0))
             || self
                 .partition
                 .as_ref()
                 .is_some_and(|p| !(window_ok(p.at_s, p.for_s) && (0.0..=1.0).contains(&p.fraction)))
         {
             return bad(
-                "an outage, hang, registry error burst or partition needs a start and a duration >= 0",
+                "an outage, hang, registry error or cut burst, token expiry or partition needs a start and a duration >= 0",
             );
         }
         Ok(())

@@ -515,10 +515,12 @@ impl Tracker {
                 };
                 let mut st = self.lock();
                 let was_banned = st.scheduler.standing(&report.offender).banned;
+                let reporter_was_banned = st.scheduler.standing(&report.reporter).banned;
                 let reported = st.scheduler.report_bad_chunk(&report, now);
                 if let Err(scheduler::ScheduleError::ReporterBanned(_)) = &reported
-                    && st.scheduler.standing(&report.reporter).bans > 0
+                    && !reporter_was_banned
                 {
+                    self.metrics.banned();
                     tracing::warn!(reporter = %report.reporter, "a node reporting many peers is banned itself");
                 }
                 let standing = reported?;

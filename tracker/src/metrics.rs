@@ -174,7 +174,7 @@ impl TrackerMetrics {
         );
         r.register(
             "bans",
-            "Agents banned after reports from distinct peers",
+            "Agents banned: each reported more peers for corrupt chunks than an honest node meets (or a report the tracker confirmed named it)",
             m.bans.clone(),
         );
         r.register(
@@ -210,8 +210,13 @@ impl TrackerMetrics {
     pub fn bad_chunk_reported(&self, newly_banned: bool) {
         self.bad_chunk_reports.inc();
         if newly_banned {
-            self.bans.inc();
+            self.banned();
         }
+    }
+
+    /// An agent banned.
+    pub fn banned(&self) {
+        self.bans.inc();
     }
 
     /// A silent-peer report taken, which made `owed` chunks owed a run.

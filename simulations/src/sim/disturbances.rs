@@ -1,6 +1,6 @@
 //! Disturbances a scenario injects: nodes leaving, crashing or freezing,
 //! the tracker going down and restarting, hanging, or cut off from some
-//! nodes, the registry failing requests.
+//! nodes (the registry's faults: `registry`).
 
 use super::*;
 
@@ -145,15 +145,6 @@ impl World<'_> {
         for n in order.into_iter().take(count) {
             self.leave(n, Exit::Freeze);
         }
-    }
-
-    /// Whether the registry answers a request sent now with a server error.
-    pub(super) fn registry_failing(&self) -> bool {
-        let now = self.net.now();
-        self.sc
-            .registry_errors
-            .as_ref()
-            .is_some_and(|o| now >= o.at_s && now < o.at_s + o.for_s)
     }
 
     pub(super) fn sample(&mut self) {

@@ -338,16 +338,37 @@ impl World<'_> {
         }
     }
 
+    /// Which of `n`'s runs flow `id` is fetching for.
+    pub(super) fn run_of_flow(&self, n: u32, id: FlowId) -> Option<usize> {
+        self.nodes[n as usize]
+            .runs
+            .iter()
+            .position(|r| r.flow == Some(id))
+    }
+
     /// Fetches the run's next chunk, or finishes the run and announces.
     pub(super) fn advance_run(&mut self, n: u32, k: usize) {
         let run = &self.nodes[n as usize].runs[k];
         if let Some(&c) = run.chunks.get(run.next) {
             let b = run.blob;
             if self.registry_failing() {
-                self.registry_error(n, k);
+                self.adversity.registry_errors += 1;
+                // The error comes back a round trip later.
+                self.retry_later(n, k, self.sc.rtt_s);
                 return;
             }
-            let id = self.registry_chunk(n, b, c, Purpose::RunChunk);
+            if self.token_refused(n) {
+                // The 401's round trip and the token server's, then the
+                // request again.
+                let retry = Ev::Retry(n, b, self.nodes[n as usize].runs[k].id.0);
+                self.net.after(2.0 * self.sc.rtt_s, retry);
+                return;
+            }
+            let purpose = match self.registry_cutting() {
+                true => Purpose::RunChunkCut,
+                false => Purpose::RunChunk,
+            };
+            let id = self.registry_chunk(n, b, c, purpose);
             self.nodes[n as usize].runs[k].flow = Some(id);
         } else {
             let run = self.nodes[n as usize].runs.swap_remove(k);
@@ -364,19 +385,18 @@ impl World<'_> {
         }
     }
 
-    /// The registry answers the request for run `k`'s next chunk with a
-    /// server error, a round trip after it was sent: `n` sends it again
+    /// The request for run `k`'s next chunk failed (a server error, known
+    /// `known_in` seconds from now, or a cut body): `n` sends it again
     /// after the agent's registry client's backoff, and a request whose
     /// last attempt failed fails the run, and the pull with it (the
     /// agent's pull engine returns the run's error).
-    fn registry_error(&mut self, n: u32, k: usize) {
-        self.adversity.registry_errors += 1;
+    pub(super) fn retry_later(&mut self, n: u32, k: usize, known_in: f64) {
         let run = &mut self.nodes[n as usize].runs[k];
         run.attempts += 1;
         let retry = Ev::Retry(n, run.blob, run.id.0);
         match registry_retry_after(run.attempts) {
             Some(wait) => {
-                self.net.after(self.sc.rtt_s + wait.as_secs_f64(), retry);
+                self.net.after(known_in + wait.as_secs_f64(), retry);
             }
             None => {
                 self.adversity.failed_pulls += 1;

@@ -181,16 +181,20 @@ impl World<'_> {
                     self.publish(p.blob as usize, p.chunk);
                 }
                 self.receive(to, p.blob, Some(p.chunk));
-                if let Some(k) = self.nodes[to as usize]
-                    .runs
-                    .iter()
-                    .position(|r| r.flow == Some(id))
-                {
+                self.keep_answer(to, p.blob, p.chunk);
+                if let Some(k) = self.run_of_flow(to, id) {
                     let run = &mut self.nodes[to as usize].runs[k];
                     run.flow = None;
                     run.next += 1;
                     run.attempts = 0;
                     self.advance_run(to, k);
+                }
+            }
+            Purpose::RunChunkCut => {
+                self.adversity.registry_errors += 1;
+                if let Some(k) = self.run_of_flow(to, id) {
+                    self.nodes[to as usize].runs[k].flow = None;
+                    self.retry_later(to, k, 0.0);
                 }
             }
         }

@@ -26,6 +26,7 @@ mod disturbances;
 mod dray;
 mod kraken;
 mod lifecycle;
+mod registry;
 mod transfers;
 
 use crate::Strategy;
@@ -168,6 +169,11 @@ struct Node {
     cut_off: bool,
     runs: Vec<RunState>,
     rotor: usize,
+    /// When its registry token was taken (a scenario's `token_expiry`).
+    token_at: f64,
+    /// Where each whole-blob answer it keeps open stands, by blob (a
+    /// registry that ignores `Range`; the agent's `OpenBodies`).
+    kept: Vec<(u16, u32)>,
     /// Serves bytes that fail their hash for every chunk asked of it.
     liar: bool,
     /// A liar that sent some node a chunk, and one that some node banned.
@@ -389,7 +395,11 @@ impl World<'_> {
     }
 
     fn registry_chunk(&mut self, to: u32, blob: u16, chunk: u32, purpose: Purpose) -> FlowId {
-        let bytes = self.chunk_bytes(blob, chunk);
+        let bytes = self.registry_read_bytes(to, blob, chunk);
+        let bytes = match purpose {
+            Purpose::RunChunkCut => bytes / 2.0,
+            _ => bytes,
+        };
         let payload = Payload::new(to, Source::Registry, blob, chunk, purpose);
         self.start_flow(payload, bytes)
     }
@@ -523,6 +533,8 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             cut_off: false,
             runs: Vec::new(),
             rotor: 0,
+            token_at: 0.0,
+            kept: Vec::new(),
             liar: false,
             withholds: false,
             accuses: false,
