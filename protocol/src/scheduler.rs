@@ -163,6 +163,9 @@ pub struct BlobAnnounce {
     /// blobs of one registry share its run budget; empty: unknown, and the
     /// blob has a budget of its own.
     pub origin: String,
+    /// The peer's registry answered a `Range` request for the blob with
+    /// the whole blob: see [`Scheduler::announce`]'s runs.
+    pub ranges_ignored: bool,
 }
 
 /// The longest peer address an announce may carry (the tracker refuses a
@@ -570,6 +573,9 @@ struct Swarm {
     /// times over (a stampede: `docs/results.md`). Only a run slower than its
     /// peers is taken back.
     run_pace: Option<f64>,
+    /// A member's registry answered a `Range` request with the whole blob:
+    /// runs go out one at a time, each to the blob's end (`top_up`).
+    whole_reads: bool,
 }
 
 impl Drop for Swarm {
@@ -609,6 +615,7 @@ impl Swarm {
             origin: String::new(),
             origin_runs: Arc::default(),
             run_pace: None,
+            whole_reads: false,
         }
     }
 
@@ -1527,6 +1534,7 @@ impl Scheduler {
         if blob.wanted && !blob.origin.is_empty() && blob.origin != swarm.origin {
             swarm.set_origin(&blob.origin, origin_budget(&mut self.origins, &blob.origin));
         }
+        swarm.whole_reads |= blob.wanted && blob.ranges_ignored;
         if let Some(peer) = peer_mut(&mut self.slots, key) {
             peer.blobs.insert(digest);
         }
@@ -1621,11 +1629,21 @@ impl Scheduler {
                     .max(self.config.min_blob_runs.div_ceil(swarm.members.len())),
                 false => self.config.max_outstanding,
             };
+            // Where the registry ignores `Range`, every request reads the
+            // blob from its first byte: one run at a time, to the blob's
+            // end, reads its answer once (the agent's registry client keeps
+            // it open from one chunk to the next), where runs spread over
+            // many nodes each read the blob's prefix again.
+            let (stripe, limit) = match swarm.whole_reads {
+                true if !swarm.runs.is_empty() => continue,
+                true => (u32::MAX, peer.runs.len() + 1),
+                false => (self.config.stripe_chunks, limit),
+            };
             while peer.runs.len() < limit
                 && (self.config.max_runs_per_origin == 0
                     || swarm.origin_runs.load(Ordering::Relaxed) < self.config.max_runs_per_origin)
             {
-                let Some((first, count)) = swarm.take_free_run(self.config.stripe_chunks) else {
+                let Some((first, count)) = swarm.take_free_run(stripe) else {
                     break;
                 };
                 let timeout = fetch_timeout(&self.config, u64::from(count) * swarm.chunk_bytes);
@@ -2347,6 +2365,7 @@ mod tests {
             held,
             wanted,
             origin: String::new(),
+            ranges_ignored: false,
         }
     }
 
@@ -3390,6 +3409,40 @@ mod tests {
         // A report the tracker confirmed takes the chunk at once.
         s.report_bad_chunk(&report("r4", "h", 1, true), t0).unwrap();
         assert_eq!(s.holders(&blob(), 1), 2);
+    }
+
+    /// Where a member's registry ignored `Range`, runs go out one at a time,
+    /// each to the blob's end: every request reads the blob from its first
+    /// byte, so a run read as one answer costs a copy, and runs spread over
+    /// many nodes would each read the prefix again.
+    #[test]
+    fn where_the_registry_ignores_ranges_one_run_at_a_time_goes_to_the_blobs_end() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            min_blob_runs: 0,
+            ..SchedulerConfig::default()
+        });
+        let t0 = Instant::now();
+        let spread =
+            |s: &mut Scheduler, p: &str| chunks_of(&s.announce(wants(p, 16, &[]), t0).assignments);
+        assert_eq!(spread(&mut s, "a"), vec![0]);
+        assert_eq!(spread(&mut s, "b"), vec![1]);
+        let mut told = wants("a", 16, &[]);
+        told.full = false;
+        told.blobs[0].held = Held::Added(vec![0]);
+        told.blobs[0].ranges_ignored = true;
+        s.hash_settled(&blob(), 0, t0);
+        // b's run is live: nobody gets another.
+        assert!(s.announce(told.clone(), t0).assignments.is_empty());
+        assert!(s.announce(wants("c", 16, &[]), t0).assignments.is_empty());
+        // Its run done, b takes the next, every chunk left (its answer, kept
+        // open, goes on from there), and it is the only one.
+        let d = fetched(&mut s, "b", 16, vec![1], t0);
+        assert_eq!(chunks_of(&d.assignments), (2..16).collect::<Vec<u32>>());
+        assert!(
+            s.announce(added("c", 16, vec![]), t0)
+                .assignments
+                .is_empty()
+        );
     }
 
     #[test]

@@ -200,6 +200,7 @@ mod tests {
                 held: Held::Bits(dray_protocol::Bitfield::new(4)),
                 wanted: true,
                 origin: String::new(),
+                ranges_ignored: false,
             }],
             full: true,
         }

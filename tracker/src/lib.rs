@@ -764,6 +764,7 @@ fn checked_announce(
             held,
             wanted: b.wanted,
             origin: b.origin,
+            ranges_ignored: b.ranges_ignored,
         });
     }
     let announce = scheduler::Announce {

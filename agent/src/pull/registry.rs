@@ -10,6 +10,7 @@ use dray_protocol::defaults::registry_retry_after;
 use reqwest::StatusCode;
 use reqwest::header::{AUTHORIZATION, HeaderValue, RANGE, WWW_AUTHENTICATE};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -121,6 +122,8 @@ pub struct RegistryClient {
     /// Whole-blob answers to range requests, left open where the last read
     /// stopped (see [`OpenBodies`]).
     open: Mutex<OpenBodies>,
+    /// The registry answered a range request with the whole blob.
+    ranges_ignored: AtomicBool,
 }
 
 /// The whole-blob answers (200) a registry that ignores `Range` gave to
@@ -260,6 +263,7 @@ impl RegistryClient {
             readers: None,
             config: RegistryConfig::default(),
             open: Mutex::default(),
+            ranges_ignored: AtomicBool::new(false),
         })
     }
 
@@ -343,6 +347,7 @@ impl RegistryClient {
                             0
                         }
                         StatusCode::OK => {
+                            self.ranges_ignored.store(true, Ordering::Relaxed);
                             tracing::debug!(registry = %self.base, %what, "the registry ignored the range; reading its whole-blob answer up to the range, and keeping it open for the next");
                             start
                         }
@@ -760,6 +765,7 @@ impl RegistryClient {
             readers: None,
             config: self.config.clone(),
             open: Mutex::default(),
+            ranges_ignored: AtomicBool::new(false),
         }
     }
 
@@ -777,7 +783,16 @@ impl RegistryClient {
             readers: Some(readers),
             config: self.config.clone(),
             open: Mutex::default(),
+            ranges_ignored: AtomicBool::new(false),
         }
+    }
+
+    /// Whether the registry answered one of this client's range requests
+    /// with the whole blob (it ignores `Range`): the pull says so in its
+    /// announces, and the tracker then hands out its runs one at a time,
+    /// each to the blob's end, so that each whole answer is read once.
+    pub fn ignores_ranges(&self) -> bool {
+        self.ranges_ignored.load(Ordering::Relaxed)
     }
 
     /// The client's own `Authorization` this forwards (see [`Self::for_client`]).
@@ -1120,6 +1135,7 @@ mod tests {
         // The first answer breaks off inside chunk 20: the next read asks afresh.
         let (base, requests, sent) = ignoring_ranges(blob.clone(), 20 * CHUNK + 12_345).await;
         let client = RegistryClient::new(&base, None).unwrap();
+        assert!(!client.ignores_ranges());
         // Chunks 40-43 came from peers: the run skips them.
         for i in (0..64).filter(|i| !(40..44).contains(i)) {
             let got = client
@@ -1136,6 +1152,8 @@ mod tests {
         // on to the end.
         let copies = sent.load(Ordering::SeqCst) as f64 / blob.len() as f64;
         assert!(copies < 2.0, "{copies} copies of the blob sent");
+        // The pull's announces say so: the tracker hands out one run at a time.
+        assert!(client.ignores_ranges());
     }
 
     #[test]

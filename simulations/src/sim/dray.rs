@@ -54,6 +54,7 @@ impl World<'_> {
                     wanted: !nb.complete,
                     // Every blob comes from the one registry.
                     origin: REGISTRY_ORIGIN.to_owned(),
+                    ranges_ignored: nb.whole_answer,
                 }
             })
             .collect();

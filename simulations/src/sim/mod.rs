@@ -150,6 +150,9 @@ struct NodeBlob {
     /// the tracker (it could not be reached): sent at the next announce
     /// that reaches it, as the agent's transfers send them again.
     unreported: Vec<(u32, u32)>,
+    /// The registry answered a request for it with the whole blob (said in
+    /// its announces).
+    whole_answer: bool,
 }
 
 struct Node {
@@ -522,6 +525,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
                     rates: ChunkRates::default(),
                     silence: SilenceReports::default(),
                     unreported: Vec::new(),
+                    whole_answer: false,
                 })
                 .collect(),
             downloads: 0,

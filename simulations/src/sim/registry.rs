@@ -50,6 +50,7 @@ impl World<'_> {
         if !self.sc.ranges_ignored {
             return chunk;
         }
+        self.nodes[n as usize].blobs[b as usize].whole_answer = true;
         let kept = &mut self.nodes[n as usize].kept;
         let from = kept
             .iter()

@@ -160,10 +160,18 @@ impl Swarm {
     /// replica's blobs: the coordinator must know every such node to
     /// choose some.
     async fn announce_once(&self) {
-        let wanted: HashMap<BlobDigest, String> = lock(&self.wanted)
-            .iter()
-            .map(|(d, w)| (*d, w.origin.clone()))
-            .collect();
+        let (wanted, whole): (HashMap<BlobDigest, String>, HashSet<BlobDigest>) = {
+            let wants = lock(&self.wanted);
+            let whole = wants
+                .iter()
+                .filter(|(_, w)| w.registry.ignores_ranges())
+                .map(|(d, _)| *d)
+                .collect();
+            (
+                wants.iter().map(|(d, w)| (*d, w.origin.clone())).collect(),
+                whole,
+            )
+        };
         let store = self.node.store();
         let mut groups: HashMap<String, Vec<Holding>> = HashMap::new();
         for h in store.holdings() {
@@ -213,6 +221,7 @@ impl Swarm {
                 .iter()
                 .map(|b| {
                     let mut holding = full_holding(b, wanted.get(&b.digest));
+                    holding.ranges_ignored = whole.contains(&b.digest);
                     let before = previous.as_ref().and_then(|p| p.get(&b.digest));
                     let grew_from =
                         before.filter(|prev| !full && prev.ones().all(|i| b.held.get(i)));
@@ -469,6 +478,7 @@ fn full_holding(h: &Holding, origin: Option<&String>) -> pb::BlobHolding {
         complete: h.complete,
         wanted: origin.is_some(),
         origin: origin.cloned().unwrap_or_default(),
+        ranges_ignored: false,
     }
 }
 

@@ -100,6 +100,7 @@ impl Swarm {
                 Want {
                     updates: tx,
                     origin,
+                    registry: registry.clone(),
                     repo: repo.to_owned(),
                     started,
                     transfer: transfer.clone(),

@@ -55,6 +55,7 @@ use crate::discovery::tracker_client::TrackerClient;
 use crate::peer::PeerNode;
 use crate::pull::events::Events;
 use crate::pull::fetch::{PeerAddr, Transfer};
+use crate::pull::registry::RegistryClient;
 use dray_protocol::defaults::DEFAULTS;
 use dray_protocol::scheduler::SchedulerConfig;
 use dray_protocol::settings::duration;
@@ -192,6 +193,9 @@ struct Want {
     /// The registry it comes from (base URL), named in announces so that
     /// the tracker budgets registry fetches per registry.
     origin: String,
+    /// The pull's registry client: whether the registry ignores `Range`
+    /// goes in announces.
+    registry: Arc<RegistryClient>,
     /// The repository, the pull's start and its current attempt, for `dray status`.
     repo: String,
     started: Instant,
