@@ -6,7 +6,8 @@
 //! and on half the seeds with one fault an adversary more (liars, frozen
 //! peers, registry errors, withholders, accusers, tricklers, claimers),
 //! on a third of those left with one class a fault of the registry's
-//! answers more (cut bodies, an expired token, `Range` ignored), all drawn
+//! answers or the node's disk more (cut bodies, an expired token, `Range`
+//! ignored, a full disk), all drawn
 //! from the seed. The case runs twice, with its faults and without
 //! (the same seed otherwise), and these invariants are checked:
 //! - every node that stays completes (the simulated registry never fails
@@ -42,7 +43,8 @@
 //! against real agents), deadlines of honest peers (a
 //! simulated flow between them always ends in time), the endgame's second
 //! requests (a chunk asked of a frozen peer or a trickler waits its
-//! deadline), disk full.
+//! deadline). A full disk is modelled as the agent meets it (the blob's
+//! space is reserved before its pull starts): the node pulls alone.
 
 use crate::net::Rng;
 use crate::report::SimReport;
@@ -97,15 +99,19 @@ pub enum Class {
     /// The registry ignores `Range`: every request is answered with the
     /// whole blob, from its first byte.
     RangesIgnored,
+    /// A share of the nodes have a full disk: each pulls alone from the
+    /// registry, as containerd does past the agent's refusal.
+    DiskFull,
 }
 
 impl Class {
     /// Where the adversaries start in [`Class::ALL`].
     pub const ADVERSARIES: usize = 6;
-    /// Where the registry's answer faults start in [`Class::ALL`].
+    /// Where the faults of the registry's answers (and of a node's disk)
+    /// start in [`Class::ALL`].
     pub const ANSWERS: usize = 13;
 
-    pub const ALL: [Class; 16] = [
+    pub const ALL: [Class; 17] = [
         Class::TrackerHang,
         Class::TrackerCrash,
         Class::TrackerPartition,
@@ -122,6 +128,7 @@ impl Class {
         Class::RegistryCuts,
         Class::TokenExpiry,
         Class::RangesIgnored,
+        Class::DiskFull,
     ];
 
     pub fn name(self) -> &'static str {
@@ -142,6 +149,7 @@ impl Class {
             Class::RegistryCuts => "registry-cuts",
             Class::TokenExpiry => "token-expiry",
             Class::RangesIgnored => "ranges-ignored",
+            Class::DiskFull => "disk-full",
         }
     }
 
@@ -149,6 +157,12 @@ impl Class {
     /// `hit` nodes hit by it: a base, plus [`Class::per_node_hit`] for each.
     pub fn egress_bound(self, hit: u32) -> f64 {
         self.egress_base() + self.per_node_hit() * f64::from(hit)
+    }
+
+    /// Whether the registry's time to send what this fault makes it send
+    /// past one copy is part of its time bound (see `check`).
+    fn sends_more(self) -> bool {
+        matches!(self, Class::RangesIgnored | Class::DiskFull)
     }
 
     /// Copies of the image a fault of this class may cost for each node it
@@ -165,7 +179,8 @@ impl Class {
             | Class::TrackerPartition
             | Class::PeerCrash
             | Class::PeerFreeze
-            | Class::RangesIgnored => 1.0,
+            | Class::RangesIgnored
+            | Class::DiskFull => 1.0,
             _ => 0.0,
         }
     }
@@ -204,6 +219,8 @@ impl Class {
             // Each registry request of the window sends half a chunk for
             // nothing, up to five times.
             Class::RegistryCuts => 1.5,
+            // What the swarm needs, with its nodes alone beside it.
+            Class::DiskFull => 1.1,
             // Never worse than direct pulls: one copy per node hit, all of
             // them (each run reads the blob from its first byte).
             Class::RangesIgnored => 0.0,
@@ -249,6 +266,8 @@ impl Class {
             // Plus the time the registry takes to send what it sent past
             // one copy (see `check`).
             Class::RangesIgnored => (2.0, 0.0, 0.0),
+            // The nodes pulling alone share the registry with the swarm.
+            Class::DiskFull => (2.0, 0.0, 0.0),
             // A request to a withholder is given up after the request
             // timeout at most, and the asker reports it: the tracker then
             // sends others for what only withholders hold. A withholder
@@ -372,7 +391,7 @@ pub fn case(seed: u64) -> Case {
     if count == 1 && adversary.below(2) == 1 {
         classes.push(adversaries[adversary.below(adversaries.len())]);
     }
-    // The registry's answer faults too, on a third of the seeds left with
+    // The registry's answer faults and full disks too, on a third of the seeds left with
     // one class (they sort last: the other classes keep their draws).
     let mut answer = Rng::new(seed.wrapping_mul(0xa076_1d64_78bd_642f) ^ 0x00b0_d1e5);
     if classes.len() == 1 && answer.below(3) == 0 {
@@ -462,6 +481,10 @@ pub fn case(seed: u64) -> Case {
                 sc.ranges_ignored = true;
                 (0.0, 1.0)
             }
+            Class::DiskFull => {
+                sc.disk_full = Some(fraction);
+                (0.0, fraction)
+            }
         };
         faults.push(Fault {
             class: class.name(),
@@ -521,12 +544,19 @@ pub fn check(seed: u64) -> Result<SeedOutcome, SimError> {
     }
     violations.extend(adversity_violations(&faulted.adversity));
     let hit = |f: &Fault| (f.fraction * f64::from(sc.nodes)).round() as u32;
+    // The largest base, and each class's nodes hit (they pull alone: their
+    // copies add up, where one class's hit nodes may be another's).
     let egress_bound = case
         .classes
         .iter()
-        .zip(&case.faults)
-        .map(|(c, f)| c.egress_bound(hit(f)))
-        .fold(0.0, f64::max);
+        .map(|c| c.egress_bound(0))
+        .fold(0.0, f64::max)
+        + case
+            .classes
+            .iter()
+            .zip(&case.faults)
+            .map(|(c, f)| c.per_node_hit() * f64::from(hit(f)))
+            .sum::<f64>();
     if faulted.registry_egress_ratio > egress_bound {
         violations.push(format!(
             "registry egress {:.3} copies, over the bound of {egress_bound:.2} for {}",
@@ -550,10 +580,11 @@ pub fn check(seed: u64) -> Result<SeedOutcome, SimError> {
     // Never worse than a direct pull: whatever the swarm's bound, every
     // node pulling straight from the same registry (sharing it) is allowed.
     let direct = crate::run(&case.calm, Strategy::Direct, seed)?;
-    // A registry that ignores `Range` sends more than a copy (each run of
-    // the first wave, before the tracker hears, reads the blob from its
-    // first byte): the time its registry takes to send the excess.
-    let r = r + match case.classes.contains(&Class::RangesIgnored) {
+    // Where a fault makes the registry send more than a copy (each run of
+    // the first wave, before the tracker hears, reading the blob from its
+    // first byte where `Range` is ignored; nodes with a full disk pulling
+    // alone): the time the registry takes to send the excess.
+    let r = r + match case.classes.iter().any(|c| c.sends_more()) {
         true => {
             (faulted.registry_egress_ratio - 1.0).max(0.0) * sc.image_bytes as f64 / sc.registry_bps
         }

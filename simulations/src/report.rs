@@ -169,6 +169,8 @@ pub struct Adversity {
     pub tricklers: u32,
     /// Nodes that claim every chunk and answer no chunk request.
     pub claimers: u32,
+    /// Nodes whose disk is full: they pull directly from the registry.
+    pub disk_full: u32,
     /// Registry requests a server error failed, and pulls that failed as
     /// the last attempt did.
     pub registry_errors: u64,

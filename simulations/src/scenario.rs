@@ -150,6 +150,10 @@ pub struct Scenario {
     /// and to their askers, from the start, and answer no chunk request;
     /// they pull nothing.
     pub claimers: Option<f64>,
+    /// A fraction of nodes (chosen at random, none of them an adversary)
+    /// whose disk is full: the agent cannot reserve a blob (ENOSPC), its
+    /// mirror answers 502, and containerd pulls from the registry itself.
+    pub disk_full: Option<f64>,
     pub freeze: Option<Freeze>,
     /// The registry answers every request sent in `[at_s, at_s + for_s)`
     /// with a server error (a 5xx burst).
@@ -229,6 +233,7 @@ impl Scenario {
             accusers: None,
             tricklers: None,
             claimers: None,
+            disk_full: None,
             freeze: None,
             registry_errors: None,
             registry_cuts: None,
@@ -346,9 +351,10 @@ impl Scenario {
             || self.accusers.is_some_and(|f| !fraction_ok(f, 0.0))
             || self.tricklers.is_some_and(|f| !fraction_ok(f, 0.0))
             || self.claimers.is_some_and(|f| !fraction_ok(f, 0.0))
+            || self.disk_full.is_some_and(|f| !fraction_ok(f, 0.0))
         {
             return bad(
-                "churn, late-joiner, freeze, liar, withholder, accuser, trickler and claimer fractions must be in 0..=1 at a time >= 0",
+                "churn, late-joiner, freeze, liar, withholder, accuser, trickler, claimer and disk-full fractions must be in 0..=1 at a time >= 0",
             );
         }
         let window_ok =

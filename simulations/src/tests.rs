@@ -244,11 +244,12 @@ fn unknown_names_and_bad_scenarios_are_typed_errors() {
     /// Names a share of the scenario's adversaries and finds it in a scenario.
     type Share = (&'static str, fn(&mut Scenario) -> &mut Option<f64>);
     for bad in [1.5, -0.1, f64::NAN] {
-        let shares: [Share; 4] = [
+        let shares: [Share; 5] = [
             ("withholder", |s| &mut s.withholders),
             ("accuser", |s| &mut s.accusers),
             ("trickler", |s| &mut s.tricklers),
-            ("claimer fractions", |s| &mut s.claimers),
+            ("claimer", |s| &mut s.claimers),
+            ("disk-full fractions", |s| &mut s.disk_full),
         ];
         for (named, share) in shares {
             sc = small();
@@ -503,4 +504,18 @@ fn a_registry_ignoring_ranges_gets_one_run_at_a_time_to_the_blobs_end() {
     assert_eq!(r.completed, 16, "{r:?}");
     assert!(r.registry_egress_ratio <= 3.0, "{r:?}");
     assert!(r.max_s < direct.max_s, "{} vs {}", r.max_s, direct.max_s);
+}
+
+/// Nodes whose disk is full pull alone from the registry (the agent cannot
+/// reserve the blob; containerd goes to the registry past its 502): each
+/// costs one copy, joins no swarm and seeds nothing, and the swarm goes on.
+#[test]
+fn nodes_with_a_full_disk_pull_alone_and_the_swarm_goes_on() {
+    let mut sc = small();
+    sc.disk_full = Some(0.25);
+    let r = run(&sc, Strategy::Dray, 1).unwrap();
+    assert_eq!(r.adversity.disk_full, 4);
+    assert_eq!((r.completed, r.fallbacks), (16, 0), "{r:?}");
+    let copies = r.registry_egress_ratio;
+    assert!((4.99..=5.1).contains(&copies), "{copies:.3} copies");
 }

@@ -1427,7 +1427,7 @@ mod tests {
     }
 
     #[test]
-    fn metrics_count_announces_runs_reports_and_one_ban() {
+    fn metrics_count_announces_runs_and_reports_and_members_word_bans_nobody() {
         let t = Tracker::new(&TrackerConfig::default());
         let d = BlobDigest::of(b"blob");
         let size = 64u64 << 22;
@@ -1472,11 +1472,55 @@ mod tests {
             "dray_tracker_announce_duration_seconds_count 7",
             &runs,
             "dray_tracker_bad_chunk_reports_total 3",
-            "dray_tracker_bans_total 1",
+            "dray_tracker_bans_total 0",
             "dray_tracker_rejected_requests_total 1",
             "dray_tracker_refusals_total{reason=\"malformed\"} 1",
             "dray_tracker_nodes 4",
             "dray_tracker_blobs 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
+        }
+    }
+
+    /// A node reporting more peers' chunks corrupt than an honest node meets
+    /// (16 in an hour) is banned itself, and the ban is counted.
+    #[test]
+    fn a_reporter_accusing_many_peers_is_banned_and_counted() {
+        let t = Tracker::new(&TrackerConfig {
+            peers_per_blob: 32,
+            ..TrackerConfig::default()
+        });
+        let d = BlobDigest::of(b"blob");
+        let size = 64u64 << 22;
+        let now = Instant::now();
+        let others: Vec<String> = (0..17).map(|i| format!("peer-{i}")).collect();
+        for p in others.iter().map(String::as_str).chain(["accuser"]) {
+            t.handle(
+                announce(p, d, size, Some(&Bitfield::new(64)), true),
+                None,
+                now,
+            )
+            .unwrap();
+        }
+        t.handle(announce("accuser", d, size, None, false), None, now)
+            .unwrap();
+        let report = |offender: &str| pb::TrackerRequest {
+            body: Some(Body::BadChunk(pb::BadChunkReport {
+                reporter: "accuser".into(),
+                offender: offender.into(),
+                digest: d.to_string(),
+                index: 0,
+            })),
+        };
+        for o in &others[..16] {
+            t.handle(report(o), None, now).unwrap();
+        }
+        let err = t.handle(report(&others[16]), None, now).unwrap_err();
+        assert!(err.to_string().contains("banned"), "{err}");
+        let text = t.encode_metrics();
+        for line in [
+            "dray_tracker_bad_chunk_reports_total 16",
+            "dray_tracker_bans_total 1",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
         }

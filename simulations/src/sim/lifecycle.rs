@@ -10,6 +10,13 @@ impl World<'_> {
             return;
         }
         node.started = true;
+        if node.disk_full {
+            for b in 0..self.blobs.len() as u16 {
+                let bytes = self.blobs[b as usize].bytes as f64;
+                self.fetch_whole(n, b, bytes);
+            }
+            return;
+        }
         if node.claims {
             // A claimer holds nothing and says it holds everything: as the
             // tracker and its askers see it, a seed from the start.
@@ -104,7 +111,8 @@ impl World<'_> {
         if node.done_at.is_none() && node.blobs.iter().all(|b| b.complete) && n < self.pullers {
             node.done_at = Some(now);
             self.pending -= 1;
-            if self.strategy == Strategy::Dray {
+            // A full disk keeps nothing to seed.
+            if self.strategy == Strategy::Dray && !node.disk_full {
                 // Publish the whole map, and tell the tracker at once: the node
                 // now seeds instead of wanting.
                 let heard = self.reaches_tracker(n);

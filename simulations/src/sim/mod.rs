@@ -195,6 +195,9 @@ struct Node {
     /// bitfields: it counts as holding them) and answers no chunk request;
     /// it pulls nothing.
     claims: bool,
+    /// Its disk is full: it pulls each blob whole from the registry, as
+    /// containerd does past the agent's 502, and joins no swarm.
+    disk_full: bool,
     /// Requests to frozen peers in flight.
     hung: Vec<Hung>,
 }
@@ -544,6 +547,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             accuses: false,
             trickles: false,
             claims: false,
+            disk_full: false,
             lied: false,
             caught: false,
             frozen: false,
@@ -607,9 +611,9 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
         }
         w.adversity.liars = count as u32;
     }
-    // Withholders, accusers, tricklers, then claimers: a share of the
-    // nodes each, none of them an adversary already.
-    let adversaries: [(Option<f64>, Mark, Tally); 4] = [
+    // Withholders, accusers, tricklers, claimers, then full disks: a share
+    // of the nodes each, none of them chosen already.
+    let adversaries: [(Option<f64>, Mark, Tally); 5] = [
         (
             sc.withholders,
             |node| node.withholds = true,
@@ -622,6 +626,11 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             |a| &mut a.tricklers,
         ),
         (sc.claimers, |node| node.claims = true, |a| &mut a.claimers),
+        (
+            sc.disk_full,
+            |node| node.disk_full = true,
+            |a| &mut a.disk_full,
+        ),
     ];
     for (fraction, mark, tally) in adversaries {
         let Some(f) = fraction else {
@@ -634,7 +643,7 @@ pub(crate) fn simulate(sc: &Scenario, strategy: Strategy, seed: u64) -> SimRepor
             .copied()
             .filter(|&n| {
                 let node = &w.nodes[n as usize];
-                !(node.liar || node.withholds || node.accuses || node.trickles || node.claims)
+                !(node.hostile() || node.disk_full)
             })
             .take(count)
             .collect();
