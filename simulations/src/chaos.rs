@@ -404,6 +404,12 @@ pub fn case(seed: u64) -> Case {
         let for_s = 2.0 + 13.0 * rng.unit();
         let fraction = 0.05 + 0.2 * rng.unit();
         let window = Outage { at_s, for_s };
+        // A registry burst lasts 0.5-2.5 s (shorter than the retries), from
+        // the same draw.
+        let burst = Outage {
+            at_s,
+            for_s: 0.5 + 2.0 * (for_s - 2.0) / 13.0,
+        };
         let (for_s, fraction) = match class {
             Class::TrackerHang => {
                 sc.hang = Some(window);
@@ -446,10 +452,9 @@ pub fn case(seed: u64) -> Case {
                 (0.0, fraction)
             }
             Class::RegistryErrors => {
-                // 0.5-2.5 s, from the same draw.
-                let for_s = 0.5 + 2.0 * (for_s - 2.0) / 13.0;
-                sc.registry_errors = Some(Outage { at_s, for_s });
-                (for_s, 1.0)
+                let lasting = burst.for_s;
+                sc.registry_errors = Some(burst);
+                (lasting, 1.0)
             }
             Class::Withholders => {
                 sc.withholders = Some(fraction);
@@ -468,10 +473,9 @@ pub fn case(seed: u64) -> Case {
                 (0.0, fraction)
             }
             Class::RegistryCuts => {
-                // 0.5-2.5 s, as registry errors.
-                let for_s = 0.5 + 2.0 * (for_s - 2.0) / 13.0;
-                sc.registry_cuts = Some(Outage { at_s, for_s });
-                (for_s, 1.0)
+                let lasting = burst.for_s;
+                sc.registry_cuts = Some(burst);
+                (lasting, 1.0)
             }
             Class::TokenExpiry => {
                 sc.token_expiry = Some(at_s);

@@ -432,17 +432,20 @@ fn accusers_reporting_every_peer_silent_and_corrupt_cost_no_time_and_ban_nobody(
     assert!(r.max_s <= calm.max_s * 1.1, "{} vs {}", r.max_s, calm.max_s);
 }
 
+/// `small` with a registry burst (errors or cut bodies) from 0.5 s for
+/// `for_s`, run: the report, after checking that the burst failed requests.
+fn burst(window: fn(&mut Scenario) -> &mut Option<Outage>, for_s: f64) -> (Scenario, SimReport) {
+    let mut sc = small();
+    *window(&mut sc) = Some(Outage { at_s: 0.5, for_s });
+    let r = run(&sc, Strategy::Dray, 1).unwrap();
+    assert!(r.adversity.registry_errors > 0, "{:?}", r.adversity);
+    (sc, r)
+}
+
 #[test]
 fn registry_errors_shorter_than_the_retries_fail_no_pull_and_longer_ones_do() {
-    let mut sc = small();
-    sc.registry_errors = Some(Outage {
-        at_s: 0.5,
-        for_s: 2.5,
-    });
-    let r = run(&sc, Strategy::Dray, 1).unwrap();
-    let a = &r.adversity;
-    assert!(a.registry_errors > 0, "{a:?}");
-    assert_eq!((r.completed, a.failed_pulls), (16, 0), "{r:?}");
+    let (mut sc, r) = burst(|s| &mut s.registry_errors, 2.5);
+    assert_eq!((r.completed, r.adversity.failed_pulls), (16, 0), "{r:?}");
     // The agent's client gives up after its last attempt, 3 s in.
     sc.registry_errors = Some(Outage {
         at_s: 0.5,
@@ -458,15 +461,8 @@ fn registry_errors_shorter_than_the_retries_fail_no_pull_and_longer_ones_do() {
 /// are egress (this case: 9 cut reads, 1.07 copies).
 #[test]
 fn registry_bodies_cut_for_less_than_the_retries_fail_no_pull() {
-    let mut sc = small();
-    sc.registry_cuts = Some(Outage {
-        at_s: 0.5,
-        for_s: 2.5,
-    });
-    let r = run(&sc, Strategy::Dray, 1).unwrap();
-    let a = &r.adversity;
-    assert!(a.registry_errors > 0, "{a:?}");
-    assert_eq!((r.completed, a.failed_pulls), (16, 0), "{r:?}");
+    let (_, r) = burst(|s| &mut s.registry_cuts, 2.5);
+    assert_eq!((r.completed, r.adversity.failed_pulls), (16, 0), "{r:?}");
     assert!(r.registry_egress_ratio <= 1.1, "{r:?}");
 }
 
