@@ -168,7 +168,10 @@ impl Swarm {
                 .map(|(d, _)| *d)
                 .collect();
             (
-                wants.iter().map(|(d, w)| (*d, w.origin.clone())).collect(),
+                wants
+                    .iter()
+                    .map(|(d, w)| (*d, w.registry.base().to_owned()))
+                    .collect(),
                 whole,
             )
         };

@@ -94,12 +94,10 @@ impl Swarm {
                 }
                 _ => None,
             };
-            let origin = registry.base().to_owned();
             lock(&self.wanted).insert(
                 digest,
                 Want {
                     updates: tx,
-                    origin,
                     registry: registry.clone(),
                     repo: repo.to_owned(),
                     started,

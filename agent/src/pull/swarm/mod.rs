@@ -190,11 +190,9 @@ struct Update {
 struct Want {
     /// The tracker's news for the pull.
     updates: watch::Sender<Update>,
-    /// The registry it comes from (base URL), named in announces so that
-    /// the tracker budgets registry fetches per registry.
-    origin: String,
-    /// The pull's registry client: whether the registry ignores `Range`
-    /// goes in announces.
+    /// The pull's registry client. Announces name its base URL (the
+    /// origin: the tracker budgets registry fetches per registry) and
+    /// whether it ignores `Range`.
     registry: Arc<RegistryClient>,
     /// The repository, the pull's start and its current attempt, for `dray status`.
     repo: String,
@@ -277,7 +275,7 @@ impl Swarm {
             .map(|(digest, w)| Pulling {
                 digest: *digest,
                 repo: w.repo.clone(),
-                origin: w.origin.clone(),
+                origin: w.registry.base().to_owned(),
                 started: w.started,
                 transfer: w.transfer.clone(),
             })
