@@ -475,13 +475,30 @@ struct Run {
     peer: PeerKey,
     count: u32,
     assigned: Instant,
+    /// When the run is judged late unless more of it came: its window's
+    /// timeout after it was assigned or after its last progress.
     deadline: Instant,
+    /// The whole run's time at the minimum rate (how long its fetcher gets
+    /// no other run once it stalled, how long its chunks await their hash).
     timeout: Duration,
+    /// The time allowed for its window: as much of it as a run of the
+    /// config's stripe is (the whole run, unless it runs to the blob's end).
+    window: Duration,
+    /// Its chunks served at the last tick, and since when: a run that
+    /// runs to a blob's end is judged by its progress, window by window, so
+    /// a fetcher that sits on it loses it as soon as one that sits on a
+    /// short run would, not after the whole blob's timeout.
+    progress: (u32, Instant),
 }
 
 /// At most this share (1/n) of a swarm's members are doubted (reported
 /// silent or corrupt) at once.
 const DOUBTED_SHARE: usize = 4;
+
+/// Members that must say their registry ignores `Range` (a majority of a
+/// swarm's, and at least this many) before its runs go out one at a time:
+/// the first member of a swarm alone must not decide it.
+const WHOLE_READERS: usize = 3;
 
 /// A recheck fetches at most this share (1/n) of a blob's chunks at once.
 const RECHECK_SHARE: u32 = 8;
@@ -573,9 +590,11 @@ struct Swarm {
     /// times over (a stampede: `docs/results.md`). Only a run slower than its
     /// peers is taken back.
     run_pace: Option<f64>,
-    /// A member's registry answered a `Range` request with the whole blob:
-    /// runs go out one at a time, each to the blob's end (`top_up`).
-    whole_reads: bool,
+    /// Members whose registry answered a `Range` request with the whole
+    /// blob. Once they are a majority of the members and at least
+    /// [`WHOLE_READERS`], the swarm's runs go out one at a time, each to the
+    /// blob's end (`top_up`): a few members' word (liars') changes nothing.
+    whole_readers: FxHashSet<PeerKey>,
 }
 
 impl Drop for Swarm {
@@ -615,7 +634,7 @@ impl Swarm {
             origin: String::new(),
             origin_runs: Arc::default(),
             run_pace: None,
-            whole_reads: false,
+            whole_readers: FxHashSet::default(),
         }
     }
 
@@ -653,6 +672,7 @@ impl Swarm {
         self.doubted.remove(&key);
         self.assembled.remove(&key);
         self.failure_reporters.retain(|&k| k != key);
+        self.whole_readers.remove(&key);
         let Some(m) = self.members.remove(&key) else {
             return;
         };
@@ -941,6 +961,32 @@ impl Swarm {
             self.remove_chunk(key, i);
         }
         self.remove_source(key);
+    }
+
+    /// Renews the deadline of each run more of whose chunks are served
+    /// than at the last tick (its next window starts now), and drops into
+    /// `dropped` those each of whose chunks is served (a doubt lapsed).
+    fn note_progress(&mut self, now: Instant, dropped: &mut Vec<(u32, Run)>) {
+        let served: Vec<(u32, u32)> = self
+            .runs
+            .iter()
+            .map(|(&first, run)| {
+                let done = (first..first + run.count)
+                    .filter(|&c| self.is_served(c))
+                    .count() as u32;
+                (first, done)
+            })
+            .filter(|&(first, done)| done > self.runs[&first].progress.0)
+            .collect();
+        for (first, done) in served {
+            if let Some(run) = self.runs.get_mut(&first) {
+                run.progress = (done, now);
+                run.deadline = now.checked_add(run.window).unwrap_or(now);
+                if done == run.count {
+                    self.drop_run_if_served(first, dropped);
+                }
+            }
+        }
     }
 
     fn add_run(&mut self, first: u32, run: Run) {
@@ -1534,7 +1580,9 @@ impl Scheduler {
         if blob.wanted && !blob.origin.is_empty() && blob.origin != swarm.origin {
             swarm.set_origin(&blob.origin, origin_budget(&mut self.origins, &blob.origin));
         }
-        swarm.whole_reads |= blob.wanted && blob.ranges_ignored;
+        if blob.wanted && blob.ranges_ignored {
+            swarm.whole_readers.insert(key);
+        }
         if let Some(peer) = peer_mut(&mut self.slots, key) {
             peer.blobs.insert(digest);
         }
@@ -1633,12 +1681,17 @@ impl Scheduler {
             // blob from its first byte: one run at a time, to the blob's
             // end, reads its answer once (the agent's registry client keeps
             // it open from one chunk to the next), where runs spread over
-            // many nodes each read the blob's prefix again.
-            let (stripe, limit) = match swarm.whole_reads {
-                true if !swarm.runs.is_empty() => continue,
-                true => (u32::MAX, peer.runs.len() + 1),
-                false => (self.config.stripe_chunks, limit),
-            };
+            // many nodes each read the blob's prefix again. Only once a
+            // majority of the members, and at least `WHOLE_READERS`, said
+            // so: a run to the end that a withholder fetches is a blob's
+            // worth of chunks nobody else gets until its holder is doubted.
+            let readers = swarm.whole_readers.len();
+            let (stripe, limit) =
+                match readers >= WHOLE_READERS && readers * 2 > swarm.members.len() {
+                    true if !swarm.runs.is_empty() => continue,
+                    true => (u32::MAX, peer.runs.len() + 1),
+                    false => (self.config.stripe_chunks, limit),
+                };
             while peer.runs.len() < limit
                 && (self.config.max_runs_per_origin == 0
                     || swarm.origin_runs.load(Ordering::Relaxed) < self.config.max_runs_per_origin)
@@ -1647,6 +1700,10 @@ impl Scheduler {
                     break;
                 };
                 let timeout = fetch_timeout(&self.config, u64::from(count) * swarm.chunk_bytes);
+                let window = fetch_timeout(
+                    &self.config,
+                    u64::from(count.min(self.config.stripe_chunks.max(1))) * swarm.chunk_bytes,
+                );
                 let fetcher: Arc<str> = Arc::from(peer.id.as_str());
                 for i in first..first + count {
                     swarm.fetchers.insert(i, fetcher.clone());
@@ -1657,8 +1714,10 @@ impl Scheduler {
                         peer: key,
                         count,
                         assigned: now,
-                        deadline: now.checked_add(timeout).unwrap_or(now),
+                        deadline: now.checked_add(window).unwrap_or(now),
                         timeout,
+                        window,
+                        progress: (0, now),
                     },
                 );
                 peer.runs.insert((digest, first));
@@ -2107,19 +2166,27 @@ impl Scheduler {
                 swarm.assigned.clear(c);
                 swarm.note_maybe_free(c);
             }
+            let mut served = Vec::new();
+            swarm.note_progress(now, &mut served);
+            for (first, run) in served {
+                if let Some(peer) = peer_mut(&mut self.slots, run.peer) {
+                    peer.runs.remove(&(digest, first));
+                }
+            }
             let pace = swarm.run_pace;
             let live = swarm.runs.len() as f64;
+            let stripe = f64::from(self.config.stripe_chunks.max(1));
             let late: Vec<u32> = swarm
                 .runs
                 .iter()
                 .filter(|(_, run)| {
-                    let took = now.saturating_duration_since(run.assigned).as_secs_f64();
+                    let took = now.saturating_duration_since(run.progress.1).as_secs_f64();
                     // Before any run has finished: as long as the deadline
                     // allows each of the live runs in turn, that is, for a
                     // registry that gives them `min_fetch_rate` together.
                     let expected = match pace {
-                        Some(p) => p * f64::from(run.count),
-                        None => run.timeout.as_secs_f64() * live,
+                        Some(p) => p * f64::from(run.count - run.progress.0).min(stripe),
+                        None => run.window.as_secs_f64() * live,
                     };
                     now > run.deadline
                         && took > LATE_FACTOR * expected
@@ -2170,6 +2237,7 @@ impl Scheduler {
             for run in swarm.runs.values_mut() {
                 later(&mut run.assigned);
                 later(&mut run.deadline);
+                later(&mut run.progress.1);
             }
             for (until, _) in swarm.awaiting_hash.values_mut() {
                 later(until);
@@ -3426,23 +3494,152 @@ mod tests {
             |s: &mut Scheduler, p: &str| chunks_of(&s.announce(wants(p, 16, &[]), t0).assignments);
         assert_eq!(spread(&mut s, "a"), vec![0]);
         assert_eq!(spread(&mut s, "b"), vec![1]);
-        let mut told = wants("a", 16, &[]);
-        told.full = false;
-        told.blobs[0].held = Held::Added(vec![0]);
-        told.blobs[0].ranges_ignored = true;
+        let told = |p: &str, c: u32| {
+            let mut told = added(p, 16, vec![c]);
+            told.blobs[0].ranges_ignored = true;
+            told
+        };
         s.hash_settled(&blob(), 0, t0);
-        // b's run is live: nobody gets another.
-        assert!(s.announce(told.clone(), t0).assignments.is_empty());
-        assert!(s.announce(wants("c", 16, &[]), t0).assignments.is_empty());
-        // Its run done, b takes the next, every chunk left (its answer, kept
-        // open, goes on from there), and it is the only one.
-        let d = fetched(&mut s, "b", 16, vec![1], t0);
-        assert_eq!(chunks_of(&d.assignments), (2..16).collect::<Vec<u32>>());
+        // One of two says so, then two of two: fewer than three, runs as
+        // before (the first members alone must not decide it).
+        assert_eq!(
+            chunks_of(&s.announce(told("a", 0), t0).assignments),
+            vec![2]
+        );
+        s.hash_settled(&blob(), 1, t0);
+        assert_eq!(
+            chunks_of(&s.announce(told("b", 1), t0).assignments),
+            vec![3]
+        );
+        // c joins saying so: three of three, and the swarm's runs go out one
+        // at a time. a's and b's are live: none for c...
+        let mut c = wants("c", 16, &[]);
+        c.blobs[0].ranges_ignored = true;
+        assert!(s.announce(c, t0).assignments.is_empty());
+        // ...until they are done: then the first to ask takes every chunk
+        // left (its answer, kept open, goes on from one to the next), and
+        // it is the only one.
+        s.hash_settled(&blob(), 3, t0);
+        assert!(
+            s.announce(added("b", 16, vec![3]), t0)
+                .assignments
+                .is_empty()
+        );
+        let d = fetched(&mut s, "a", 16, vec![2], t0);
+        assert_eq!(chunks_of(&d.assignments), (4..16).collect::<Vec<u32>>());
+        assert!(
+            s.announce(added("b", 16, vec![]), t0)
+                .assignments
+                .is_empty()
+        );
         assert!(
             s.announce(added("c", 16, vec![]), t0)
                 .assignments
                 .is_empty()
         );
+    }
+
+    /// A minority saying the registry ignores `Range` (liars can) changes no
+    /// run: a run to the blob's end that a withholder fetched would be a
+    /// blob's worth of chunks nobody else gets until it is doubted.
+    #[test]
+    fn a_minority_saying_the_registry_ignores_ranges_changes_no_run() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            min_blob_runs: 0,
+            ..SchedulerConfig::default()
+        });
+        let t0 = Instant::now();
+        let mut liar = wants("l", 16, &[]);
+        liar.blobs[0].ranges_ignored = true;
+        for p in ["a", "b", "c"] {
+            assert_eq!(s.announce(wants(p, 16, &[]), t0).assignments.len(), 1);
+        }
+        assert_eq!(
+            chunks_of(&s.announce(liar.clone(), t0).assignments),
+            vec![3]
+        );
+        // A second liar: two of five.
+        let mut second = liar.clone();
+        second.peer = "m".to_owned();
+        assert_eq!(chunks_of(&s.announce(second, t0).assignments), vec![4]);
+        assert_eq!(s.assignments(&blob()).len(), 5);
+        let d = fetched(&mut s, "a", 16, vec![0], t0);
+        assert_eq!(chunks_of(&d.assignments), vec![5]);
+    }
+
+    /// A run to the blob's end is judged window by window: its fetcher
+    /// keeps it while its chunks come, and loses it as soon as one sitting
+    /// on a one-stripe run would, not after the whole blob's timeout (a
+    /// fetcher that stops must not park a blob's every chunk for ten
+    /// minutes).
+    #[test]
+    fn a_run_to_the_blobs_end_is_taken_back_when_its_chunks_stop_coming() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            min_blob_runs: 0,
+            expiry_intervals: 1_000,
+            ..SchedulerConfig::default()
+        });
+        let t0 = Instant::now();
+        let told = |a: Announce| {
+            let mut a = a;
+            a.blobs[0].ranges_ignored = true;
+            a
+        };
+        // Three say so (a, w and c) as they join; the runs of the first two
+        // are done before the swarm's runs go one at a time.
+        assert_eq!(
+            chunks_of(&s.announce(told(wants("a", 16, &[])), t0).assignments),
+            vec![0]
+        );
+        assert_eq!(
+            chunks_of(&s.announce(told(wants("w", 16, &[])), t0).assignments),
+            vec![1]
+        );
+        assert!(
+            s.announce(told(wants("c", 16, &[])), t0)
+                .assignments
+                .is_empty()
+        );
+        s.hash_settled(&blob(), 1, t0);
+        assert!(
+            s.announce(added("w", 16, vec![1]), t0)
+                .assignments
+                .is_empty()
+        );
+        let whole = fetched(&mut s, "a", 16, vec![0], t0).assignments;
+        assert_eq!(chunks_of(&whole), (2..16).collect::<Vec<u32>>());
+        // One stripe's window (the floor: 5 s), where the whole run's
+        // timeout is 15 chunks at the minimum rate.
+        let window = whole[0].deadline - t0;
+        assert_eq!(window, SchedulerConfig::default().min_fetch_timeout);
+        // The tracker ticks every second (a longer gap is time it was
+        // stopped, forgiven).
+        let mut now = t0;
+        let mut wait = |s: &mut Scheduler, d: Duration| {
+            let end = now + d;
+            while now < end {
+                now = (now + Duration::from_secs(1)).min(end);
+                s.announce(added("w", 16, vec![]), now);
+                assert!(s.tick(now).reclaimed.is_empty(), "kept");
+            }
+            now
+        };
+        // Its chunks come, one a window less a millisecond: kept.
+        for c in 2..5 {
+            let at = wait(&mut s, window - Duration::from_millis(1));
+            fetched(&mut s, "a", 16, vec![c], at);
+        }
+        // Then nothing: taken back one window after the tick that saw the
+        // last, and the rest goes to the other member.
+        let tick = Duration::from_secs(1);
+        let now = wait(&mut s, window + tick - Duration::from_millis(1)) + Duration::from_millis(2);
+        s.announce(added("a", 16, vec![]), now);
+        s.announce(added("w", 16, vec![]), now);
+        let report = s.tick(now);
+        assert_eq!(report.reclaimed.len(), 1, "{report:?}");
+        assert_eq!(report.reclaimed[0].0, "a");
+        let next = s.announce(added("w", 16, vec![]), now).assignments;
+        assert_eq!(chunks_of(&next), (5..16).collect::<Vec<u32>>());
     }
 
     #[test]

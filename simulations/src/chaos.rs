@@ -77,7 +77,9 @@ pub enum Class {
     /// 2.5 s (shorter than the agent's retries: a direct pull rides it out).
     RegistryErrors,
     /// A share of the nodes (at most a quarter) withhold: they pull and
-    /// announce as honest nodes do, and answer no chunk request.
+    /// announce as honest nodes do, and answer no chunk request; they also
+    /// say in every announce that the registry ignores `Range` (which would
+    /// hand them runs to the blob's end if the tracker took their word).
     Withholders,
     /// A share of the nodes (at most a quarter) pull and serve honestly and
     /// report every peer named to them silent, and as having sent a chunk

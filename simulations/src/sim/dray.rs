@@ -35,6 +35,10 @@ impl World<'_> {
     pub(super) fn send_announce(&mut self, n: u32) {
         let nu = n as usize;
         let full = self.nodes[nu].need_full;
+        // A withholder also says its registry ignores `Range`, which one
+        // member's word makes the tracker believe: runs go out one at a
+        // time, each to the blob's end.
+        let withholds = self.nodes[nu].withholds;
         let blobs = (0..self.blobs.len())
             .map(|b| {
                 let info = &self.blobs[b];
@@ -54,7 +58,7 @@ impl World<'_> {
                     wanted: !nb.complete,
                     // Every blob comes from the one registry.
                     origin: REGISTRY_ORIGIN.to_owned(),
-                    ranges_ignored: nb.whole_answer,
+                    ranges_ignored: nb.whole_answer || withholds,
                 }
             })
             .collect();
