@@ -378,6 +378,14 @@ pub enum ScheduleError {
     #[error("peer {0:?} is banned: its reports are not taken")]
     ReporterBanned(String),
     #[error(
+        "peer {reporter:?} reported {reported} peers for corrupt chunks within {window:?}: its reports of others are not taken until some lapse"
+    )]
+    BadChunkReportLimit {
+        reporter: String,
+        reported: usize,
+        window: Duration,
+    },
+    #[error(
         "peer {reporter:?} reported {reported} peers silent within {window:?}: its silence reports are not taken until some lapse"
     )]
     SilenceReportLimit {
@@ -1839,14 +1847,16 @@ impl Scheduler {
     /// help: accusers pick the swarms they join, and after a restart the
     /// first to announce (`docs/results.md`, "False corruption reports").
     /// Distinct reporters are counted within `report_window` (the
-    /// offender's standing, for the log). A reporter accusing more than
-    /// `max_accused_per_reporter` peers in that window is banned instead.
+    /// offender's standing, for the log). A reporter's reports of more than
+    /// `max_accused_per_reporter` peers in that window are refused, and it
+    /// is not punished: banning it let that many liars, each sending it a
+    /// bad chunk, ban an honest node between them.
     pub fn report_bad_chunk(
         &mut self,
         report: &BadChunk,
         now: Instant,
     ) -> Result<Standing, ScheduleError> {
-        let (reporter, offender) = self.check_report(
+        let (_, offender) = self.check_report(
             &report.reporter,
             &report.offender,
             report.digest,
@@ -1860,12 +1870,15 @@ impl Scheduler {
         );
         let accuser = self.records.entry(report.reporter.clone()).or_default();
         accuser.lapse(now, window, self.config.silent_window);
-        accuser.accused.insert(report.offender.clone(), now);
-        if accuser.accused.len() > self.config.max_accused_per_reporter {
-            accuser.ban(now, base, max);
-            self.ban(reporter);
-            return Err(ScheduleError::ReporterBanned(report.reporter.clone()));
+        let cap = self.config.max_accused_per_reporter;
+        if !accuser.accused.contains_key(&report.offender) && accuser.accused.len() >= cap {
+            return Err(ScheduleError::BadChunkReportLimit {
+                reporter: report.reporter.clone(),
+                reported: accuser.accused.len(),
+                window,
+            });
         }
+        accuser.accused.insert(report.offender.clone(), now);
         let record = self.records.entry(report.offender.clone()).or_default();
         record.lapse(now, window, self.config.silent_window);
         let was_banned = record.banned;
@@ -2997,8 +3010,12 @@ mod tests {
         }
     }
 
+    /// Reports of more peers than `max_accused_per_reporter` are refused,
+    /// and nobody is banned: neither the accused (members' word is doubt)
+    /// nor the reporter (that many liars, each sending an honest node a bad
+    /// chunk, would ban it between them).
     #[test]
-    fn a_reporter_accusing_many_peers_is_banned_itself_not_the_accused() {
+    fn a_reporter_accusing_many_peers_is_not_heard_past_its_limit_and_nobody_is_banned() {
         let mut s = Scheduler::new(SchedulerConfig {
             max_accused_per_reporter: 3,
             peers_per_blob: 8,
@@ -3016,14 +3033,25 @@ mod tests {
         let err = s
             .report_bad_chunk(&bad_chunk("liar", &honest[3]), now)
             .unwrap_err();
-        assert_eq!(err, ScheduleError::ReporterBanned("liar".into()));
-        assert!(s.standing("liar").banned);
-        assert!(honest.iter().all(|h| !s.standing(h).banned));
-        assert_eq!(
-            s.report_bad_chunk(&bad_chunk("liar", &honest[4]), now),
-            Err(ScheduleError::ReporterBanned("liar".into()))
+        assert!(
+            matches!(err, ScheduleError::BadChunkReportLimit { reported: 3, .. }),
+            "{err:?}"
         );
+        // Its reports of the peers it already named are still heard.
+        assert!(
+            s.report_bad_chunk(&bad_chunk("liar", &honest[0]), now)
+                .is_ok()
+        );
+        assert!(!s.standing("liar").banned);
+        assert!(honest.iter().all(|h| !s.standing(h).banned));
         assert_eq!(s.holders(&blob(), 0), 5, "no accused holding forgotten");
+        // Past the window, it is heard again.
+        let later = now + SchedulerConfig::default().report_window + Duration::from_secs(1);
+        s.announce(added("liar", 8, vec![]), later);
+        assert!(
+            s.report_bad_chunk(&bad_chunk("liar", &honest[3]), later)
+                .is_ok()
+        );
     }
 
     #[test]

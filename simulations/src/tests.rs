@@ -304,6 +304,26 @@ fn liars_are_banned_by_the_nodes_they_lie_to_and_no_bad_chunk_is_kept() {
     assert_eq!((a.bad_chunks, a.honest_dropped), (0, 0), "{a:?}");
 }
 
+/// More liars than a reporter may name (`max_accused_per_reporter`, 16)
+/// ban no honest node between them: an honest node that meets them all
+/// reports each, and the tracker stops hearing it past 16 instead of
+/// banning it (which it did, before).
+#[test]
+fn more_liars_than_a_reporter_may_name_ban_no_honest_node() {
+    let mut sc = Scenario::emulated(&Emulated {
+        nodes: 96,
+        image_bytes: 256 << 20,
+        ..Emulated::default()
+    });
+    sc.liars = Some(0.25);
+    let r = run(&sc, Strategy::Dray, 1).unwrap();
+    let a = &r.adversity;
+    assert_eq!(a.liars, 24);
+    assert_eq!(r.completed, 96, "{r:?}");
+    assert!(a.liars_served > 16, "{a:?}");
+    assert_eq!((a.honest_banned, a.bad_chunks), (0, 0), "{a:?}");
+}
+
 #[test]
 fn a_frozen_peer_is_dropped_when_a_request_misses_its_deadline() {
     let mut sc = small();

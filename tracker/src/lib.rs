@@ -282,10 +282,15 @@ impl TrackerError {
             Self::Schedule(
                 scheduler::ScheduleError::NotNamed { .. }
                 | scheduler::ScheduleError::ReporterBanned(_)
-                | scheduler::ScheduleError::SilenceReportLimit { .. }
                 | scheduler::ScheduleError::NotAHolder { .. }
                 | scheduler::ScheduleError::SelfReport(_),
             ) => "report_refused",
+            // A node naming more peers than an honest node meets: many
+            // liars about, or a lying reporter (the alert's question).
+            Self::Schedule(
+                scheduler::ScheduleError::SilenceReportLimit { .. }
+                | scheduler::ScheduleError::BadChunkReportLimit { .. },
+            ) => "report_limit",
             Self::Schedule(_) => "inconsistent",
         }
     }
@@ -515,15 +520,7 @@ impl Tracker {
                 };
                 let mut st = self.lock();
                 let was_banned = st.scheduler.standing(&report.offender).banned;
-                let reporter_was_banned = st.scheduler.standing(&report.reporter).banned;
-                let reported = st.scheduler.report_bad_chunk(&report, now);
-                if let Err(scheduler::ScheduleError::ReporterBanned(_)) = &reported
-                    && !reporter_was_banned
-                {
-                    self.metrics.banned();
-                    tracing::warn!(reporter = %report.reporter, "a node reporting many peers is banned itself");
-                }
-                let standing = reported?;
+                let standing = st.scheduler.report_bad_chunk(&report, now)?;
                 drop(st);
                 let banned_now = standing.banned && !was_banned;
                 self.metrics.bad_chunk_reported(banned_now);
@@ -1483,9 +1480,11 @@ mod tests {
     }
 
     /// A node reporting more peers' chunks corrupt than an honest node meets
-    /// (16 in an hour) is banned itself, and the ban is counted.
+    /// (16 in an hour) is not heard past them, and not banned (17 liars
+    /// each sending it a bad chunk must not ban an honest node): the
+    /// refusal is counted for the operator's alert.
     #[test]
-    fn a_reporter_accusing_many_peers_is_banned_and_counted() {
+    fn a_reporter_accusing_many_peers_is_not_heard_past_its_limit_nor_banned() {
         let t = Tracker::new(&TrackerConfig {
             peers_per_blob: 32,
             ..TrackerConfig::default()
@@ -1516,11 +1515,14 @@ mod tests {
             t.handle(report(o), None, now).unwrap();
         }
         let err = t.handle(report(&others[16]), None, now).unwrap_err();
-        assert!(err.to_string().contains("banned"), "{err}");
+        assert!(err.to_string().contains("reported 16 peers"), "{err}");
+        // Heard again on the peers it reported before, and not banned.
+        t.handle(report(&others[0]), None, now).unwrap();
         let text = t.encode_metrics();
         for line in [
-            "dray_tracker_bad_chunk_reports_total 16",
-            "dray_tracker_bans_total 1",
+            "dray_tracker_bad_chunk_reports_total 17",
+            "dray_tracker_bans_total 0",
+            "dray_tracker_refusals_total{reason=\"report_limit\"} 1",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
         }

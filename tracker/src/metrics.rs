@@ -117,7 +117,7 @@ impl TrackerMetrics {
         );
         r.register(
             "refusals",
-            "Tracker requests refused, by reason (unauthenticated, not_your_id, malformed, limit, map_disagrees, report_refused, inconsistent, preheat_refused)",
+            "Tracker requests refused, by reason (unauthenticated, not_your_id, malformed, limit, map_disagrees, report_refused, report_limit, inconsistent, preheat_refused)",
             m.refusals.clone(),
         );
         r.register("nodes", "Agents known now", m.nodes.clone());
