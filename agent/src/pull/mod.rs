@@ -153,7 +153,16 @@ impl Pulls {
         if let Some(c) = ups.get(base) {
             return Ok(c.clone());
         }
-        let c = Arc::new(RegistryClient::new(base, None)?.with_config(self.registry.clone()));
+        let swarm = Arc::downgrade(&self.swarm);
+        let c = Arc::new(
+            RegistryClient::new(base, None)?
+                .with_config(self.registry.clone())
+                .on_ranges_ignored(Arc::new(move || {
+                    if let Some(s) = swarm.upgrade() {
+                        s.announce_soon();
+                    }
+                })),
+        );
         ups.insert(base.to_string(), c.clone());
         Ok(c)
     }

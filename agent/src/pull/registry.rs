@@ -124,7 +124,14 @@ pub struct RegistryClient {
     open: Mutex<OpenBodies>,
     /// The registry answered a range request with the whole blob.
     ranges_ignored: AtomicBool,
+    /// Called once, when `ranges_ignored` is first set (clients made from
+    /// this one call it too): the swarm announces at once, so the tracker
+    /// hears it while the first runs' answers still stream.
+    on_ranges_ignored: Option<RangesIgnored>,
 }
+
+/// What a client calls when it finds its registry ignores `Range`.
+pub type RangesIgnored = Arc<dyn Fn() + Send + Sync>;
 
 /// The whole-blob answers (200) a registry that ignores `Range` gave to
 /// range reads, each left open where its read stopped, at most
@@ -264,7 +271,15 @@ impl RegistryClient {
             config: RegistryConfig::default(),
             open: Mutex::default(),
             ranges_ignored: AtomicBool::new(false),
+            on_ranges_ignored: None,
         })
+    }
+
+    /// This client, calling `f` when it first finds the registry ignores
+    /// `Range`.
+    pub fn on_ranges_ignored(mut self, f: RangesIgnored) -> Self {
+        self.on_ranges_ignored = Some(f);
+        self
     }
 
     /// This client with range reads held to `config`'s pace.
@@ -347,7 +362,11 @@ impl RegistryClient {
                             0
                         }
                         StatusCode::OK => {
-                            self.ranges_ignored.store(true, Ordering::Relaxed);
+                            if !self.ranges_ignored.swap(true, Ordering::Relaxed)
+                                && let Some(f) = &self.on_ranges_ignored
+                            {
+                                f();
+                            }
                             tracing::debug!(registry = %self.base, %what, "the registry ignored the range; reading its whole-blob answer up to the range, and keeping it open for the next");
                             start
                         }
@@ -766,6 +785,7 @@ impl RegistryClient {
             config: self.config.clone(),
             open: Mutex::default(),
             ranges_ignored: AtomicBool::new(false),
+            on_ranges_ignored: self.on_ranges_ignored.clone(),
         }
     }
 
@@ -784,6 +804,7 @@ impl RegistryClient {
             config: self.config.clone(),
             open: Mutex::default(),
             ranges_ignored: AtomicBool::new(false),
+            on_ranges_ignored: self.on_ranges_ignored.clone(),
         }
     }
 
@@ -1134,7 +1155,13 @@ mod tests {
         let digest = BlobDigest::of(&blob);
         // The first answer breaks off inside chunk 20: the next read asks afresh.
         let (base, requests, sent) = ignoring_ranges(blob.clone(), 20 * CHUNK + 12_345).await;
-        let client = RegistryClient::new(&base, None).unwrap();
+        let told = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let counter = told.clone();
+        let client = RegistryClient::new(&base, None)
+            .unwrap()
+            .on_ranges_ignored(Arc::new(move || {
+                counter.fetch_add(1, Ordering::SeqCst);
+            }));
         assert!(!client.ignores_ranges());
         // Chunks 40-43 came from peers: the run skips them.
         for i in (0..64).filter(|i| !(40..44).contains(i)) {
@@ -1152,8 +1179,10 @@ mod tests {
         // on to the end.
         let copies = sent.load(Ordering::SeqCst) as f64 / blob.len() as f64;
         assert!(copies < 2.0, "{copies} copies of the blob sent");
-        // The pull's announces say so: the tracker hands out one run at a time.
+        // The pull's announces say so, the first at once: the tracker hands
+        // out one run at a time.
         assert!(client.ignores_ranges());
+        assert_eq!(told.load(Ordering::SeqCst), 1);
     }
 
     #[test]

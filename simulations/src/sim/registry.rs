@@ -50,7 +50,15 @@ impl World<'_> {
         if !self.sc.ranges_ignored {
             return chunk;
         }
-        self.nodes[n as usize].blobs[b as usize].whole_answer = true;
+        // The agent announces as soon as its registry client first sees a
+        // whole answer (its headers, a round trip on).
+        let first = !std::mem::replace(
+            &mut self.nodes[n as usize].blobs[b as usize].whole_answer,
+            true,
+        );
+        if first && self.strategy == Strategy::Dray {
+            self.schedule_announce(n, self.sc.rtt_s);
+        }
         let kept = &mut self.nodes[n as usize].kept;
         let from = kept
             .iter()
