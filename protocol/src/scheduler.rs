@@ -978,13 +978,12 @@ impl Swarm {
         let served: Vec<(u32, u32)> = self
             .runs
             .iter()
-            .map(|(&first, run)| {
+            .filter_map(|(&first, run)| {
                 let done = (first..first + run.count)
                     .filter(|&c| self.is_served(c))
                     .count() as u32;
-                (first, done)
+                (done > run.progress.0).then_some((first, done))
             })
-            .filter(|&(first, done)| done > self.runs[&first].progress.0)
             .collect();
         for (first, done) in served {
             if let Some(run) = self.runs.get_mut(&first) {

@@ -207,16 +207,12 @@ impl TrackerMetrics {
         self.refusals.get_or_create(&ReasonLabel { reason }).inc();
     }
 
+    /// A bad-chunk report taken; `newly_banned`: it banned the offender.
     pub fn bad_chunk_reported(&self, newly_banned: bool) {
         self.bad_chunk_reports.inc();
         if newly_banned {
-            self.banned();
+            self.bans.inc();
         }
-    }
-
-    /// An agent banned.
-    pub fn banned(&self) {
-        self.bans.inc();
     }
 
     /// A silent-peer report taken, which made `owed` chunks owed a run.

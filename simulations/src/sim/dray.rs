@@ -35,9 +35,9 @@ impl World<'_> {
     pub(super) fn send_announce(&mut self, n: u32) {
         let nu = n as usize;
         let full = self.nodes[nu].need_full;
-        // A withholder also says its registry ignores `Range`, which one
-        // member's word makes the tracker believe: runs go out one at a
-        // time, each to the blob's end.
+        // A withholder also says its registry ignores `Range`: if the
+        // tracker took a few members' word, it would hand them runs to the
+        // blob's end, a blob's worth of chunks nobody else gets.
         let withholds = self.nodes[nu].withholds;
         let blobs = (0..self.blobs.len())
             .map(|b| {
